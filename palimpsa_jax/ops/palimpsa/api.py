@@ -1,0 +1,131 @@
+"""`palimpsa`: the public op. Validates, builds the initial state, dispatches."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from palimpsa_jax.ops import gla
+from palimpsa_jax.ops.palimpsa.associative import palimpsa_associative
+from palimpsa_jax.ops.palimpsa.chunked import palimpsa_chunked
+from palimpsa_jax.ops.palimpsa.linear_form import gate_from
+from palimpsa_jax.ops.palimpsa.sequential import palimpsa_sequential
+from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
+from palimpsa_jax.ops.palimpsa.validation import validate_palimpsa_args
+
+_XLA_IMPLEMENTATIONS = {
+    "sequential": palimpsa_sequential,
+    "associative": palimpsa_associative,
+    "chunked": palimpsa_chunked,
+}
+_KERNEL_MODULES = {"pallas_gpu": "pallas_kernels.palimpsa_gpu",
+                   "pallas_tpu": "pallas_kernels.palimpsa_tpu"}
+
+
+def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, segment_ids=None,
+             return_variance=False, implementation="auto", chunk_size=64,
+             interpret=False) -> PalimpsaResult:
+  """Palimpsa recurrence (SPEC.md section 2), no scale applied.
+
+  Args:
+    q, k: [B, T, H, K] float.
+    v: [B, T, H, V] float; the output has its dtype.
+    beta: [B, T, H, V] float, >= 0; None means beta == 0 (the cheaper SimpleGLA path).
+    log_alpha: [B, T, H] float, <= 0.
+    prior_precision: [H] float, > 0.
+    initial_state: PalimpsaState (mu, precision [B, H, V, K] f32) or None for the prior.
+    segment_ids: [B, T] integers; the state restarts from the prior where the id changes.
+    return_variance: also return sum_k q^2 / I_t, [B, T, H, V] f32.
+    implementation: "auto", "sequential", "associative", "chunked", "pallas_gpu", "pallas_tpu".
+    chunk_size: steps per chunk for the chunked forms.
+    interpret: run a Pallas kernel in interpret mode.
+
+  Returns:
+    PalimpsaResult(out [B, T, H, V], variance or None, state after the last step).
+  """
+  b, _, h, kd, vd = validate_palimpsa_args(q, k, v, beta, log_alpha, prior_precision,
+                                           initial_state, segment_ids, implementation,
+                                           chunk_size)
+  ip = prior_precision.astype(jnp.float32)
+  if beta is None and initial_state is None:
+    return _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, implementation,
+                            chunk_size)
+  if initial_state is None:
+    mu0 = jnp.zeros((b, h, vd, kd), jnp.float32)
+    prec0 = jnp.broadcast_to(ip[None, :, None, None], (b, h, vd, kd))
+  else:
+    mu0 = initial_state.mu.astype(jnp.float32)
+    prec0 = initial_state.precision.astype(jnp.float32)
+  if beta is None:
+    beta = jnp.zeros_like(v)
+
+  explicit = implementation != "auto"
+  if not explicit:
+    implementation = _auto_implementation()
+  if implementation in _KERNEL_MODULES:
+    result = _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segment_ids,
+                         return_variance, chunk_size, interpret, explicit)
+    if result is not None:
+      return result
+    implementation = "chunked"
+
+  f32 = lambda x: x.astype(jnp.float32)
+  ipb = ip[None, :, None, None]
+  out, var, m, ibar = _XLA_IMPLEMENTATIONS[implementation](
+      f32(q), f32(k), f32(v), f32(beta), gate_from(log_alpha, segment_ids), ip,
+      mu0 * prec0, prec0 - ipb, return_variance=return_variance, chunk_size=chunk_size)
+  precision = ibar + ipb
+  return PalimpsaResult(out.astype(v.dtype), var, PalimpsaState(m / precision, precision))
+
+
+def _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, implementation,
+                     chunk_size) -> PalimpsaResult:
+  """beta == 0 from the prior: I_t = Ip throughout, so out = (h q) / Ip with SimpleGLA's h.
+
+  (With a given initial_state its precision need not equal Ip, so beta=None then runs the
+  general path with beta = 0.)
+  """
+  gla_impl = "sequential" if implementation == "sequential" else "auto"
+  h = gla.simple_gla(q, k, v.astype(jnp.float32), log_alpha, segment_ids=segment_ids,
+                     implementation=gla_impl, chunk_size=chunk_size)
+  inv_ip = 1.0 / ip
+  out = (h.out * inv_ip[:, None]).astype(v.dtype)
+  var = None
+  if return_variance:
+    q2 = jnp.sum(jnp.square(q.astype(jnp.float32)), axis=-1, keepdims=True)  # [B,T,H,1]
+    var = jnp.broadcast_to(q2 * inv_ip[:, None], out.shape)
+  b, h_heads, vd, kd = h.state.shape
+  precision = jnp.broadcast_to(ip[None, :, None, None], (b, h_heads, vd, kd))
+  return PalimpsaResult(out, var, PalimpsaState(h.state * inv_ip[None, :, None, None], precision))
+
+
+def _auto_implementation() -> str:
+  platform = jax.default_backend()
+  if platform in ("gpu", "cuda", "rocm"):
+    return "pallas_gpu"
+  if platform == "tpu":
+    return "pallas_tpu"
+  return "chunked"
+
+
+def _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segment_ids,
+                return_variance, chunk_size, interpret, explicit) -> PalimpsaResult | None:
+  """Calls a Pallas kernel; None where it declines the case (-> "chunked").
+
+  A missing kernel module also gives None under "auto" (explicit=False) but raises otherwise.
+  """
+  try:
+    module = importlib.import_module(_KERNEL_MODULES[implementation])
+  except ImportError:
+    if explicit:
+      raise
+    return None
+  kernel = getattr(module, implementation.replace("pallas", "palimpsa"))
+  try:
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    out, var, mu, prec = kernel(q, k, v, beta, log_alpha, ip, mu0, prec0, seg,
+                                return_variance=return_variance, chunk_size=chunk_size,
+                                interpret=interpret)
+  except NotImplementedError:
+    return None
+  return PalimpsaResult(out.astype(v.dtype), var, PalimpsaState(mu, prec))
