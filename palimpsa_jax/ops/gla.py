@@ -9,8 +9,7 @@ This is Palimpsa with beta = 0 and prior precision 1 (SPEC.md sec. 3); `palimpsa
 divides by the prior precision itself. Shapes: q, k [B, T, H, K]; v [B, T, H, V];
 log_alpha [B, T, H]; state [B, H, V, K] float32. All arithmetic runs in float32.
 
-The helpers `check_array`, `check_options` and `segment_starts` are shared with the gated delta
-rule op.
+The input checks and chunk helpers below are shared with the gated delta rule op.
 """
 
 from typing import NamedTuple
@@ -64,15 +63,27 @@ def check_options(implementation: str, chunk_size: int, allowed: tuple[str, ...]
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size}.")
 
 
-def check_qk(q, k):
-  """Checks q and k are [B, T, H, K] float arrays of one shape; returns (B, T, H, K)."""
-  if not hasattr(q, "shape") or getattr(q, "ndim", None) != 4:
-    raise ValueError(f"q must be an array of shape [B, T, H, K], got {getattr(q, 'shape', q)}.")
+def check_sequences(q, k, v, initial_state, segment_ids) -> tuple[int, int, int, int, int]:
+  """Checks q, k [B, T, H, K], v [B, T, H, V], initial_state, segment_ids; returns B, T, H, K, V.
+
+  initial_state ([B, H, V, K] float) and segment_ids ([B, T] int) may be None.
+  """
+  for name, x, layout in (("q", q, "[B, T, H, K]"), ("v", v, "[B, T, H, V]")):
+    if not hasattr(x, "shape") or getattr(x, "ndim", None) != 4:
+      raise ValueError(f"{name} must be an array of shape {layout}, got {getattr(x, 'shape', x)}.")
+  batch, time, heads, key_dim = q.shape
+  value_dim = v.shape[-1]
   check_array("q", q, q.shape, "[B, T, H, K]")
   check_array("k", k, q.shape, "[B, T, H, K] (same as q)")
-  if q.shape[1] < 1:
+  check_array("v", v, (batch, time, heads, value_dim), "[B, T, H, V]")
+  if time < 1:
     raise ValueError(f"q must have at least one time step (T >= 1), got shape {q.shape}.")
-  return q.shape
+  if initial_state is not None:
+    state_shape = (batch, heads, value_dim, key_dim)
+    check_array("initial_state", initial_state, state_shape, "[B, H, V, K]")
+  if segment_ids is not None:
+    check_array("segment_ids", segment_ids, (batch, time), "[B, T]", kind="int")
+  return batch, time, heads, key_dim, value_dim
 
 
 def segment_starts(segment_ids: jax.Array | None, batch: int, time: int) -> jax.Array:
@@ -199,17 +210,9 @@ def simple_gla(
   Returns:
     GLAResult(out [B, T, H, V] in v's dtype, state [B, H, V, K] float32).
   """
-  batch, time, heads, key_dim = check_qk(q, k)
-  if not hasattr(v, "shape") or getattr(v, "ndim", None) != 4:
-    raise ValueError(f"v must be an array of shape [B, T, H, V], got {getattr(v, 'shape', v)}.")
-  value_dim = v.shape[-1]
-  check_array("v", v, (batch, time, heads, value_dim), "[B, T, H, V]")
+  batch, time, heads, key_dim, value_dim = check_sequences(q, k, v, initial_state, segment_ids)
   check_array("log_alpha", log_alpha, (batch, time, heads), "[B, T, H]")
   state_shape = (batch, heads, value_dim, key_dim)
-  if initial_state is not None:
-    check_array("initial_state", initial_state, state_shape, "[B, H, V, K]")
-  if segment_ids is not None:
-    check_array("segment_ids", segment_ids, (batch, time), "[B, T]", kind="int")
   check_options(implementation, chunk_size, IMPLEMENTATIONS)
 
   f32 = jnp.float32
