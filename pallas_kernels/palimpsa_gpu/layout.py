@@ -1,0 +1,82 @@
+"""Head-major, padded layout and chunk gates shared by the forward and backward.
+
+Inputs arrive as [B, T, H, D]; the kernels work on [B*H, Tp, Dp] with Tp a multiple of
+the chunk size, K padded to a power of two and V padded to a multiple of the V-tile.
+Padding is exact: padded steps have gate 1 and zero writes, padded K/V entries stay at
+the prior and are read out with zero queries.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Gates(NamedTuple):
+  """Per-step and per-chunk decays, all float32, with segment restarts folded in.
+
+  step:  [BH, Tp] effective gate a'_t = alpha_t, or 0 where a segment restarts at t.
+  to_end: [BH, Tp] decay from step t to its chunk's last step, prod_{u=t+1}^{end} a'_u.
+  chunk: [BH, NC] decay across a whole chunk, prod_{u in chunk} a'_u.
+  reset: [BH, Tp] bool, True where a segment restarts at t.
+  """
+
+  step: jax.Array
+  to_end: jax.Array
+  chunk: jax.Array
+  reset: jax.Array
+
+
+def to_head_major(x: jax.Array, t_pad: int, d_pad: int, dtype=None) -> jax.Array:
+  """[B, T, H, D] -> [B*H, T + t_pad, D + d_pad] (zero padding)."""
+  b, t, h, d = x.shape
+  x = jnp.transpose(x, (0, 2, 1, 3)).reshape(b * h, t, d)
+  if dtype is not None:
+    x = x.astype(dtype)
+  return jnp.pad(x, ((0, 0), (0, t_pad), (0, d_pad)))
+
+
+def from_head_major(x: jax.Array, b: int, h: int, t: int, d: int) -> jax.Array:
+  """[B*H, Tp, Dp] -> [B, T, H, D] (drops padding)."""
+  x = x[:, :t, :d].reshape(b, h, t, d)
+  return jnp.transpose(x, (0, 2, 1, 3))
+
+
+def state_to_head_major(s: jax.Array, v_pad: int, k_pad: int) -> jax.Array:
+  """[B, H, V, K] -> [B*H, Vp, Kp] (zero padding)."""
+  b, h, v, k = s.shape
+  return jnp.pad(s.reshape(b * h, v, k), ((0, 0), (0, v_pad), (0, k_pad)))
+
+
+def state_from_head_major(s: jax.Array, b: int, h: int, v: int, k: int) -> jax.Array:
+  """[B*H, Vp, Kp] -> [B, H, V, K]."""
+  return s[:, :v, :k].reshape(b, h, v, k)
+
+
+def make_gates(log_alpha: jax.Array, segment_ids: jax.Array | None, h: int,
+               t_pad: int, chunk: int) -> Gates:
+  """Gates from log_alpha [B, T, H] and segment_ids [B, T] (or None)."""
+  b, t, _ = log_alpha.shape
+  la = jnp.transpose(log_alpha.astype(jnp.float32), (0, 2, 1)).reshape(b * h, t)
+  la = jnp.pad(la, ((0, 0), (0, t_pad)))
+  if segment_ids is None:
+    reset = jnp.zeros(la.shape, bool)
+  else:
+    seg = segment_ids.astype(jnp.int32)
+    change = jnp.concatenate(
+        [jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    reset = jnp.broadcast_to(change[:, None, :], (b, h, t)).reshape(b * h, t)
+    reset = jnp.pad(reset, ((0, 0), (0, t_pad)))
+  step = jnp.where(reset, 0.0, jnp.exp(la))
+  bh, tp = la.shape
+  nc = tp // chunk
+  la_c = la.reshape(bh, nc, chunk)
+  reset_c = reset.reshape(bh, nc, chunk)
+  cum = jnp.cumsum(la_c, axis=-1)
+  total = cum[..., -1:]
+  # A restart strictly after t (inside the chunk) cuts the decay from t to the end.
+  resets_from = jnp.flip(jnp.cumsum(jnp.flip(reset_c, -1).astype(jnp.int32), -1), -1)
+  cut_after = (resets_from - reset_c.astype(jnp.int32)) > 0
+  to_end = jnp.where(cut_after, 0.0, jnp.exp(total - cum)).reshape(bh, tp)
+  chunk_gate = jnp.where(resets_from[..., 0] > 0, 0.0, jnp.exp(total[..., 0]))
+  return Gates(step=step, to_end=to_end, chunk=chunk_gate, reset=reset)

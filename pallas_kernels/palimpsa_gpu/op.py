@@ -1,0 +1,288 @@
+"""Exact Palimpsa on NVIDIA GPUs: chunk-boundary matmuls + Pallas chunk walks.
+
+Forward: (1) each chunk's write to the linear state (M = mu*I, Ibar = I - Ip) as
+matmuls, (2) a scan over chunks for the boundary states (saved for the backward),
+(3) a Pallas kernel over (batch*head, chunk, V-tile) that walks the chunk's steps,
+dividing and reading out at every step.
+Backward: recompute sub-chunk states, walk each chunk in reverse with zero adjoint
+from later chunks, scan the adjoint carries over chunks, add the carries'
+contributions as matmuls; dlog_alpha from the identity
+dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
+                                          - v_u . dv_u - beta_u . dbeta_u).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import next_power_of_two, round_up
+from pallas_kernels.palimpsa_gpu import boundary, layout, walk
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_SUPPORTED_DIMS = (16, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static configuration of one call."""
+
+  b: int
+  t: int
+  h: int
+  k: int
+  v: int
+  chunk: int
+  block_v: int
+  block_v_bwd: int
+  sub: int
+  return_variance: bool
+  log_alpha_dtype: str
+  prior_dtype: str
+  interpret: bool
+  num_warps: int = 4
+  num_warps_bwd: int = 4
+
+  @property
+  def t_pad(self) -> int:
+    return round_up(self.t, self.chunk) - self.t
+
+  @property
+  def k_pad(self) -> int:
+    return next_power_of_two(self.k) - self.k
+
+  @property
+  def v_pad(self) -> int:
+    return round_up(self.v, max(self.block_v, self.block_v_bwd)) - self.v
+
+
+def _block_v(v: int, k_padded: int, elements: int) -> int:
+  """V-tile: a power of two dividing the padded V with about `elements` per tile."""
+  bv = max(1, min(next_power_of_two(v), elements // k_padded))
+  return 1 << (bv.bit_length() - 1)
+
+
+def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,
+                interpret) -> Config:
+  """Checks what the kernel supports and picks tiles."""
+  b, t, h, k = q.shape
+  vdim = v.shape[-1]
+  if k not in _SUPPORTED_DIMS or vdim not in _SUPPORTED_DIMS:
+    raise NotImplementedError(
+        f"palimpsa_gpu supports K, V in {_SUPPORTED_DIMS}; got K={k}, V={vdim}")
+  kp = next_power_of_two(k)
+  chunk = next_power_of_two(max(16, min(chunk_size, t)))
+  chunk = min(chunk, 128)
+  sub = 8 if chunk >= 8 else chunk
+  return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
+                block_v=_block_v(vdim, kp, 2048),
+                block_v_bwd=_block_v(vdim, kp, 512), sub=sub,
+                return_variance=return_variance,
+                log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
+                prior_dtype=jnp.dtype(prior_precision.dtype).name,
+                interpret=interpret)
+
+
+def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids):
+  tp, kp, vp = cfg.t_pad, cfg.k_pad, cfg.v_pad
+  qh = layout.to_head_major(q, tp, kp)
+  kh = layout.to_head_major(k, tp, kp)
+  vh = layout.to_head_major(v, tp, vp)
+  betah = layout.to_head_major(beta, tp, vp)
+  gates = layout.make_gates(log_alpha, segment_ids, cfg.h, tp, cfg.chunk)
+  ip = jnp.tile(prior_precision.astype(jnp.float32), cfg.b)  # [BH]
+  ip_row = jnp.broadcast_to(ip[:, None], (cfg.b * cfg.h, cfg.k + kp))
+  return qh, kh, vh, betah, gates, ip, ip_row
+
+
+def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip):
+  """(M0, Ibar0) [BH, Vp, Kp]; padded entries sit at the prior (M=0, Ibar=0)."""
+  mu0 = layout.state_to_head_major(initial_mu.astype(jnp.float32), cfg.v_pad,
+                                   cfg.k_pad)
+  i0 = initial_precision.astype(jnp.float32)
+  i0 = i0.reshape(cfg.b * cfg.h, cfg.v, cfg.k)
+  ibar0 = i0 - ip[:, None, None]
+  ibar0 = jnp.pad(ibar0, ((0, 0), (0, cfg.v_pad), (0, cfg.k_pad)))
+  i0 = jnp.pad(i0, ((0, 0), (0, cfg.v_pad), (0, cfg.k_pad)))
+  return mu0 * i0, ibar0
+
+
+def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
+             initial_precision, segment_ids):
+  qh, kh, vh, betah, gates, ip, ip_row = _prepare(
+      cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids)
+  m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip)
+  k2 = kh.astype(jnp.float32) ** 2
+  dm = boundary.chunk_contributions(kh, vh, gates.to_end, cfg.chunk)
+  db = boundary.chunk_contributions(k2, betah, gates.to_end, cfg.chunk)
+  m_starts, m_final = boundary.scan_chunks(m0, gates.chunk, dm)
+  b_starts, b_final = boundary.scan_chunks(b0, gates.chunk, db)
+  outs = walk.walk_forward(
+      qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
+      block_v=cfg.block_v, sub=cfg.sub, with_out=True,
+      with_var=cfg.return_variance, with_states=False, out_dtype=v.dtype,
+      num_warps=cfg.num_warps, interpret=cfg.interpret)
+  out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
+  var_h = outs[1] if cfg.return_variance else None
+  var = (layout.from_head_major(var_h, cfg.b, cfg.h, cfg.t, cfg.v)
+         if cfg.return_variance else None)
+  i_final = b_final + ip[:, None, None]
+  mu_final = layout.state_from_head_major(m_final / i_final, cfg.b, cfg.h, cfg.v,
+                                          cfg.k)
+  prec_final = layout.state_from_head_major(i_final, cfg.b, cfg.h, cfg.v, cfg.k)
+  residuals = (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final,
+               b_final, var_h, initial_mu, initial_precision, segment_ids)
+  return (out, var, mu_final, prec_final), residuals
+
+
+def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
+  """y_t = sum of x_u over u >= t up to (excluding) the next restart after t.
+
+  x, reset: [BH, Tp]; reset_u True starts a new segment at u.
+  """
+  # Reverse time; a restart at u ends the reversed segment after position u.
+  xr = jnp.flip(x, -1)
+  stop = jnp.flip(reset, -1)
+
+  def combine(left, right):
+    lv, ls = left
+    rv, rs = right
+    return jnp.where(rs, rv, lv + rv), ls | rs
+
+  # Segmented inclusive scan where a flag on an element starts a new segment at it:
+  # the reversed sequence starts a new segment right after each restart.
+  starts = jnp.concatenate([jnp.zeros_like(stop[:, :1]), stop[:, :-1]], axis=-1)
+  vals, _ = jax.lax.associative_scan(combine, (xr, starts), axis=-1)
+  return jnp.flip(vals, -1)
+
+
+def _backward(cfg: Config, residuals, cotangents):
+  (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final, b_final,
+   var_h, initial_mu, initial_precision, segment_ids) = residuals
+  d_out, d_var, d_mu_final, d_prec_final = cotangents
+  f32 = jnp.float32
+  bh, tp, kp = qh.shape
+  vp = vh.shape[-1]
+  nc = tp // cfg.chunk
+  doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad, f32)
+  dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
+           if cfg.return_variance else None)
+  sub_m, sub_b = walk.walk_forward(
+      qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
+      block_v=cfg.block_v_bwd, sub=cfg.sub, with_out=False, with_var=False,
+      with_states=True, out_dtype=f32, num_warps=cfg.num_warps,
+      interpret=cfg.interpret)
+  dq_part, dk_part, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
+      qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, sub_m, sub_b,
+      chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
+      num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
+
+  # Adjoint of the final linear state.
+  ipb = ip[:, None, None]
+  i_final = b_final + ipb
+  r_final = 1.0 / i_final
+  mu_final = m_final * r_final
+  dmu_f = layout.state_to_head_major(d_mu_final.astype(f32), cfg.v_pad, cfg.k_pad)
+  dprec_f = layout.state_to_head_major(d_prec_final.astype(f32), cfg.v_pad,
+                                       cfg.k_pad)
+  dm_end = dmu_f * r_final
+  db_end = dprec_f - dmu_f * mu_final * r_final
+  carry_m, dm0 = boundary.reverse_scan_chunks(dm_end, gates.chunk, adj_m)
+  carry_b, db0 = boundary.reverse_scan_chunks(db_end, gates.chunk, adj_b)
+
+  # Carries are constant inside a chunk: their contributions are matmuls.
+  c = cfg.chunk
+  kf = kh.astype(f32).reshape(bh, nc, c, kp)
+  vf = vh.astype(f32).reshape(bh, nc, c, vp)
+  betaf = betah.astype(f32).reshape(bh, nc, c, vp)
+  w = gates.to_end.reshape(bh, nc, c, 1)
+  ein = functools.partial(jnp.einsum, precision=_HIGHEST)
+  dv = dv + (w * ein("nctk,ncvk->nctv", kf, carry_m)).reshape(bh, tp, vp)
+  dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_b)).reshape(bh, tp, vp)
+  dk_carry = ein("nctv,ncvk->nctk", vf, carry_m) + 2.0 * kf * ein(
+      "nctv,ncvk->nctk", betaf, carry_b)
+  dk = jnp.sum(dk_part, axis=0) + (w * dk_carry).reshape(bh, tp, kp)
+  dq = jnp.sum(dq_part, axis=0)
+
+  # dlog_alpha via the scaling identity (segment-wise reverse sums).
+  s = jnp.sum(s_rows, axis=-1)  # [BH, Tp]: sum_{v,k} dL/dI_t (local)
+  m_term = -ip[:, None] * s - jnp.sum(vh.astype(f32) * dv, -1) - jnp.sum(
+      betah.astype(f32) * dbeta, -1)
+  if cfg.return_variance:
+    m_term = m_term - jnp.sum(dvarh * var_h, -1)
+  final_term = jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2))
+  m_term = m_term.at[:, -1].add(final_term)
+  dla = _segmented_reverse_cumsum(m_term, gates.reset)
+  dla = jnp.where(gates.reset, 0.0, dla)
+
+  # Prior precision: I_t = Ibar_t + Ip at every step, Ibar_0 = I_0 - Ip.
+  d_ip = jnp.sum(s, -1) + jnp.sum(db_end, (1, 2)) - jnp.sum(db0, (1, 2))
+  d_ip = d_ip.reshape(cfg.b, cfg.h).sum(0)
+
+  # Initial state: M_0 = mu_0 * I_0, Ibar_0 = I_0 - Ip.
+  b, h, v, k = cfg.b, cfg.h, cfg.v, cfg.k
+  dm0 = layout.state_from_head_major(dm0, b, h, v, k)
+  db0 = layout.state_from_head_major(db0, b, h, v, k)
+  mu0 = initial_mu.astype(f32)
+  i0 = initial_precision.astype(f32)
+  d_mu0 = dm0 * i0
+  d_i0 = dm0 * mu0 + db0
+
+  def back(x, d, dtype):
+    return layout.from_head_major(x, b, h, cfg.t, d).astype(dtype)
+
+  dla = jnp.transpose(dla[:, :cfg.t].reshape(b, h, cfg.t), (0, 2, 1))
+  return (back(dq, k, qh.dtype), back(dk, k, kh.dtype), back(dv, v, vh.dtype),
+          back(dbeta, v, betah.dtype), dla.astype(cfg.log_alpha_dtype),
+          d_ip.astype(cfg.prior_dtype), d_mu0.astype(initial_mu.dtype),
+          d_i0.astype(initial_precision.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _palimpsa(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
+              initial_precision, segment_ids):
+  outputs, _ = _forward(cfg, q, k, v, beta, log_alpha, prior_precision,
+                        initial_mu, initial_precision, segment_ids)
+  return outputs
+
+
+def _palimpsa_fwd(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
+                  initial_precision, segment_ids):
+  outputs, residuals = _forward(cfg, q, k, v, beta, log_alpha, prior_precision,
+                                initial_mu, initial_precision, segment_ids)
+  return outputs, residuals
+
+
+def _palimpsa_bwd(cfg, residuals, cotangents):
+  return _backward(cfg, residuals, cotangents) + (None,)
+
+
+_palimpsa.defvjp(_palimpsa_fwd, _palimpsa_bwd)
+
+
+def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
+                 initial_precision, segment_ids, *, return_variance: bool,
+                 chunk_size: int, interpret: bool):
+  """Exact Palimpsa (SPEC.md sec. 2) with Pallas GPU kernels; differentiable.
+
+  Args:
+    q, k: [B, T, H, K]; v, beta: [B, T, H, V] (beta >= 0); log_alpha: [B, T, H]
+      (<= 0); prior_precision: [H] (> 0); initial_mu, initial_precision:
+      [B, H, V, K] float32; segment_ids: [B, T] int32 or None.
+    return_variance: also return sum_k q^2 / I_t.
+    chunk_size: chunk length of the two-level scheme (rounded to a power of two).
+    interpret: run the Pallas kernels in interpret mode (CPU).
+
+  Returns:
+    (out [B, T, H, V] dtype of v, variance [B, T, H, V] f32 or None,
+     mu_final [B, H, V, K] f32, precision_final [B, H, V, K] f32).
+
+  Raises:
+    NotImplementedError: K or V outside {16, 32, 48, 64, 96, 128, 192, 256}.
+  """
+  cfg = make_config(q, v, log_alpha, prior_precision,
+                    return_variance=return_variance, chunk_size=chunk_size,
+                    interpret=interpret)
+  return _palimpsa(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
+                   initial_precision, segment_ids)
