@@ -1,0 +1,109 @@
+"""Metrics: DIR/metrics.jsonl (process 0 only) and a terminal progress line."""
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+import jax
+
+# Peak dense bf16 FLOP/s per device, for MFU; devices not listed get no MFU.
+_PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def peak_flops_per_device() -> float | None:
+  """Peak bf16 FLOP/s of this platform's devices, or None if unknown."""
+  return _PEAK_FLOPS.get(jax.devices()[0].device_kind)
+
+
+def _jsonable(value: Any) -> Any:
+  if hasattr(value, "item"):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return value
+
+
+class MetricWriter:
+  """Appends one JSON object per logged step to DIR/metrics.jsonl (process 0)."""
+
+  def __init__(self, workdir: str):
+    self._file: TextIO | None = None
+    if jax.process_index() == 0:
+      os.makedirs(workdir, exist_ok=True)
+      self._file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+
+  def write(self, step: int, metrics: dict[str, Any]) -> None:
+    if self._file is None:
+      return
+    record = {"step": int(step)}
+    record.update({k: _jsonable(v) for k, v in sorted(metrics.items())})
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The records of DIR/metrics.jsonl, in order."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  hours, rest = divmod(seconds, 3600)
+  minutes, seconds = divmod(rest, 60)
+  return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+class Progress:
+  """One line per logged step: step/total, steps/s, ETA, loss, last accuracy."""
+
+  def __init__(self, total_steps: int, start_step: int, stream: TextIO = sys.stdout):
+    self._total = total_steps
+    self._stream = stream
+    self._mark_step = start_step
+    self._mark_time = time.perf_counter()
+    self._start_time = self._mark_time
+    self.last_accuracy: float | None = None
+
+  def rate(self, step: int) -> float:
+    """Steps per second since the previous call; resets the mark."""
+    now = time.perf_counter()
+    rate = (step - self._mark_step) / max(now - self._mark_time, 1e-9)
+    self._mark_step, self._mark_time = step, now
+    return rate
+
+  def restart_clock(self, step: int) -> None:
+    """Excludes time spent since the last mark (evaluation) from the next rate."""
+    self._mark_step, self._mark_time = step, time.perf_counter()
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self._start_time
+
+  def show(self, step: int, steps_per_sec: float, loss: float) -> None:
+    if jax.process_index() != 0:
+      return
+    eta = (self._total - step) / steps_per_sec if steps_per_sec > 0 else 0.0
+    width = len(str(self._total))
+    accuracy = ("-" if self.last_accuracy is None
+                else f"{100 * self.last_accuracy:.2f}%")
+    print(f"step {step:>{width}}/{self._total} | {steps_per_sec:6.2f} steps/s | "
+          f"elapsed {_duration(self.elapsed())} ETA {_duration(eta)} | "
+          f"loss {loss:.4f} | last eval acc {accuracy}",
+          file=self._stream, flush=True)

@@ -1,0 +1,62 @@
+"""The paper's optimizer: AdamW, linear warmup, cosine decay to a fraction of the peak, clipping."""
+
+from typing import Any
+
+import ml_collections
+import optax
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict,
+                           total_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to `config.learning_rate`, then cosine to `end_fraction` of it.
+
+  Args:
+    config: the optimizer config (learning_rate, warmup_steps, end_fraction).
+    total_steps: optimizer steps of the whole run (warmup included).
+  """
+  if total_steps <= 0:
+    raise ValueError(f"total_steps must be positive, got {total_steps}.")
+  warmup = min(config.warmup_steps, total_steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=config.learning_rate,
+      warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1),
+      end_value=config.learning_rate * config.end_fraction)
+
+
+def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
+                   weight_decay_mask: Any) -> optax.GradientTransformation:
+  """Global-norm clipping followed by AdamW with the schedule above.
+
+  Args:
+    config: learning_rate, warmup_steps, end_fraction, b1, b2, eps,
+      weight_decay, clip_norm (<= 0 disables clipping).
+    total_steps: optimizer steps of the whole run.
+    weight_decay_mask: pytree of bools shaped like the parameters (True: decay)
+      or a function params -> such a pytree.
+  """
+  validate_optimizer_config(config)
+  schedule = learning_rate_schedule(config, total_steps)
+  adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                      weight_decay=config.weight_decay, mask=weight_decay_mask)
+  if config.clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
+  return adamw
+
+
+def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first out-of-range optimizer field."""
+  checks = (
+      ("learning_rate", config.learning_rate > 0, "> 0"),
+      ("warmup_steps", config.warmup_steps >= 0, ">= 0"),
+      ("end_fraction", 0 <= config.end_fraction <= 1, "in [0, 1]"),
+      ("b1", 0 <= config.b1 < 1, "in [0, 1)"),
+      ("b2", 0 <= config.b2 < 1, "in [0, 1)"),
+      ("eps", config.eps >= 0, ">= 0"),
+      ("weight_decay", config.weight_decay >= 0, ">= 0"),
+  )
+  for name, ok, expected in checks:
+    if not ok:
+      raise ValueError(
+          f"config.optimizer.{name} must be {expected}, got {config[name]}.")

@@ -1,0 +1,133 @@
+"""Device mesh and logical-axis sharding rules.
+
+The mesh has the axes ("data", "fsdp", "tensor"). Parameters carry logical
+axis names ("vocab", "embed", "heads", "kv", "mlp", "rank", "conv", None) in
+their `out_sharding` metadata; the rules below map each name to a mesh axis.
+A dimension that the mapped mesh axes do not divide stays replicated, so tiny
+models still run on many devices.
+"""
+
+from collections.abc import Sequence
+import math
+from typing import Any
+
+from flax import nnx
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical name -> mesh axis (or None: replicated). FSDP shards the model width,
+# tensor parallelism the vocabulary, heads and MLP hidden units.
+DEFAULT_RULES = (
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("kv", None),
+    ("rank", None),
+    ("conv", None),
+)
+
+Rules = Sequence[tuple[str, str | None]]
+
+
+def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
+  """Sizes of (data, fsdp, tensor) from config; one -1 takes the remaining devices."""
+  sizes = [int(config[axis]) for axis in MESH_AXES]
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(
+        f"config.mesh sizes must be positive or -1, got "
+        f"{dict(zip(MESH_AXES, sizes))}.")
+  if sizes.count(-1) > 1:
+    raise ValueError(
+        f"at most one config.mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(
+          f"config.mesh {dict(zip(MESH_AXES, sizes))}: {num_devices} devices "
+          f"are not a multiple of {known}.")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(
+        f"config.mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} "
+        f"devices, but {num_devices} are available.")
+  return tuple(sizes)
+
+
+def make_mesh(config: ml_collections.ConfigDict,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The ("data", "fsdp", "tensor") mesh over `devices` (default: all)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(config, len(devices))
+  return jax.make_mesh(shape, MESH_AXES, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def rules_from_config(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any], ...]:
+  """config.mesh.rules (pairs) on top of DEFAULT_RULES."""
+  rules = dict(DEFAULT_RULES)
+  for name, axis in config.get("rules", ()) or ():
+    if axis is not None and axis not in MESH_AXES:
+      raise ValueError(
+          f"config.mesh.rules maps {name!r} to {axis!r}; mesh axes are "
+          f"{MESH_AXES} or None.")
+    rules[name] = axis
+  return tuple(rules.items())
+
+
+def logical_to_spec(names: Sequence[str | None] | None, shape: Sequence[int],
+                    mesh: Mesh, rules: Rules) -> PartitionSpec:
+  """PartitionSpec for an array of `shape` with logical axis `names`.
+
+  A mesh axis is used at most once, and only where it divides the dimension.
+  """
+  if not names:
+    return PartitionSpec()
+  if len(names) != len(shape):
+    raise ValueError(
+        f"sharding names {tuple(names)} do not match the array shape {tuple(shape)}.")
+  mapping = dict(rules)
+  used = set()
+  spec = []
+  for name, size in zip(names, shape):
+    axis = mapping.get(name) if name is not None else None
+    if (axis is None or axis in used or mesh.shape[axis] == 1
+        or size % mesh.shape[axis]):
+      spec.append(None)
+    else:
+      used.add(axis)
+      spec.append(axis)
+  return PartitionSpec(*spec)
+
+
+def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
+  """Pure-dict tree of NamedShardings for an (abstract) nnx.State."""
+
+  def sharding(variable):
+    names = variable.get_metadata().get("out_sharding")
+    return NamedSharding(mesh, logical_to_spec(names, variable.shape, mesh, rules))
+
+  shardings = jax.tree.map(sharding, abstract_state,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.to_pure_dict(shardings)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batch dimension split over the data and fsdp axes, the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles this host's rows into global arrays sharded over the batch axes."""
+  sharding = batch_sharding(mesh)
+  return {name: jax.make_array_from_process_local_data(sharding, value)
+          for name, value in local_batch.items()}

@@ -1,0 +1,116 @@
+"""Jitted train and eval steps (no host synchronisation inside)."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from palimpsa_jax.data.mqar import IGNORE_INDEX
+from palimpsa_jax.training import state as state_lib
+
+Batch = dict[str, jax.Array]
+
+
+def cross_entropy_sums(logits: jax.Array, targets: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Summed token cross-entropy, correct predictions and counted targets.
+
+  Args:
+    logits: [B, T, vocab] (any float dtype; computed in f32).
+    targets: [B, T] int; IGNORE_INDEX marks positions that do not count.
+
+  Returns:
+    (loss_sum, correct, count) f32 scalars.
+  """
+  logits = logits.astype(jnp.float32)
+  valid = targets != IGNORE_INDEX
+  safe_targets = jnp.where(valid, targets, 0)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(log_probs, safe_targets[..., None], axis=-1)[..., 0]
+  loss_sum = jnp.sum(jnp.where(valid, nll, 0.0))
+  correct = jnp.sum(valid & (jnp.argmax(logits, axis=-1) == targets))
+  return loss_sum, correct.astype(jnp.float32), valid.sum().astype(jnp.float32)
+
+
+def _forward_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch):
+  model = state_lib.merge_model(graphdef, params, model_state)
+  logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
+  return cross_entropy_sums(logits, batch["targets"])
+
+
+def _microbatches(batch: Batch, count: int) -> Batch:
+  """[B, ...] -> [count, B // count, ...]; microbatch i takes rows i, i+count, ...
+
+  Interleaving keeps each microbatch spread over all batch shards.
+  """
+  def split(x):
+    x = x.reshape((x.shape[0] // count, count) + x.shape[1:])
+    return jnp.moveaxis(x, 1, 0)
+  return jax.tree.map(split, batch)
+
+
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, state_shardings: dict,
+                    metric_sharding: Any, grad_accum_steps: int = 1
+                    ) -> Callable[[dict, Batch], tuple[dict, dict]]:
+  """Returns jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
+
+  The loss is the mean cross-entropy over every counted target of the global
+  batch, also when the batch is processed in `grad_accum_steps` microbatches.
+  Metrics: train/loss, train/accuracy, train/grad_norm (before clipping),
+  train/lr (used by this update), train/finite (loss and gradient finite).
+  """
+  if grad_accum_steps < 1:
+    raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
+
+  def sums_and_grads(params, model_state, batch):
+    def loss_sum_fn(p):
+      loss_sum, correct, count = _forward_sums(graphdef, p, model_state, batch)
+      return loss_sum, (correct, count)
+    (loss_sum, (correct, count)), grads = jax.value_and_grad(
+        loss_sum_fn, has_aux=True)(params)
+    return grads, jnp.stack([loss_sum, correct, count])
+
+  def step(state, batch):
+    params, model_state = state["params"], state["model_state"]
+    if grad_accum_steps == 1:
+      grads, sums = sums_and_grads(params, model_state, batch)
+    else:
+      def body(carry, micro):
+        grads, sums = sums_and_grads(params, model_state, micro)
+        return jax.tree.map(jnp.add, carry, (grads, sums)), None
+      zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((3,), jnp.float32))
+      (grads, sums), _ = jax.lax.scan(
+          body, zeros, _microbatches(batch, grad_accum_steps))
+    loss_sum, correct, count = sums[0], sums[1], sums[2]
+    denominator = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / denominator, grads)
+    loss = loss_sum / denominator
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = {"step": state["step"] + 1,
+                 "params": optax.apply_updates(params, updates),
+                 "model_state": model_state,
+                 "opt_state": opt_state}
+    metrics = {"train/loss": loss,
+               "train/accuracy": correct / denominator,
+               "train/grad_norm": grad_norm,
+               "train/lr": jnp.asarray(schedule(state["step"]), jnp.float32),
+               "train/finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
+    return new_state, metrics
+
+  return jax.jit(step, donate_argnums=0,
+                 out_shardings=(state_shardings, metric_sharding))
+
+
+def make_eval_step(graphdef: Any, metric_sharding: Any
+                   ) -> Callable[[dict, dict, Batch], jax.Array]:
+  """Returns jitted `eval_step(params, model_state, batch) -> [3] f32`.
+
+  The result holds (loss_sum, correct, count); sum it over batches.
+  """
+  def eval_step(params, model_state, batch):
+    return jnp.stack(_forward_sums(graphdef, params, model_state, batch))
+  return jax.jit(eval_step, out_shardings=metric_sharding)

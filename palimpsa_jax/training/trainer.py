@@ -1,0 +1,326 @@
+"""train_and_evaluate: the training loop behind train.py (MQAR and language modelling)."""
+
+from collections.abc import Callable, Iterator
+import json
+import os
+import time
+from typing import Any
+
+from etils import epath
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from palimpsa_jax.data import mqar as mqar_lib
+from palimpsa_jax.data import pipeline
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import optimizer as optimizer_lib
+from palimpsa_jax.training import sharding as sharding_lib
+from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import steps as steps_lib
+
+TASKS = ("mqar", "lm")
+SUMMARY_FILE = "summary.json"
+
+
+class NonFiniteError(FloatingPointError):
+  """Raised when the loss or the gradient norm stops being finite."""
+
+
+def model_fn(config: ml_collections.ConfigDict) -> state_lib.ModelFn:
+  """rngs -> the configured NNX language model."""
+  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
+  return lambda rngs: models.build_model(config.model, rngs)
+
+
+def weight_decay_mask(params: Any) -> Any:
+  """True for parameters that take weight decay (the models' rule)."""
+  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
+  return models.weight_decay_mask(params)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first bad training field."""
+  if config.task not in TASKS:
+    raise ValueError(f"config.task must be one of {TASKS}, got {config.task!r}.")
+  positive = ("seq_len", "batch_size", "eval_batch_size", "log_every_steps",
+              "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
+              "grad_accum_steps")
+  for name in positive:
+    if not isinstance(config[name], int) or config[name] <= 0:
+      raise ValueError(f"config.{name} must be a positive int, got {config[name]!r}.")
+  if config.total_steps <= 0 and config.get("num_epochs", 0) <= 0:
+    raise ValueError(
+        "set config.total_steps (> 0) or config.num_epochs (> 0); got "
+        f"total_steps={config.total_steps}, num_epochs={config.get('num_epochs')}.")
+  if config.batch_size % (config.grad_accum_steps * jax.process_count()):
+    raise ValueError(
+        f"config.batch_size={config.batch_size} must be a multiple of "
+        f"grad_accum_steps * hosts = {config.grad_accum_steps * jax.process_count()}.")
+  optimizer_lib.validate_optimizer_config(config.optimizer)
+
+
+class Task:
+  """Training batches (checkpointable iterator), evaluation batches, sizes."""
+
+  train_iterator: Any
+  total_steps: int
+  tokens_per_step: int
+
+  def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
+    raise NotImplementedError
+
+
+class MqarTask(Task):
+  """MQAR from the in-memory generator; the test set is fixed for the run."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    data = config.data
+    shard_index, shard_count = pipeline.host_shard()
+    generate = lambda num, seed: mqar_lib.multiquery_ar(
+        vocab_size=data.vocab_size, num_examples=num,
+        input_seq_len=config.seq_len, num_kv_pairs=data.num_kv_pairs,
+        power_a=data.power_a, random_non_queries=data.random_non_queries,
+        seed=seed)
+    # Distinct streams for train and test, different for every seed.
+    train_inputs, train_targets = generate(data.num_train_examples, 2 * config.seed)
+    test_inputs, test_targets = generate(data.num_test_examples, 2 * config.seed + 1)
+    per_host = pipeline.per_host_batch_size(config.batch_size, shard_count)
+    self.train_dataset = pipeline.array_dataset(
+        {"tokens": train_inputs, "targets": train_targets},
+        batch_size=per_host, seed=config.seed, shuffle=True, num_epochs=None,
+        shard_index=shard_index, shard_count=shard_count)
+    self.train_iterator = iter(self.train_dataset)
+    steps_per_epoch = data.num_train_examples // config.batch_size
+    if steps_per_epoch == 0:
+      raise ValueError(
+          f"config.data.num_train_examples={data.num_train_examples} is smaller "
+          f"than config.batch_size={config.batch_size}.")
+    self.total_steps = (config.total_steps if config.total_steps > 0
+                        else config.num_epochs * steps_per_epoch)
+    self.tokens_per_step = config.batch_size * config.seq_len
+    test = pipeline.pad_rows(
+        {"tokens": test_inputs, "targets": test_targets},
+        config.eval_batch_size, {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX})
+    self._eval_dataset = pipeline.array_dataset(
+        test, batch_size=pipeline.per_host_batch_size(config.eval_batch_size,
+                                                      shard_count),
+        seed=0, shuffle=False, num_epochs=1, shard_index=shard_index,
+        shard_count=shard_count)
+
+  def eval_batches(self):
+    return iter(self._eval_dataset)
+
+
+def lm_targets(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
+  """Next-token targets of packed rows; IGNORE_INDEX across document boundaries.
+
+  Args:
+    tokens: [b, T] int.
+    segment_ids: [b, T] int; a change marks a new document.
+
+  Returns:
+    [b, T] int32: targets[:, t] = tokens[:, t + 1] inside a document.
+  """
+  targets = np.full(tokens.shape, mqar_lib.IGNORE_INDEX, np.int32)
+  same_document = segment_ids[:, 1:] == segment_ids[:, :-1]
+  targets[:, :-1] = np.where(same_document, tokens[:, 1:], mqar_lib.IGNORE_INDEX)
+  return targets
+
+
+class LmTask(Task):
+  """Packed text from data/text.py, tokenised with data/tokenizer.py."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    # pylint: disable=g-import-not-at-top
+    from palimpsa_jax.data import text as text_lib
+    from palimpsa_jax.data import tokenizer as tokenizer_lib
+    # pylint: enable=g-import-not-at-top
+    data = config.data
+    shard_index, shard_count = pipeline.host_shard()
+    tokenizer = tokenizer_lib.load_or_train_tokenizer(
+        data.tokenizer, data.train_files, workdir)
+
+    def make(files, global_batch, seed):
+      return text_lib.make_text_dataset(
+          files, tokenizer, config.seq_len,
+          pipeline.per_host_batch_size(global_batch, shard_count), seed,
+          shard_index, shard_count)
+
+    self._make = make
+    self.train_dataset = make(data.train_files, config.batch_size, config.seed)
+    self.train_iterator = iter(self.train_dataset)
+    self.total_steps = config.total_steps
+    self.tokens_per_step = config.batch_size * config.seq_len
+    self._eval_files = data.eval_files
+    self._eval_batch_size = config.eval_batch_size
+    self._num_eval_batches = data.eval_batches
+
+  def eval_batches(self):
+    if not self._eval_files:
+      return iter(())
+    batches = iter(self._make(self._eval_files, self._eval_batch_size, 0))
+    return (_with_lm_targets(next(batches)) for _ in range(self._num_eval_batches))
+
+
+def _with_lm_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Adds next-token "targets" to a text batch (MQAR batches already have them)."""
+  if "targets" in batch:
+    return batch
+  return {**batch, "targets": lm_targets(batch["tokens"], batch["segment_ids"])}
+
+
+def make_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
+  if config.task == "mqar":
+    return MqarTask(config)
+  return LmTask(config, workdir)
+
+
+def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: Task,
+             mesh: jax.sharding.Mesh) -> dict[str, float]:
+  """Mean loss and accuracy over the task's evaluation batches (one host sync)."""
+  total = None
+  for batch in task.eval_batches():
+    sums = eval_step(state["params"], state["model_state"],
+                     sharding_lib.global_batch(batch, mesh))
+    total = sums if total is None else total + sums
+  if total is None:
+    return {}
+  loss_sum, correct, count = (float(x) for x in jax.device_get(total))
+  count = max(count, 1.0)
+  return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+
+
+def _previous_best(workdir: str, up_to_step: int) -> tuple[float | None, int | None]:
+  """Best eval accuracy logged by earlier runs in this workdir (for resumes)."""
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    return None, None
+  best, best_step = None, None
+  for record in metrics_lib.read_metrics(workdir):
+    accuracy = record.get("eval/accuracy")
+    if accuracy is not None and record["step"] <= up_to_step and (
+        best is None or accuracy > best):
+      best, best_step = accuracy, record["step"]
+  return best, best_step
+
+
+def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> None:
+  if not bool(finite):
+    detail = ""
+    if values is not None:
+      detail = (f" (last logged loss {values['train/loss']}, grad norm "
+                f"{values['train/grad_norm']})")
+    raise NonFiniteError(
+        f"non-finite loss or gradient at or before step {step}{detail}; "
+        "training stopped. Lower config.optimizer.learning_rate or check the data.")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Trains the configured model, evaluating and checkpointing into `workdir`.
+
+  Resumes from the latest checkpoint in `workdir` if there is one (the model,
+  optimizer, step and data-iterator state are restored, so the continued run
+  reproduces an uninterrupted one exactly).
+
+  Returns:
+    The run summary (also written to workdir/summary.json): best_accuracy,
+    best_step, final_step, total_steps, stopped_early, wall_time_s, last_eval.
+  """
+  start_time = time.perf_counter()
+  validate_config(config)
+  workdir = os.path.abspath(workdir)
+  checkpoint_lib.save_config(config, workdir)
+  mesh = sharding_lib.make_mesh(config.mesh)
+  rules = sharding_lib.rules_from_config(config.mesh)
+  task = make_task(config, workdir)
+  total_steps = task.total_steps
+  make_tx = lambda _: optimizer_lib.make_optimizer(
+      config.optimizer, total_steps, weight_decay_mask)
+  spec = state_lib.make_train_state_spec(model_fn(config), config.seed, make_tx,
+                                         mesh, rules)
+  checkpointer = checkpoint_lib.Checkpointer(
+      workdir, every_steps=config.checkpoint_every_steps,
+      keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+  start_step = checkpointer.latest_step
+  if start_step is None:
+    start_step = 0
+    state = spec.init()
+  else:
+    state = checkpointer.restore(start_step, spec.abstract, task.train_iterator)
+    if jax.process_index() == 0:
+      print(f"resumed from {workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
+            flush=True)
+
+  replicated = sharding_lib.replicated(mesh)
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
+  train_step = steps_lib.make_train_step(
+      spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated,
+      config.grad_accum_steps)
+  eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated)
+  num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
+  peak_flops = metrics_lib.peak_flops_per_device()
+  early_stop = config.early_stop_accuracy
+  writer = metrics_lib.MetricWriter(workdir)
+  progress = metrics_lib.Progress(total_steps, start_step)
+  best, best_step = _previous_best(workdir, start_step)
+  last_eval: dict[str, float] = {}
+  stopped_early = False
+  finite = jnp.array(True)
+  step = start_step
+  try:
+    while step < total_steps and not stopped_early:
+      batch = sharding_lib.global_batch(
+          _with_lm_targets(next(task.train_iterator)), mesh)
+      state, step_metrics = train_step(state, batch)
+      finite = finite & step_metrics["train/finite"]
+      step += 1
+      last = step == total_steps
+      record: dict[str, float] = {}
+      if step % config.log_every_steps == 0 or last:
+        values = jax.device_get(step_metrics)
+        _check_finite(finite, step, values)
+        rate = progress.rate(step)
+        record.update({k: float(v) for k, v in values.items()
+                       if k != "train/finite"})
+        record["perf/steps_per_sec"] = rate
+        record["perf/tokens_per_sec"] = rate * task.tokens_per_step
+        if peak_flops is not None:
+          record["perf/mfu"] = (6 * num_params * rate * task.tokens_per_step
+                                / (peak_flops * jax.device_count()))
+      if step % config.eval_every_steps == 0 or last:
+        last_eval = evaluate(eval_step, state, task, mesh)
+        record.update(last_eval)
+        progress.restart_clock(step)
+        accuracy = last_eval.get("eval/accuracy")
+        if accuracy is not None:
+          progress.last_accuracy = accuracy
+          if best is None or accuracy > best:
+            best, best_step = accuracy, step
+          stopped_early = early_stop is not None and 0 < early_stop <= accuracy
+      if record:
+        writer.write(step, record)
+        if "train/loss" in record:
+          progress.show(step, record["perf/steps_per_sec"], record["train/loss"])
+      if step % config.checkpoint_every_steps == 0 or last or stopped_early:
+        _check_finite(finite, step)
+        checkpointer.save(step, state, task.train_iterator, force=True)
+  finally:
+    checkpointer.close()
+    writer.close()
+
+  summary = {
+      "best_accuracy": best, "best_step": best_step, "final_step": step,
+      "total_steps": total_steps, "stopped_early": stopped_early,
+      "wall_time_s": time.perf_counter() - start_time, "last_eval": last_eval,
+      "num_params": int(num_params),
+  }
+  if jax.process_index() == 0:
+    (epath.Path(workdir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    best_text = "n/a" if best is None else f"{100 * best:.2f}% at step {best_step}"
+    reason = (f"early stop at accuracy >= {early_stop}" if stopped_early
+              else f"{step}/{total_steps} steps")
+    print(f"final: best eval accuracy {best_text} ({reason}, "
+          f"{summary['wall_time_s']:.0f} s)", flush=True)
+  return summary
