@@ -1,0 +1,136 @@
+"""`palimpsa_tpu`: the op-level entry point, a custom_vjp around the Mosaic TPU kernels."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.palimpsa_tpu import layout
+from pallas_kernels.palimpsa_tpu.backward import backward
+from pallas_kernels.palimpsa_tpu.forward import boundary_states, walk_outputs
+
+
+def _gates(log_alpha, segment_ids, g: layout.Geometry):
+  """Per-step gate alpha_t and in-chunk write weight w_t, both [N, Tp, 1] float32.
+
+  alpha_t is 0 where the segment id changes (restart from the prior: M = 0, Ibar = 0) and 1 on
+  padded steps; w_t = prod_{s > t in t's chunk} alpha_s.
+  """
+  la = layout.steps_to_kernel(log_alpha, g, 0.0)                 # [N, Tp, 1]
+  if segment_ids is None:
+    reset = jnp.zeros_like(la, dtype=bool)
+  else:
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    change = jnp.pad(change, ((0, 0), (1, 0)))                    # [B, T]
+    change = jnp.broadcast_to(change[:, :, None], log_alpha.shape)
+    reset = layout.steps_to_kernel(change, g, 0.0) > 0
+  gate = jnp.where(reset, 0.0, jnp.exp(la))
+  chunks = lambda x: x.reshape(g.n, g.num_chunks, g.chunk)
+  la_c, reset_c = chunks(la), chunks(reset)
+  later = jnp.cumsum(la_c[..., ::-1], axis=-1)[..., ::-1] - la_c   # sum over s > t in chunk
+  reset_later = jnp.cumsum(reset_c[..., ::-1].astype(jnp.int32), axis=-1)[..., ::-1] - reset_c
+  w = jnp.where(reset_later > 0, 0.0, jnp.exp(later))
+  return gate, w.reshape(g.n, g.tp, 1)
+
+
+def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size):
+  g = layout.geometry(q.shape, v.shape[-1], chunk_size)
+  gate, w = _gates(log_alpha, segment_ids, g)
+  inputs = dict(q_t=layout.keys_to_kernel(q, g), k_t=layout.keys_to_kernel(k, g),
+                v=layout.values_to_kernel(v, g), beta=layout.values_to_kernel(beta, g),
+                gate=gate, ip=layout.prior_to_kernel(prior_precision, g))
+  return g, inputs, w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+                  segment_ids, return_variance, chunk_size, interpret):
+  outputs, _ = _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+                        segment_ids, return_variance, chunk_size, interpret)
+  return outputs
+
+
+def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+             segment_ids, return_variance, chunk_size, interpret):
+  g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size)
+  ip_state = prior_precision.astype(jnp.float32)[None, :, None, None]
+  mu0 = initial_mu.astype(jnp.float32)
+  prec0 = initial_precision.astype(jnp.float32)
+  m0 = layout.state_to_kernel(mu0 * prec0, g)
+  ibar0 = layout.state_to_kernel(prec0 - ip_state, g)
+  m_start, ibar_start, m_end, ibar_end = boundary_states(
+      x["k_t"], x["v"], x["beta"], w, x["gate"], m0, ibar0, g, interpret)
+  out, var = walk_outputs(x["q_t"], x["k_t"], x["v"], x["beta"], x["gate"], x["ip"], m_start,
+                          ibar_start, g, return_variance, interpret)
+  prec_end = layout.state_from_kernel(ibar_end, g) + ip_state
+  mu_end = layout.state_from_kernel(m_end, g) / prec_end
+  out = layout.values_from_kernel(out, g).astype(v.dtype)
+  if var is not None:
+    var = layout.values_from_kernel(var, g)
+  residuals = (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_ids, m_start,
+               ibar_start, mu_end, prec_end)
+  return (out, var, mu_end, prec_end), residuals
+
+
+def _fwd(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision, segment_ids,
+         return_variance, chunk_size, interpret):
+  return _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+                  segment_ids, return_variance, chunk_size, interpret)
+
+
+def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
+  (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_ids, m_start, ibar_start,
+   mu_end, prec_end) = residuals
+  d_out, d_var, d_mu_end, d_prec_end = cotangents
+  g, x, _ = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size)
+  # Final state: mu_T = M_T / (Ibar_T + Ip), I_T = Ibar_T + Ip.
+  r_end = 1.0 / prec_end
+  lam_m_end = d_mu_end * r_end
+  lam_i_end = d_prec_end - d_mu_end * mu_end * r_end
+  dvar = None if not return_variance else layout.values_to_kernel(d_var.astype(jnp.float32), g)
+  dq_t, dk_t, dv, dbeta, dgate, lam_m0, lam_i0, dip = backward(
+      x["q_t"], x["k_t"], x["v"], x["beta"], x["gate"], x["ip"], m_start, ibar_start,
+      layout.state_to_kernel(lam_m_end, g), layout.state_to_kernel(lam_i_end, g),
+      layout.values_to_kernel(d_out.astype(jnp.float32), g), dvar, g, interpret)
+  lam_m0 = layout.state_from_kernel(lam_m0, g)
+  lam_i0 = layout.state_from_kernel(lam_i0, g)
+  # Initial state: M_0 = mu_0 I_0, Ibar_0 = I_0 - Ip.
+  d_mu0 = lam_m0 * prec0
+  d_prec0 = lam_m0 * mu0 + lam_i0
+  dip_steps = jnp.sum(dip[:, :g.kd, :g.vd].reshape(g.batch, g.heads, -1), axis=(0, 2))
+  d_ip = dip_steps + jnp.sum(lam_i_end - lam_i0, axis=(0, 2, 3))
+  seg_ct = None if segment_ids is None else jnp.zeros(segment_ids.shape, jax.dtypes.float0)
+  return (layout.keys_from_kernel(jnp.sum(dq_t, axis=1), g).astype(q.dtype),
+          layout.keys_from_kernel(jnp.sum(dk_t, axis=1), g).astype(k.dtype),
+          layout.values_from_kernel(dv, g).astype(v.dtype),
+          layout.values_from_kernel(dbeta, g).astype(beta.dtype),
+          layout.steps_from_kernel(jnp.sum(dgate, axis=1), g).astype(log_alpha.dtype),
+          d_ip.astype(prior_precision.dtype),
+          d_mu0, d_prec0, seg_ct)
+
+
+_palimpsa_tpu.defvjp(_fwd, _bwd)
+
+
+def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+                 segment_ids, *, return_variance: bool, chunk_size: int, interpret: bool):
+  """Exact Palimpsa on TPU (Pallas Mosaic); differentiable w.r.t. every float input.
+
+  Args:
+    q, k: [B, T, H, K] (K <= 256); v, beta: [B, T, H, V]; log_alpha: [B, T, H];
+    prior_precision: [H]; initial_mu, initial_precision: [B, H, V, K] float32;
+    segment_ids: [B, T] int32 or None (restart from the prior where the id changes).
+    return_variance: also return sum_k q^2 / I_t.
+    chunk_size: time block, rounded up to the 128-lane width (the whole sequence if shorter).
+    interpret: run the kernels in the Pallas interpreter (any backend, for tests).
+
+  Returns:
+    (out [B,T,H,V] dtype of v, variance [B,T,H,V] float32 or None, mu [B,H,V,K] float32,
+     precision [B,H,V,K] float32).
+
+  Raises:
+    NotImplementedError: K > 256 or chunk_size <= 0 (the op falls back to "chunked").
+  """
+  layout.geometry(q.shape, v.shape[-1], chunk_size)
+  return _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+                       segment_ids, return_variance, chunk_size, bool(interpret))
