@@ -33,6 +33,7 @@ DEFAULTS = dict(
     power_a=0.01,
     random_non_queries=False,
     early_stop=0.99,
+    dtype="float32",
     evals_per_epoch=2,
 )
 
@@ -41,7 +42,7 @@ def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
   from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   return models.mqar_model_config(args.mixer, d_model=args.d_model,
-                                  vocab_size=args.vocab)
+                                  vocab_size=args.vocab, dtype=args.dtype)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -78,6 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = args.lr
   config.optimizer.warmup_steps = int(args.warmup * steps_per_epoch * args.epochs)
+  config.optimizer.decay_steps = 0  # 0: the whole run.
   config.optimizer.end_fraction = 0.0
   config.optimizer.b1 = 0.9
   config.optimizer.b2 = 0.999

@@ -74,9 +74,8 @@ def _duration(seconds: float) -> str:
 class Progress:
   """One line per logged step: step/total, steps/s, ETA, loss, last accuracy."""
 
-  def __init__(self, total_steps: int, start_step: int, stream: TextIO = sys.stdout):
+  def __init__(self, total_steps: int, start_step: int):
     self._total = total_steps
-    self._stream = stream
     self._mark_step = start_step
     self._mark_time = time.perf_counter()
     self._start_time = self._mark_time
@@ -106,4 +105,4 @@ class Progress:
     print(f"step {step:>{width}}/{self._total} | {steps_per_sec:6.2f} steps/s | "
           f"elapsed {_duration(self.elapsed())} ETA {_duration(eta)} | "
           f"loss {loss:.4f} | last eval acc {accuracy}",
-          file=self._stream, flush=True)
+          file=sys.stdout, flush=True)

@@ -11,17 +11,20 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
   """Linear warmup from 0 to `config.learning_rate`, then cosine to `end_fraction` of it.
 
   Args:
-    config: the optimizer config (learning_rate, warmup_steps, end_fraction).
+    config: the optimizer config (learning_rate, warmup_steps, end_fraction,
+      decay_steps: the cosine's horizon, warmup included; 0 means total_steps.
+      Fixing it lets a run be extended without changing its past schedule).
     total_steps: optimizer steps of the whole run (warmup included).
   """
   if total_steps <= 0:
     raise ValueError(f"total_steps must be positive, got {total_steps}.")
-  warmup = min(config.warmup_steps, total_steps)
+  horizon = config.decay_steps if config.decay_steps > 0 else total_steps
+  warmup = min(config.warmup_steps, horizon)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=config.learning_rate,
       warmup_steps=warmup,
-      decay_steps=max(total_steps, warmup + 1),
+      decay_steps=max(horizon, warmup + 1),
       end_value=config.learning_rate * config.end_fraction)
 
 
@@ -50,6 +53,7 @@ def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
   checks = (
       ("learning_rate", config.learning_rate > 0, "> 0"),
       ("warmup_steps", config.warmup_steps >= 0, ">= 0"),
+      ("decay_steps", config.decay_steps >= 0, ">= 0 (0: total_steps)"),
       ("end_fraction", 0 <= config.end_fraction <= 1, "in [0, 1]"),
       ("b1", 0 <= config.b1 < 1, "in [0, 1)"),
       ("b2", 0 <= config.b2 < 1, "in [0, 1)"),

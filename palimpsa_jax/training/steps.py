@@ -88,7 +88,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
     denominator = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denominator, grads)
     loss = loss_sum / denominator
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {"step": state["step"] + 1,
                  "params": optax.apply_updates(params, updates),

@@ -1,0 +1,164 @@
+"""train_and_evaluate end to end on a tiny model: loss, metrics, resume, meshes, errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_lm
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import trainer
+
+REPO = pathlib.Path(__file__).parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model(monkeypatch):
+  tiny_lm.use_tiny_model(monkeypatch)
+
+
+def _losses(workdir) -> dict[int, float]:
+  return {r["step"]: r["train/loss"] for r in metrics_lib.read_metrics(workdir)
+          if "train/loss" in r}
+
+
+def _resumable_config(total_steps, **overrides):
+  # decay_steps fixed: the schedule of the first 16 steps is the same whether
+  # the run was planned for 8 or for 16 steps.
+  return tiny_lm.tiny_mqar_config(
+      total_steps=total_steps, log_every_steps=2, eval_every_steps=4,
+      checkpoint_every_steps=4, **{"optimizer.decay_steps": 16}, **overrides)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """One uninterrupted 16-step run (shared by the resume tests)."""
+  with pytest.MonkeyPatch.context() as patcher:
+    tiny_lm.use_tiny_model(patcher)
+    workdir = str(tmp_path_factory.mktemp("uninterrupted"))
+    summary = trainer.train_and_evaluate(_resumable_config(16), workdir)
+  return workdir, summary
+
+
+def test_smoke_loss_falls_and_metrics_written(tmp_path, capsys):
+  config = tiny_lm.tiny_mqar_config(**{"optimizer.learning_rate": 3e-2},
+                                    log_every_steps=4)
+  summary = trainer.train_and_evaluate(config, str(tmp_path))
+  records = metrics_lib.read_metrics(str(tmp_path))
+  losses = [r["train/loss"] for r in records if "train/loss" in r]
+  assert losses[-1] < losses[0] - 0.05
+  for key in ("step", "train/loss", "train/grad_norm", "train/lr",
+              "perf/tokens_per_sec"):
+    assert key in records[0]
+  evals = [r for r in records if "eval/accuracy" in r]
+  assert evals and all("eval/loss" in r for r in evals)
+  assert summary["final_step"] == summary["total_steps"] == 32
+  assert summary["best_accuracy"] == max(r["eval/accuracy"] for r in evals)
+  saved = json.loads((tmp_path / "summary.json").read_text())
+  assert saved["best_step"] == summary["best_step"]
+  out = capsys.readouterr().out
+  assert "steps/s" in out and "ETA" in out
+  assert out.strip().splitlines()[-1].startswith("final: best eval accuracy")
+  assert checkpoint_lib.load_config(str(tmp_path)).data.num_kv_pairs == 2
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path, uninterrupted):
+  workdir, _ = uninterrupted
+  trainer.train_and_evaluate(_resumable_config(8), str(tmp_path))
+  summary = trainer.train_and_evaluate(_resumable_config(16), str(tmp_path))
+  assert summary["final_step"] == 16
+  assert _losses(str(tmp_path)) == _losses(workdir)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "16"]
+
+
+def test_load_model_restores_trained_parameters(uninterrupted):
+  workdir, _ = uninterrupted
+  model, config, step = checkpoint_lib.load_model(workdir)
+  assert step == 16 and config.seq_len == 16
+  tokens = jnp.zeros((1, config.seq_len), jnp.int32)
+  assert model(tokens).shape == (1, 16, tiny_lm.VOCAB)
+  earlier, _, step = checkpoint_lib.load_model(
+      os.path.join(workdir, "checkpoints", "12"))
+  assert step == 12
+  assert not np.allclose(nnx.state(earlier, nnx.Param)["mix"]["kernel"][...],
+                         nnx.state(model, nnx.Param)["mix"]["kernel"][...])
+  with pytest.raises(FileNotFoundError, match="workdir written by train.py"):
+    checkpoint_lib.load_model(os.path.join(workdir, "nowhere"))
+
+
+_FOUR_DEVICE_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+import jax, tiny_lm, test_trainer
+from palimpsa_jax.training import trainer
+class Patcher:
+  def setattr(self, obj, name, value):
+    setattr(obj, name, value)
+tiny_lm.use_tiny_model(Patcher())
+assert jax.device_count() == 4
+config = test_trainer._resumable_config(8)
+config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 2, 2
+trainer.train_and_evaluate(config, {workdir!r})
+"""
+
+
+def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted):
+  """Run 8 steps on a 2x2 (fsdp x tensor) mesh of 4 CPU devices, resume on 1."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  script = _FOUR_DEVICE_RUN.format(tests=str(pathlib.Path(__file__).parent),
+                                   workdir=str(tmp_path))
+  subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO,
+                 capture_output=True, timeout=300)
+  four_device = _losses(str(tmp_path))
+  reference = _losses(uninterrupted[0])
+  assert sorted(four_device) == [2, 4, 6, 8]
+  for step, loss in four_device.items():
+    assert loss == pytest.approx(reference[step], abs=1e-5)
+  trainer.train_and_evaluate(_resumable_config(16), str(tmp_path))
+  resumed = _losses(str(tmp_path))
+  for step in range(10, 17, 2):
+    assert resumed[step] == pytest.approx(reference[step], abs=1e-5)
+
+
+class _NanLM(tiny_lm.TinyLM):
+
+  def __call__(self, tokens, segment_ids=None):
+    return super().__call__(tokens) * jnp.nan
+
+
+def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
+  monkeypatch.setattr(trainer, "model_fn", lambda config: lambda rngs: _NanLM(
+      config.model.vocab_size, config.model.width, rngs))
+  config = tiny_lm.tiny_mqar_config(log_every_steps=2)
+  with pytest.raises(trainer.NonFiniteError, match="non-finite loss or gradient"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / "checkpoints").exists() or not os.listdir(
+      tmp_path / "checkpoints")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("task", "vision", "config.task"),
+    ("batch_size", 0, "config.batch_size"),
+    ("grad_accum_steps", 3, "multiple of grad_accum_steps"),
+    ("optimizer.learning_rate", -1.0, "learning_rate"),
+    ("mesh.data", 3, "devices"),
+])
+def test_bad_config_values(tmp_path, field, value, match):
+  config = tiny_lm.tiny_mqar_config(**{field: value})
+  with pytest.raises(ValueError, match=match):
+    trainer.train_and_evaluate(config, str(tmp_path))
+
+
+def test_lm_targets_stop_at_document_boundaries():
+  tokens = np.array([[5, 6, 7, 8, 9]])
+  segments = np.array([[1, 1, 2, 2, 2]])
+  np.testing.assert_array_equal(trainer.lm_targets(tokens, segments),
+                                [[6, -100, 8, 9, -100]])

@@ -1,0 +1,73 @@
+"""A tiny causal NNX language model and MQAR config for trainer tests.
+
+It has the project model's interface (`model(tokens, segment_ids=None)` ->
+[B, T, vocab] f32 logits) and sharding metadata, but trains in milliseconds.
+"""
+
+from flax import nnx
+import jax.numpy as jnp
+import ml_collections
+
+from palimpsa_jax.training import trainer
+
+VOCAB = 32
+
+
+class TinyLM(nnx.Module):
+  """Embedding, a causal running-mean mixer with a gate, tied output."""
+
+  def __init__(self, vocab_size: int, width: int, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(0.02)
+    self.embed = nnx.Embed(
+        vocab_size, width, embedding_init=nnx.with_partitioning(
+            init, ("vocab", "embed")), rngs=rngs)
+    self.mix = nnx.Linear(
+        2 * width, width, use_bias=True,
+        kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+
+  def __call__(self, tokens, segment_ids=None):
+    del segment_ids
+    x = self.embed(tokens)
+    steps = jnp.arange(1, tokens.shape[1] + 1, dtype=x.dtype)[None, :, None]
+    context = jnp.cumsum(x, axis=1) / steps
+    h = x + jnp.tanh(self.mix(jnp.concatenate([x, context], axis=-1)))
+    return self.embed.attend(h).astype(jnp.float32)
+
+
+def build(config, rngs):
+  return TinyLM(config.vocab_size, config.width, rngs)
+
+
+def decay_mask(params):
+  return {"embed": {"embedding": True},
+          "mix": {"kernel": True, "bias": False}} if "mix" in params else params
+
+
+def use_tiny_model(patcher) -> None:
+  """Points the trainer at TinyLM (patcher: pytest's monkeypatch or similar)."""
+  patcher.setattr(trainer, "model_fn", lambda config: lambda rngs: build(config.model, rngs))
+  patcher.setattr(trainer, "weight_decay_mask", decay_mask)
+
+
+def tiny_mqar_config(**overrides) -> ml_collections.ConfigDict:
+  """A few-second MQAR run of TinyLM."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).parents[2] / "configs" / "mqar.py"
+  spec = importlib.util.spec_from_file_location("mqar_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  module.model_config = lambda args: ml_collections.ConfigDict(
+      {"vocab_size": args.vocab, "width": args.d_model})
+  config = module.get_config(
+      f"seq_len=16,kv=2,vocab={VOCAB},d_model=16,examples=256,test_examples=64,"
+      "batch=16,epochs=2,lr=1e-2")
+  config.eval_batch_size = 32
+  config.async_checkpointing = False
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      target = target[parent]
+    target[leaf] = value
+  return config
