@@ -1,0 +1,102 @@
+"""Transformer++ causal self-attention (RoPE, softmax via dot_product_attention)."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.diagnostics import rms
+from palimpsa_jax.layers.linear import Dense
+from palimpsa_jax.layers.rope import apply_rope
+
+
+class KVCache(NamedTuple):
+  """Keys and values [B, S_max, H, D] and the number of filled positions []."""
+
+  k: jax.Array
+  v: jax.Array
+  position: jax.Array
+
+
+class Attention(nnx.Module):
+  """Multi-head causal softmax attention, optional RoPE, no biases."""
+
+  def __init__(
+      self, d_model: int, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
+      rope: bool = True, rope_theta: float = 10000.0,
+      init_std: float = params_lib.INIT_STD, dtype=jnp.float32):
+    init = params_lib.normal_init(init_std)
+    dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
+                                      kernel_init=init, dtype=dtype)
+    hd = num_heads * head_dim
+    self.q_proj = dense(d_model, hd, ("embed", "heads"))
+    self.k_proj = dense(d_model, hd, ("embed", "heads"))
+    self.v_proj = dense(d_model, hd, ("embed", "heads"))
+    self.out_proj = dense(hd, d_model, ("heads", "embed"))
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.rope, self.rope_theta = rope, rope_theta
+    self.dtype = dtype
+
+  def init_cache(self, batch_size: int, max_length: int,
+                 dtype=jnp.float32) -> KVCache:
+    """Empty KV cache of max_length positions."""
+    shape = (batch_size, max_length, self.num_heads, self.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((), jnp.int32))
+
+  def _qkv(self, x, positions):
+    batch, length, _ = x.shape
+    shape = (batch, length, self.num_heads, self.head_dim)
+    q = self.q_proj(x).reshape(shape)
+    k = self.k_proj(x).reshape(shape)
+    v = self.v_proj(x).reshape(shape)
+    if self.rope:
+      q = apply_rope(q, positions, self.rope_theta)
+      k = apply_rope(k, positions, self.rope_theta)
+    return q, k, v
+
+  def _out(self, o):
+    batch, length = o.shape[:2]
+    return self.out_proj(o.reshape(batch, length, -1))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               return_diagnostics: bool = False):
+    """x [B, T, d] -> y [B, T, d] (and a diagnostics dict when asked).
+
+    With segment_ids [B, T], a token attends only within its segment.
+    """
+    length = x.shape[1]
+    q, k, v = self._qkv(x, jnp.arange(length))
+    if segment_ids is None:
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    else:
+      same = segment_ids[:, :, None] == segment_ids[:, None, :]
+      causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
+      o = jax.nn.dot_product_attention(q, k, v, mask=(same & causal)[:, None])
+    y = self._out(o)
+    if return_diagnostics:
+      return y, {"output_rms": rms(y)}
+    return y
+
+  def prefill(self, x: jax.Array, cache: KVCache):
+    """Appends x [B, T, d] to the cache; returns (y [B, T, d], new cache)."""
+    length = x.shape[1]
+    max_length = cache.k.shape[1]
+    start = cache.position
+    positions = start + jnp.arange(length)
+    q, k, v = self._qkv(x, positions)
+    k_all = jax.lax.dynamic_update_slice_in_dim(
+        cache.k, k.astype(cache.k.dtype), start, axis=1)
+    v_all = jax.lax.dynamic_update_slice_in_dim(
+        cache.v, v.astype(cache.v.dtype), start, axis=1)
+    mask = jnp.arange(max_length)[None, :] <= positions[:, None]  # [T, S]
+    o = jax.nn.dot_product_attention(
+        q, k_all.astype(q.dtype), v_all.astype(q.dtype),
+        mask=mask[None, None])
+    return self._out(o), KVCache(k_all, v_all, start + length)
+
+  def step(self, x: jax.Array, cache: KVCache):
+    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
+    return self.prefill(x, cache)

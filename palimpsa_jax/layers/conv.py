@@ -1,0 +1,67 @@
+"""Causal depthwise short convolution with a decode state."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers import params as params_lib
+
+
+class ShortConv(nnx.Module):
+  """Causal depthwise conv over time, optional bias, optional SiLU.
+
+  y[t, c] = sum_i w[i, c] * x[t - (W - 1) + i, c] (+ b[c]); inputs before the
+  sequence come from `state` (the last W - 1 inputs, zeros at the start), and
+  with segment_ids an input from another segment contributes nothing.
+  """
+
+  def __init__(
+      self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs,
+      use_bias: bool = False, activation: bool = True,
+      channel_name: str | None = "heads", dtype=jnp.float32):
+    if kernel_size < 1:
+      raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+    init = params_lib.fan_in_uniform_init(kernel_size)
+    self.kernel = params_lib.make_param(
+        init(rngs.params(), (kernel_size, channels)), ("conv", channel_name))
+    self.bias = (params_lib.make_param(
+        init(rngs.params(), (channels,)), (channel_name,))
+                 if use_bias else None)
+    self.channels = channels
+    self.kernel_size = kernel_size
+    self.activation = activation
+    self.dtype = dtype
+
+  def init_state(self, batch_size: int) -> jax.Array:
+    """Zero state [B, W - 1, C] float32."""
+    return jnp.zeros((batch_size, self.kernel_size - 1, self.channels),
+                     jnp.float32)
+
+  def __call__(
+      self, x: jax.Array, state: jax.Array | None = None,
+      segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, C] -> (y [B, T, C] in `dtype`, new state [B, W - 1, C])."""
+    batch, length, channels = x.shape
+    if channels != self.channels:
+      raise ValueError(f"x must be [B, T, {self.channels}], got {x.shape}")
+    if state is None:
+      state = self.init_state(batch)
+    width = self.kernel_size
+    padded = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)
+    kernel = self.kernel[...].astype(self.dtype).astype(jnp.float32)
+    if segment_ids is not None:
+      seg = jnp.concatenate(
+          [jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], 1)
+    y = jnp.zeros((batch, length, channels), jnp.float32)
+    for i in range(width):
+      tap = padded[:, i:i + length] * kernel[i]
+      if segment_ids is not None and i < width - 1:
+        same = seg[:, i:i + length] == segment_ids
+        tap = jnp.where(same[..., None], tap, 0.0)
+      y = y + tap
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype).astype(jnp.float32)
+    if self.activation:
+      y = jax.nn.silu(y)
+    new_state = padded[:, padded.shape[1] - (width - 1):]
+    return y.astype(self.dtype), new_state

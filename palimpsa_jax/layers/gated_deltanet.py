@@ -1,0 +1,125 @@
+"""Gated DeltaNet mixer on the gated delta rule op."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.conv import ShortConv
+from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
+from palimpsa_jax.layers.linear import Dense
+from palimpsa_jax.layers.norms import GatedRMSNorm, l2_normalize
+from palimpsa_jax.ops import gated_delta_rule
+
+
+class GatedDeltaNetCache(NamedTuple):
+  """Decode cache: conv states [B, W-1, C] f32 and S [B, H, V, K] f32."""
+
+  q_conv: jax.Array
+  k_conv: jax.Array
+  v_conv: jax.Array
+  state: jax.Array
+
+
+class GatedDeltaNet(nnx.Module):
+  """Standard Gated DeltaNet mixer.
+
+  q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5;
+  beta = sigmoid(b_proj(x)) per head; log_alpha = -A * softplus(a_proj(x) +
+  dt_bias); per-head gated RMSNorm (swish gate g_proj(x)); out_proj.
+  """
+
+  def __init__(
+      self, d_model: int, *, num_heads: int, head_k_dim: int, head_v_dim: int,
+      rngs: nnx.Rngs, conv_kernel: int = 4, A_init: str = "uniform",
+      A_init_range: tuple[float, float] = (0.0, 16.0), dt_min: float = 1e-3,
+      dt_max: float = 1e-1, dt_init_floor: float = 1e-4,
+      norm_eps: float = 1e-6, init_std: float = params_lib.INIT_STD,
+      implementation: str = "auto", chunk_size: int = 64,
+      dtype=jnp.float32):
+    h, kd, vd = num_heads, head_k_dim, head_v_dim
+    init = params_lib.normal_init(init_std)
+    dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
+                                      kernel_init=init, dtype=dtype)
+    conv = lambda c: ShortConv(c, conv_kernel, rngs=rngs, dtype=dtype)
+    self.q_proj = dense(d_model, h * kd, ("embed", "heads"))
+    self.k_proj = dense(d_model, h * kd, ("embed", "heads"))
+    self.v_proj = dense(d_model, h * vd, ("embed", "heads"))
+    self.q_conv, self.k_conv, self.v_conv = conv(h * kd), conv(h * kd), conv(
+        h * vd)
+    self.a_proj = dense(d_model, h, ("embed", "heads"))
+    self.b_proj = dense(d_model, h, ("embed", "heads"))
+    self.A_log = params_lib.make_param(
+        params_lib.init_a_log(rngs.params(), h, A_init, A_init_range),
+        ("heads",))
+    self.dt_bias = params_lib.make_param(
+        params_lib.init_dt_bias(rngs.params(), h, dt_min, dt_max,
+                                dt_init_floor), ("heads",))
+    self.gate_proj = dense(d_model, h * vd, ("embed", "heads"))
+    self.out_norm = GatedRMSNorm(vd, eps=norm_eps, norm_before_gate=True,
+                                 names=("kv",), dtype=dtype)
+    self.out_proj = Dense(h * vd, d_model, names=("heads", "embed"),
+                          rngs=rngs, kernel_init=init, dtype=dtype)
+    self.num_heads, self.head_k_dim, self.head_v_dim = h, kd, vd
+    self.implementation = implementation
+    self.chunk_size = chunk_size
+    self.dtype = dtype
+
+  def init_cache(self, batch_size: int, max_length: int,
+                 dtype=jnp.float32) -> GatedDeltaNetCache:
+    """Fixed-shape cache; independent of max_length (O(1) per token)."""
+    del max_length, dtype
+    shape = (batch_size, self.num_heads, self.head_v_dim, self.head_k_dim)
+    return GatedDeltaNetCache(
+        self.q_conv.init_state(batch_size), self.k_conv.init_state(batch_size),
+        self.v_conv.init_state(batch_size), jnp.zeros(shape, jnp.float32))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               return_diagnostics: bool = False):
+    """x [B, T, d] -> y [B, T, d] (and a diagnostics dict when asked)."""
+    y, _, diagnostics = self._forward(
+        x, None, segment_ids, self.implementation, return_diagnostics)
+    return (y, diagnostics) if return_diagnostics else y
+
+  def prefill(self, x: jax.Array, cache: GatedDeltaNetCache):
+    """Runs x [B, T, d] from the cache; returns (y [B, T, d], new cache)."""
+    y, cache, _ = self._forward(x, cache, None, self.implementation, False)
+    return y, cache
+
+  def step(self, x: jax.Array, cache: GatedDeltaNetCache):
+    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
+    y, cache, _ = self._forward(x, cache, None, "sequential", False)
+    return y, cache
+
+  def _forward(self, x, cache, segment_ids, implementation,
+               return_diagnostics):
+    batch, length, _ = x.shape
+    h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
+    conv_states = (None,) * 3 if cache is None else cache[:3]
+    q, q_conv = self.q_conv(self.q_proj(x), conv_states[0], segment_ids)
+    k, k_conv = self.k_conv(self.k_proj(x), conv_states[1], segment_ids)
+    v, v_conv = self.v_conv(self.v_proj(x), conv_states[2], segment_ids)
+    q = (l2_normalize(q.reshape(batch, length, h, kd)) * (kd ** -0.5)).astype(
+        self.dtype)
+    k = l2_normalize(k.reshape(batch, length, h, kd))
+    v = v.reshape(batch, length, h, vd)
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32)
+                         + self.dt_bias[...])
+    log_alpha = -jnp.exp(self.A_log[...]) * dt
+
+    result = gated_delta_rule(
+        q, k, v, beta.astype(self.dtype), log_alpha,
+        initial_state=None if cache is None else cache.state,
+        segment_ids=segment_ids, implementation=implementation,
+        chunk_size=self.chunk_size)
+    g = self.gate_proj(x).reshape(batch, length, h, vd)
+    y = self.out_proj(self.out_norm(result.out, g).reshape(batch, length,
+                                                          h * vd))
+    diagnostics = None
+    if return_diagnostics:
+      diagnostics = {"state_rms": rms(result.state), "output_rms": rms(y),
+                     **gate_diagnostics(log_alpha)}
+    return y, GatedDeltaNetCache(q_conv, k_conv, v_conv, result.state), diagnostics

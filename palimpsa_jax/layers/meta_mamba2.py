@@ -1,0 +1,163 @@
+"""MetaMamba2 (Palimpsa-M): Mamba2 with metaplasticity; False is Mamba2."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.conv import ShortConv
+from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
+from palimpsa_jax.layers.linear import Dense
+from palimpsa_jax.layers.norms import GatedRMSNorm
+from palimpsa_jax.ops import PalimpsaState, palimpsa
+
+
+class MetaMamba2Cache(NamedTuple):
+  """Decode cache: xBC conv state [B, W-1, C] f32, posterior [B, H, P, N]."""
+
+  conv: jax.Array
+  state: PalimpsaState
+
+
+class MetaMamba2(nnx.Module):
+  """Mamba2 mixer on the Palimpsa op (SPEC.md sec. 4, Palimpsa-M).
+
+  in_proj(x) = [z (d_inner), xBC (d_inner + 2 G N), dt (H)]; xBC goes through a
+  causal depthwise conv (bias, SiLU) and splits into x [H heads of P], B, C
+  [G groups of N, repeated to heads]. q = C, k = B, v = x * dt,
+  log_alpha = -A * dt with dt = softplus(dt + dt_bias); with metaplasticity,
+  beta = sigmoid(low-rank(x_in)) * softplus(b_scale) * dt. y = op + D * x,
+  then RMSNorm(y * silu(z)) over groups of d_inner / G and out_proj.
+  metaplasticity=False is Mamba2 exactly (beta = 0, no beta parameters).
+  """
+
+  def __init__(
+      self, d_model: int, *, expand: int, head_dim: int, state_dim: int,
+      num_groups: int, beta_rank: int, rngs: nnx.Rngs,
+      metaplasticity: bool = True, conv_kernel: int = 4,
+      A_init: str = "arange", A_init_range: tuple[float, float] = (1.0, 16.0),
+      dt_min: float = 1e-3, dt_max: float = 1e-1,
+      dt_init_floor: float = 1e-4, norm_eps: float = 1e-5,
+      init_std: float = params_lib.INIT_STD, implementation: str = "auto",
+      chunk_size: int = 64, dtype=jnp.float32):
+    d_inner = expand * d_model
+    if d_inner % head_dim:
+      raise ValueError(
+          f"head_dim {head_dim} must divide d_inner = expand * d_model = "
+          f"{d_inner}")
+    h = d_inner // head_dim
+    if h % num_groups:
+      raise ValueError(
+          f"num_groups {num_groups} must divide the number of heads {h}")
+    init = params_lib.normal_init(init_std)
+    conv_dim = d_inner + 2 * num_groups * state_dim
+    self.in_proj = Dense(d_model, 2 * d_inner + 2 * num_groups * state_dim + h,
+                         names=("embed", None), rngs=rngs, kernel_init=init,
+                         dtype=dtype)
+    self.conv = ShortConv(conv_dim, conv_kernel, rngs=rngs, use_bias=True,
+                          channel_name=None, dtype=dtype)
+    self.A_log = params_lib.make_param(
+        params_lib.init_a_log(rngs.params(), h, A_init, A_init_range),
+        ("heads",))
+    self.dt_bias = params_lib.make_param(
+        params_lib.init_dt_bias(rngs.params(), h, dt_min, dt_max,
+                                dt_init_floor), ("heads",))
+    self.D = params_lib.make_param(jnp.ones((h,)), ("heads",))
+    if metaplasticity:
+      self.beta_down = Dense(d_model, beta_rank, names=("embed", "rank"),
+                             rngs=rngs, kernel_init=init, dtype=dtype)
+      self.beta_up = Dense(
+          beta_rank, d_inner, names=("rank", "heads"), rngs=rngs,
+          kernel_init=params_lib.fan_in_uniform_init(beta_rank),
+          use_bias=True, bias_init=params_lib.fan_in_uniform_init(beta_rank),
+          dtype=dtype)
+      self.b_scale = params_lib.make_param(jnp.ones((h,)), ("heads",))
+      self.Ip_log = params_lib.make_param(jnp.zeros((h,)), ("heads",))
+    self.norm = GatedRMSNorm(d_inner, group_size=d_inner // num_groups,
+                             norm_before_gate=False, eps=norm_eps,
+                             names=("heads",), dtype=dtype)
+    self.out_proj = Dense(d_inner, d_model, names=("heads", "embed"),
+                          rngs=rngs, kernel_init=init, dtype=dtype)
+    self.d_inner, self.num_heads, self.head_dim = d_inner, h, head_dim
+    self.state_dim, self.num_groups = state_dim, num_groups
+    self.metaplasticity = metaplasticity
+    self.implementation = implementation
+    self.chunk_size = chunk_size
+    self.dtype = dtype
+
+  def prior_precision(self) -> jax.Array:
+    """Ip [H] f32; Ip_log is frozen (no gradient), so Ip stays 1."""
+    if not self.metaplasticity:
+      return jnp.ones((self.num_heads,), jnp.float32)
+    return jnp.exp(jax.lax.stop_gradient(self.Ip_log[...]))
+
+  def init_cache(self, batch_size: int, max_length: int,
+                 dtype=jnp.float32) -> MetaMamba2Cache:
+    """Fixed-shape cache; independent of max_length (O(1) per token)."""
+    del max_length, dtype
+    shape = (batch_size, self.num_heads, self.head_dim, self.state_dim)
+    ip = self.prior_precision()[None, :, None, None]
+    return MetaMamba2Cache(
+        self.conv.init_state(batch_size),
+        PalimpsaState(jnp.zeros(shape, jnp.float32),
+                      jnp.broadcast_to(ip, shape)))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               return_diagnostics: bool = False):
+    """x [B, T, d] -> y [B, T, d] (and a diagnostics dict when asked)."""
+    y, _, diagnostics = self._forward(
+        x, None, segment_ids, self.implementation, return_diagnostics)
+    return (y, diagnostics) if return_diagnostics else y
+
+  def prefill(self, x: jax.Array, cache: MetaMamba2Cache):
+    """Runs x [B, T, d] from the cache; returns (y [B, T, d], new cache)."""
+    y, cache, _ = self._forward(x, cache, None, self.implementation, False)
+    return y, cache
+
+  def step(self, x: jax.Array, cache: MetaMamba2Cache):
+    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
+    y, cache, _ = self._forward(x, cache, None, "sequential", False)
+    return y, cache
+
+  def _forward(self, x, cache, segment_ids, implementation,
+               return_diagnostics):
+    batch, length, _ = x.shape
+    h, p, n, g = self.num_heads, self.head_dim, self.state_dim, self.num_groups
+    d_inner = self.d_inner
+    z, xbc, dt = jnp.split(self.in_proj(x),
+                           [d_inner, 2 * d_inner + 2 * g * n], axis=-1)
+    xbc, conv_state = self.conv(xbc, None if cache is None else cache.conv,
+                                segment_ids)
+    xs, b, c = jnp.split(xbc, [d_inner, d_inner + g * n], axis=-1)
+    xs = xs.reshape(batch, length, h, p)
+    b = jnp.repeat(b.reshape(batch, length, g, n), h // g, axis=2)
+    c = jnp.repeat(c.reshape(batch, length, g, n), h // g, axis=2)
+
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])
+    log_alpha = -jnp.exp(self.A_log[...]) * dt  # [B, T, H]
+    v = (xs.astype(jnp.float32) * dt[..., None]).astype(self.dtype)
+    beta = None
+    if self.metaplasticity:
+      gate = jax.nn.sigmoid(
+          self.beta_up(self.beta_down(x)).astype(jnp.float32))
+      beta = (gate.reshape(batch, length, h, p)
+              * jax.nn.softplus(self.b_scale[...])[:, None] * dt[..., None])
+      beta = beta.astype(self.dtype)
+
+    result = palimpsa(
+        c, b, v, beta, log_alpha, self.prior_precision(),
+        initial_state=None if cache is None else cache.state,
+        segment_ids=segment_ids, return_variance=return_diagnostics,
+        implementation=implementation, chunk_size=self.chunk_size)
+    out = (result.out.astype(jnp.float32)
+           + self.D[...][:, None] * xs.astype(jnp.float32))
+    out = self.norm(out.reshape(batch, length, d_inner), z)
+    y = self.out_proj(out)
+    diagnostics = None
+    if return_diagnostics:
+      diagnostics = {
+          **palimpsa_diagnostics(result, c, self.prior_precision(), y),
+          **gate_diagnostics(log_alpha)}
+    return y, MetaMamba2Cache(conv_state, result.state), diagnostics

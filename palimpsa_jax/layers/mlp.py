@@ -1,0 +1,31 @@
+"""SwiGLU feed-forward block."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers.linear import Dense
+
+
+def swiglu_hidden_dim(d_model: int, hidden_ratio: float = 4.0,
+                      multiple_of: int = 256) -> int:
+  """int(2/3 * ratio * d) rounded up to `multiple_of` (Llama / FLA rule)."""
+  hidden = int(d_model * hidden_ratio * 2 / 3)
+  return multiple_of * -(-hidden // multiple_of)
+
+
+class SwiGLU(nnx.Module):
+  """down(silu(gate(x)) * up(x)), no biases."""
+
+  def __init__(self, d_model: int, hidden_dim: int, *, rngs: nnx.Rngs,
+               dtype=jnp.float32):
+    self.gate_proj = Dense(d_model, hidden_dim, names=("embed", "mlp"),
+                           rngs=rngs, dtype=dtype)
+    self.up_proj = Dense(d_model, hidden_dim, names=("embed", "mlp"),
+                         rngs=rngs, dtype=dtype)
+    self.down_proj = Dense(hidden_dim, d_model, names=("mlp", "embed"),
+                           rngs=rngs, dtype=dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [B, T, d] -> [B, T, d] in the compute dtype."""
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,160 @@
+"""Palimpsa-D mixer (a drop-in for a Gated DeltaNet mixer) and NotPalimpsa."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.conv import ShortConv
+from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
+from palimpsa_jax.layers.linear import Dense
+from palimpsa_jax.layers.norms import GatedRMSNorm, l2_normalize
+from palimpsa_jax.ops import PalimpsaState, palimpsa
+
+
+class PalimpsaDCache(NamedTuple):
+  """Decode cache: conv states [B, W-1, C] f32 and the posterior [B, H, V, K]."""
+
+  q_conv: jax.Array
+  k_conv: jax.Array
+  v_conv: jax.Array
+  state: PalimpsaState
+
+
+class PalimpsaD(nnx.Module):
+  """Palimpsa-D (SPEC.md sec. 4); metaplasticity=False is NotPalimpsa.
+
+  q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5.
+  log_alpha = -A * softplus(dt_proj(x) + dt_bias); s = sigmoid(s_proj(x)) scales
+  the written value and beta; beta = sigmoid(low-rank(x)) * softplus(b_scale) * s.
+  out = palimpsa(...) + D * v, per-head gated RMSNorm (swish gate), out_proj.
+  NotPalimpsa has no beta parameters and runs the op's SimpleGLA path.
+  """
+
+  def __init__(
+      self, d_model: int, *, num_heads: int, head_k_dim: int, head_v_dim: int,
+      beta_rank: int, rngs: nnx.Rngs, metaplasticity: bool = True,
+      conv_kernel: int = 4, A_init: str = "uniform",
+      A_init_range: tuple[float, float] = (0.0, 16.0), dt_min: float = 1e-3,
+      dt_max: float = 1e-1, dt_init_floor: float = 1e-4,
+      norm_eps: float = 1e-6, init_std: float = params_lib.INIT_STD,
+      implementation: str = "auto", chunk_size: int = 64,
+      dtype=jnp.float32):
+    h, kd, vd = num_heads, head_k_dim, head_v_dim
+    init = params_lib.normal_init(init_std)
+    dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
+                                      kernel_init=init, dtype=dtype)
+    conv = lambda c: ShortConv(c, conv_kernel, rngs=rngs, dtype=dtype)
+    self.q_proj = dense(d_model, h * kd, ("embed", "heads"))
+    self.k_proj = dense(d_model, h * kd, ("embed", "heads"))
+    self.v_proj = dense(d_model, h * vd, ("embed", "heads"))
+    self.q_conv, self.k_conv, self.v_conv = conv(h * kd), conv(h * kd), conv(
+        h * vd)
+    self.dt_proj = dense(d_model, h, ("embed", "heads"))
+    self.s_proj = dense(d_model, h, ("embed", "heads"))
+    self.A_log = params_lib.make_param(
+        params_lib.init_a_log(rngs.params(), h, A_init, A_init_range),
+        ("heads",))
+    self.dt_bias = params_lib.make_param(
+        params_lib.init_dt_bias(rngs.params(), h, dt_min, dt_max,
+                                dt_init_floor), ("heads",))
+    self.D = params_lib.make_param(jnp.ones((h,)), ("heads",))
+    if metaplasticity:
+      self.beta_down = dense(d_model, beta_rank, ("embed", "rank"))
+      self.beta_up = Dense(
+          beta_rank, h * vd, names=("rank", "heads"), rngs=rngs,
+          kernel_init=params_lib.fan_in_uniform_init(beta_rank),
+          use_bias=True, bias_init=params_lib.fan_in_uniform_init(beta_rank),
+          dtype=dtype)
+      self.b_scale = params_lib.make_param(jnp.ones((h,)), ("heads",))
+      self.Ip_log = params_lib.make_param(jnp.zeros((h,)), ("heads",))
+    self.gate_proj = dense(d_model, h * vd, ("embed", "heads"))
+    self.out_norm = GatedRMSNorm(vd, eps=norm_eps, norm_before_gate=True,
+                                 names=("kv",), dtype=dtype)
+    self.out_proj = Dense(h * vd, d_model, names=("heads", "embed"),
+                          rngs=rngs, kernel_init=init, dtype=dtype)
+    self.num_heads, self.head_k_dim, self.head_v_dim = h, kd, vd
+    self.metaplasticity = metaplasticity
+    self.implementation = implementation
+    self.chunk_size = chunk_size
+    self.dtype = dtype
+
+  def prior_precision(self) -> jax.Array:
+    """Ip [H] f32; Ip_log is frozen (no gradient), so Ip stays 1."""
+    if not self.metaplasticity:
+      return jnp.ones((self.num_heads,), jnp.float32)
+    return jnp.exp(jax.lax.stop_gradient(self.Ip_log[...]))
+
+  def init_cache(self, batch_size: int, max_length: int,
+                 dtype=jnp.float32) -> PalimpsaDCache:
+    """Fixed-shape cache; independent of max_length (O(1) per token)."""
+    del max_length, dtype
+    h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
+    ip = self.prior_precision()[None, :, None, None]
+    return PalimpsaDCache(
+        self.q_conv.init_state(batch_size), self.k_conv.init_state(batch_size),
+        self.v_conv.init_state(batch_size),
+        PalimpsaState(jnp.zeros((batch_size, h, vd, kd), jnp.float32),
+                      jnp.broadcast_to(ip, (batch_size, h, vd, kd))))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               return_diagnostics: bool = False):
+    """x [B, T, d] -> y [B, T, d] (and a diagnostics dict when asked)."""
+    y, _, diagnostics = self._forward(
+        x, None, segment_ids, self.implementation, return_diagnostics)
+    return (y, diagnostics) if return_diagnostics else y
+
+  def prefill(self, x: jax.Array, cache: PalimpsaDCache):
+    """Runs x [B, T, d] from the cache; returns (y [B, T, d], new cache)."""
+    y, cache, _ = self._forward(x, cache, None, self.implementation, False)
+    return y, cache
+
+  def step(self, x: jax.Array, cache: PalimpsaDCache):
+    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
+    y, cache, _ = self._forward(x, cache, None, "sequential", False)
+    return y, cache
+
+  def _forward(self, x, cache, segment_ids, implementation,
+               return_diagnostics):
+    batch, length, _ = x.shape
+    h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
+    conv_states = (None,) * 3 if cache is None else cache[:3]
+    q, q_conv = self.q_conv(self.q_proj(x), conv_states[0], segment_ids)
+    k, k_conv = self.k_conv(self.k_proj(x), conv_states[1], segment_ids)
+    v, v_conv = self.v_conv(self.v_proj(x), conv_states[2], segment_ids)
+    q = l2_normalize(q.reshape(batch, length, h, kd)) * (kd ** -0.5)
+    k = l2_normalize(k.reshape(batch, length, h, kd))
+    v = v.reshape(batch, length, h, vd)
+
+    dt = jax.nn.softplus(self.dt_proj(x).astype(jnp.float32)
+                         + self.dt_bias[...])
+    log_alpha = -jnp.exp(self.A_log[...]) * dt  # [B, T, H]
+    s = jax.nn.sigmoid(self.s_proj(x).astype(jnp.float32))[..., None]
+    written = (v.astype(jnp.float32) * s).astype(self.dtype)
+    beta = None
+    if self.metaplasticity:
+      gate = jax.nn.sigmoid(
+          self.beta_up(self.beta_down(x)).astype(jnp.float32))
+      beta = (gate.reshape(batch, length, h, vd)
+              * jax.nn.softplus(self.b_scale[...])[:, None] * s)
+      beta = beta.astype(self.dtype)
+
+    result = palimpsa(
+        q.astype(self.dtype), k.astype(self.dtype), written, beta, log_alpha,
+        self.prior_precision(),
+        initial_state=None if cache is None else cache.state,
+        segment_ids=segment_ids, return_variance=return_diagnostics,
+        implementation=implementation, chunk_size=self.chunk_size)
+    out = (result.out.astype(jnp.float32)
+           + self.D[...][:, None] * v.astype(jnp.float32))
+    g = self.gate_proj(x).reshape(batch, length, h, vd)
+    y = self.out_proj(self.out_norm(out, g).reshape(batch, length, h * vd))
+    new_cache = PalimpsaDCache(q_conv, k_conv, v_conv, result.state)
+    diagnostics = None
+    if return_diagnostics:
+      diagnostics = {
+          **palimpsa_diagnostics(result, q, self.prior_precision(), y),
+          **gate_diagnostics(log_alpha)}
+    return y, new_cache, diagnostics
