@@ -1,0 +1,86 @@
+"""Pallas Mosaic TPU kernel: the op suite interpreted on CPU, and every kernel lowered for TPU.
+
+Lowering (`.lower(lowering_platforms=("tpu",))`) runs JAX's Pallas -> Mosaic lowering on this
+machine: block-shape rules, supported primitives and the Mosaic MLIR verifier. It does not run
+Mosaic's own compiler (that lives in libtpu), so a TPU compile is not verified here: docs/tpu.md.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from palimpsa_jax.ops import PalimpsaState, palimpsa
+from pallas_kernels.palimpsa_tpu import palimpsa_tpu
+from pallas_kernels.palimpsa_tpu.layout import geometry
+from tests.ops.palimpsa_suite import PalimpsaSuite
+
+HEAD_DIMS = (16, 32, 48, 64, 96, 128, 192, 256)
+
+
+class TestPallasTpuInterpret(PalimpsaSuite):
+  IMPLEMENTATION = "pallas_tpu"
+  INTERPRET = True
+  LONG_RUN = False
+  SHAPES = PalimpsaSuite.SHAPES + (
+      # Two 128-step chunks, two value tiles; resets inside a chunk and at a chunk start.
+      ((2, 140, 1, 16, 130), 64, ((50, 60, 30), (128, 12))),
+  )
+
+
+def _abstract_args(kd, vd, dtype, t):
+  s = jax.ShapeDtypeStruct
+  b, h = 1, 2
+  return (s((b, t, h, kd), dtype), s((b, t, h, kd), dtype), s((b, t, h, vd), dtype),
+          s((b, t, h, vd), dtype), s((b, t, h), jnp.float32), s((h,), jnp.float32),
+          s((b, h, vd, kd), jnp.float32), s((b, h, vd, kd), jnp.float32), s((b, t), jnp.int32))
+
+
+def _lower_for_tpu(kd, vd, dtype, return_variance, t=16):
+  """StableHLO text of forward + backward lowered for TPU."""
+
+  def loss(*args):
+    out, var, mu, prec = palimpsa_tpu(*args, return_variance=return_variance, chunk_size=64,
+                                      interpret=False)
+    total = jnp.sum(out.astype(jnp.float32)) + jnp.sum(mu) + jnp.sum(prec)
+    return total + (jnp.sum(var) if return_variance else 0.0)
+
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(8))))
+  lowered = grad.trace(*_abstract_args(kd, vd, dtype, t)).lower(lowering_platforms=("tpu",))
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+def test_kernels_lower_for_tpu(dim, dtype):
+  # boundary states + walk (forward) and the backward kernel.
+  assert _lower_for_tpu(dim, dim, dtype, return_variance=True).count("tpu_custom_call") == 3
+
+
+@pytest.mark.parametrize("kd,vd", [(16, 32), (48, 96), (96, 192), (128, 256), (256, 16)])
+def test_kernels_lower_for_tpu_without_variance_and_several_chunks(kd, vd):
+  text = _lower_for_tpu(kd, vd, jnp.bfloat16, return_variance=False, t=300)
+  assert text.count("tpu_custom_call") == 3
+
+
+def test_blocks_are_tpu_legal():
+  for kd in HEAD_DIMS:
+    for t in (1, 37, 128, 300, 4096):
+      g = geometry((2, t, 3, kd), 192, chunk_size=64)
+      assert g.kp % 16 == 0 and g.vp % 128 == 0 and g.chunk % 16 == 0
+      assert g.chunk % 128 == 0 or g.chunk == g.tp
+      assert g.tp % g.chunk == 0 and g.chunk % g.sub == 0 and g.sub % 8 == 0
+
+
+def test_unsupported_key_dim_raises_not_implemented():
+  args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(264, 8, jnp.float32, 4)]
+  with pytest.raises(NotImplementedError, match="key dims"):
+    palimpsa_tpu(*args, return_variance=False, chunk_size=64, interpret=True)
+
+
+def test_op_dispatches_to_the_kernel():
+  args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(16, 16, jnp.float32, 8)]
+  q, k, v, beta, la, ip, mu0, prec0, seg = args
+  jaxpr = jax.make_jaxpr(lambda *a: palimpsa(
+      *a, initial_state=PalimpsaState(mu0, prec0 + 1.0), segment_ids=seg,
+      implementation="pallas_tpu", interpret=True).out)(q, k, v, beta, la, ip + 1.0)
+  assert "pallas_call" in str(jaxpr)
