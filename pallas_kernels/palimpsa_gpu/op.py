@@ -21,7 +21,8 @@ from pallas_kernels.common import next_power_of_two, round_up
 from pallas_kernels.palimpsa_gpu import boundary, layout, walk
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_SUPPORTED_DIMS = (16, 32, 48, 64, 96, 128, 192, 256)
+_MAX_DIM = 256
+_MIN_K = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Config:
 
   @property
   def k_pad(self) -> int:
-    return next_power_of_two(self.k) - self.k
+    return max(_MIN_K, next_power_of_two(self.k)) - self.k
 
   @property
   def v_pad(self) -> int:
@@ -68,10 +69,10 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   """Checks what the kernel supports and picks tiles."""
   b, t, h, k = q.shape
   vdim = v.shape[-1]
-  if k not in _SUPPORTED_DIMS or vdim not in _SUPPORTED_DIMS:
+  if k > _MAX_DIM or vdim > _MAX_DIM:
     raise NotImplementedError(
-        f"palimpsa_gpu supports K, V in {_SUPPORTED_DIMS}; got K={k}, V={vdim}")
-  kp = next_power_of_two(k)
+        f"palimpsa_gpu supports K, V <= {_MAX_DIM}; got K={k}, V={vdim}")
+  kp = max(_MIN_K, next_power_of_two(k))
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   sub = 8 if chunk >= 8 else chunk
@@ -279,7 +280,7 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
      mu_final [B, H, V, K] f32, precision_final [B, H, V, K] f32).
 
   Raises:
-    NotImplementedError: K or V outside {16, 32, 48, 64, 96, 128, 192, 256}.
+    NotImplementedError: K or V larger than 256.
   """
   cfg = make_config(q, v, log_alpha, prior_precision,
                     return_variance=return_variance, chunk_size=chunk_size,

@@ -34,10 +34,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
     m, b = carry
     if with_states:
 
-      @pl.when(t % sub == 0)
+      @pl.when(jax.lax.rem(t, sub) == 0)
       def _():
-        sm_ref[t // sub] = m
-        sb_ref[t // sub] = b
+        sm_ref[jax.lax.div(t, sub)] = m
+        sb_ref[jax.lax.div(t, sub)] = b
 
     k = k_ref[t, :].astype(jnp.float32)[None, :]
     v = v_ref[t, :].astype(jnp.float32)[:, None]
