@@ -1,0 +1,172 @@
+"""Language-model suite: perplexity and bits per byte on held-out text, packed as in training.
+
+Also holds what the long-context and commonsense suites share: a jitted next-token scorer for an
+NNX language model, and loading a checkpoint together with its tokenizer.
+
+  python eval.py --suite lm --checkpoint WORKDIR --files 'heldout/*.jsonl' [--max_length T]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+import math
+import os
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from palimpsa_jax.data import text as text_lib
+from palimpsa_jax.data import tokenizer as tokenizer_lib
+
+DEFAULT_BATCH_SIZE = 8
+
+
+class ModelScorer:
+  """Log-probabilities of given next tokens under an NNX language model, jitted.
+
+  The model is called as model(tokens [B, T], segment_ids=[B, T]) -> logits [B, T, vocab] f32.
+  One compilation per input shape: callers pad to a few fixed shapes.
+  """
+
+  def __init__(self, model: nnx.Module):
+    model.eval()
+    self._graphdef, self._state = nnx.split(model)
+    self._score = jax.jit(self._score_impl)
+
+  def _score_impl(self, state, tokens, segment_ids, targets):
+    model = nnx.merge(self._graphdef, state)
+    logits = model(tokens, segment_ids=segment_ids).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    greedy = jnp.argmax(logits, axis=-1) == targets
+    return picked, greedy
+
+  def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray,
+               targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Returns log p(targets[b, t] | tokens[b, :t + 1]) [B, T] f32 and whether each target is
+    the argmax [B, T] bool."""
+    picked, greedy = self._score(self._state, jnp.asarray(tokens, jnp.int32),
+                                 jnp.asarray(segment_ids, jnp.int32),
+                                 jnp.asarray(targets, jnp.int32))
+    return np.asarray(picked), np.asarray(greedy)
+
+
+def lm_metrics(scorer: ModelScorer, batches: Iterable[Mapping[str, np.ndarray]],
+               token_bytes: np.ndarray) -> dict[str, float]:
+  """Perplexity and bits per byte over packed batches.
+
+  Args:
+    scorer: the model's scorer.
+    batches: {"tokens", "segment_ids", "mask"} each [b, T] (make_text_eval_dataset).
+    token_bytes: [vocab] UTF-8 bytes of each token (0 for special tokens).
+
+  Returns:
+    "perplexity" = exp(mean NLL per scored token), "bits_per_byte" = total NLL / ln 2 / bytes of
+    the scored tokens, "nll_per_token", "tokens", "bytes". A token is scored when it follows a
+    token of its own segment (the first token of each row segment has no context in the row).
+  """
+  nll = 0.0
+  tokens_scored = 0.0
+  bytes_scored = 0.0
+  for batch in batches:
+    targets, weights = text_lib.next_token_targets(batch["tokens"], batch["segment_ids"],
+                                                   batch.get("mask"))
+    log_probs, _ = scorer(batch["tokens"], batch["segment_ids"], targets)
+    weights = weights.astype(np.float64)
+    nll -= float(np.sum(log_probs.astype(np.float64) * weights))
+    tokens_scored += float(weights.sum())
+    bytes_scored += float(np.sum(token_bytes[targets] * weights))
+  if tokens_scored == 0:
+    raise ValueError("no token to score: the held-out files are empty or shorter than 2 tokens")
+  return {
+      "perplexity": math.exp(nll / tokens_scored),
+      "bits_per_byte": nll / math.log(2) / max(bytes_scored, 1.0),
+      "nll_per_token": nll / tokens_scored,
+      "tokens": int(tokens_scored),
+      "bytes": int(bytes_scored),
+  }
+
+
+def checkpoint_tokenizer(checkpoint: str, config: Any) -> tokenizer_lib.TextTokenizer:
+  """The tokenizer a run was trained with (config.data.tokenizer).
+
+  A "bpe:<n>" tokenizer is looked for in the checkpoint folder and its parents (the workdir).
+  """
+  spec = config.data.tokenizer
+  if not str(spec).startswith("bpe:"):
+    return tokenizer_lib.load_tokenizer(spec)
+  vocab_size = int(str(spec).split(":", 1)[1])
+  directory = os.path.abspath(checkpoint)
+  for _ in range(4):
+    path = tokenizer_lib.bpe_tokenizer_path(directory, vocab_size)
+    if os.path.isfile(path):
+      return tokenizer_lib.load_tokenizer(path)
+    directory = os.path.dirname(directory)
+  raise FileNotFoundError(f"checkpoint {checkpoint!r} was trained with tokenizer {spec!r} but "
+                          f"no {os.path.basename(path)} is in it or its parent folders")
+
+
+def load_checkpoint(checkpoint: str):
+  """(model, config, step, tokenizer) of a checkpoint written by train.py."""
+  from palimpsa_jax.training.checkpoint import load_model  # pylint: disable=g-import-not-at-top
+  model, config, step = load_model(checkpoint)
+  return model, config, step, checkpoint_tokenizer(checkpoint, config)
+
+
+def checkpoints_option(options: Mapping[str, Any]) -> list[str]:
+  """options["checkpoint"] as a non-empty list of paths."""
+  value = options.get("checkpoint")
+  if isinstance(value, str):
+    value = [c for c in value.split(",") if c]
+  if not value:
+    raise ValueError("options['checkpoint'] must name at least one checkpoint (--checkpoint)")
+  return list(value)
+
+
+def int_option(options: Mapping[str, Any], key: str, default: int | None) -> int | None:
+  value = options.get(key)
+  if value is None:
+    return default
+  if int(value) <= 0:
+    raise ValueError(f"options[{key!r}] must be a positive integer, got {value!r}")
+  return int(value)
+
+
+def evaluate_checkpoint(checkpoint: str, files: str | Sequence[str], seq_len: int | None,
+                        batch_size: int) -> dict[str, Any]:
+  """lm metrics of one checkpoint on the held-out files (seq_len defaults to the training one)."""
+  model, config, step, tokenizer = load_checkpoint(checkpoint)
+  seq_len = seq_len or int(config.seq_len)
+  batches = text_lib.make_text_eval_dataset(files, tokenizer, seq_len, batch_size)
+  metrics = lm_metrics(ModelScorer(model), batches, tokenizer.token_bytes)
+  return {**metrics, "step": int(step), "seq_len": seq_len}
+
+
+def run(options: Mapping[str, Any]) -> dict[str, Any]:
+  """eval.py --suite lm.
+
+  Options: "checkpoint" (list), "files" (glob of held-out files), "max_length" (row length,
+  default: the run's seq_len), "batch_size".
+
+  Returns:
+    For one checkpoint {"perplexity", "bits_per_byte", "nll_per_token", "tokens", "bytes",
+    "step", "seq_len", "files"}; for several, {"checkpoints": {path: the same dict}}.
+  """
+  files = options.get("files")
+  if not files:
+    raise ValueError("the lm suite needs held-out text files: options['files'] (--files GLOB)")
+  checkpoints = checkpoints_option(options)
+  seq_len = int_option(options, "max_length", None)
+  batch_size = int_option(options, "batch_size", DEFAULT_BATCH_SIZE)
+  results = {}
+  for checkpoint in checkpoints:
+    results[checkpoint] = {**evaluate_checkpoint(checkpoint, files, seq_len, batch_size),
+                           "files": files}
+    print(f"{checkpoint}: perplexity {results[checkpoint]['perplexity']:.4f}  "
+          f"bits/byte {results[checkpoint]['bits_per_byte']:.4f}", flush=True)
+  if len(checkpoints) == 1:
+    return results[checkpoints[0]]
+  return {"checkpoints": results}
