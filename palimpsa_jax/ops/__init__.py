@@ -1,12 +1,8 @@
 """Recurrence ops: Palimpsa, its SimpleGLA special case and the gated delta rule."""
 
+from palimpsa_jax.ops.gated_delta import DeltaRuleResult, gated_delta_rule
 from palimpsa_jax.ops.gla import GLAResult, simple_gla
 from palimpsa_jax.ops.palimpsa import PalimpsaResult, PalimpsaState, palimpsa
-
-try:  # Written by another helper; a plain import once it is committed.
-  from palimpsa_jax.ops.gated_delta import DeltaRuleResult, gated_delta_rule
-except ImportError:
-  pass
 
 __all__ = [
     "DeltaRuleResult",

@@ -1,0 +1,260 @@
+"""Shared test suite for every Palimpsa implementation, against the float64 reference.
+
+A test file subclasses `PalimpsaSuite` and sets IMPLEMENTATION (and INTERPRET for Pallas kernels in
+interpret mode); the whole suite then reruns for that implementation. The suite is kept small in
+test count and shapes because interpreted kernels rerun it on CPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from palimpsa_jax.ops import PalimpsaState, palimpsa
+from palimpsa_jax.ops.palimpsa import reference_palimpsa
+
+DIFF_ARGS = ("q", "k", "v", "beta", "log_alpha", "prior_precision", "mu0", "precision0")
+
+
+def rel_error(x, ref) -> float:
+  """max |x - ref| / max |ref| in float64."""
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def make_inputs(seed: int, shape, dtype=jnp.float32, segment_lengths=None) -> dict:
+  """Random op inputs (numpy, values already rounded to dtype) plus segment ids.
+
+  shape = (B, T, H, K, V). segment_lengths (per row) packs documents; None: no segment ids.
+  """
+  b, t, h, kd, vd = shape
+  rng = np.random.default_rng(seed)
+
+  def cast(x, dt=dtype):
+    return np.asarray(jnp.asarray(x, dt).astype(jnp.float32))
+
+  x = dict(
+      q=cast(rng.standard_normal((b, t, h, kd)) / np.sqrt(kd)),
+      k=cast(rng.standard_normal((b, t, h, kd)) / np.sqrt(kd)),
+      v=cast(rng.standard_normal((b, t, h, vd))),
+      beta=cast(rng.uniform(0.0, 1.0, (b, t, h, vd))),
+      log_alpha=cast(np.log(rng.uniform(0.6, 1.0, (b, t, h)))),
+      prior_precision=cast(rng.uniform(0.5, 2.0, (h,))),
+      mu0=cast(rng.standard_normal((b, h, vd, kd)), jnp.float32),
+      precision0=cast(rng.uniform(0.5, 3.0, (b, h, vd, kd)), jnp.float32),
+  )
+  if segment_lengths is not None:
+    x["segment_ids"] = np.stack(
+        [np.repeat(np.arange(len(row)), row) for row in segment_lengths]).astype(np.int32)
+  return x
+
+
+def _call(fn, x, dtype, **kwargs):
+  """Runs an op-shaped fn on the dict x with the float inputs in dtype (state stays f32)."""
+  cast = lambda n: jnp.asarray(x[n], dtype)
+  return fn(cast("q"), cast("k"), cast("v"), cast("beta"), cast("log_alpha"),
+            cast("prior_precision"),
+            initial_state=PalimpsaState(jnp.asarray(x["mu0"], jnp.float32),
+                                        jnp.asarray(x["precision0"], jnp.float32)),
+            segment_ids=None if x.get("segment_ids") is None else jnp.asarray(x["segment_ids"]),
+            **kwargs)
+
+
+def _result_and_grads(fn, diff, seg, cotangents):
+  """(out, variance, mu, precision) and the grads of <result, cotangents> w.r.t. diff."""
+
+  def flat(*args):
+    q, k, v, beta, la, ip, mu0, p0 = args
+    r = fn(q, k, v, beta, la, ip, initial_state=PalimpsaState(mu0, p0), segment_ids=seg)
+    return (r.out, r.variance, r.state.mu, r.state.precision)
+
+  res, vjp = jax.vjp(flat, *diff)
+  cts = tuple(jnp.asarray(c, r.dtype) for c, r in zip(cotangents, res))
+  return res, vjp(cts)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "chunk_size"))
+def _op_with_grads(diff, seg, cotangents, *, implementation, interpret, chunk_size):
+  fn = functools.partial(palimpsa, return_variance=True, implementation=implementation,
+                         chunk_size=chunk_size, interpret=interpret)
+  return _result_and_grads(fn, diff, seg, cotangents)
+
+
+@jax.jit
+def _reference_with_grads(diff, seg, cotangents):
+  return _result_and_grads(reference_palimpsa, diff, seg, cotangents)
+
+
+def reference_with_grads(x, cotangents):
+  """float64 reference result and grads, as numpy."""
+  with jax.enable_x64(True):
+    diff = tuple(jnp.asarray(x[n], jnp.float64) for n in DIFF_ARGS)
+    seg = None if x.get("segment_ids") is None else jnp.asarray(x["segment_ids"])
+    cts = tuple(jnp.asarray(c, jnp.float64) for c in cotangents)
+    return jax.tree.map(np.asarray, _reference_with_grads(diff, seg, cts))
+
+
+@functools.cache
+def _jitted_palimpsa(implementation, interpret, chunk_size, return_variance):
+  return jax.jit(functools.partial(palimpsa, implementation=implementation, interpret=interpret,
+                                   chunk_size=chunk_size, return_variance=return_variance))
+
+
+def random_cotangents(seed, shape):
+  b, t, h, kd, vd = shape
+  rng = np.random.default_rng(seed)
+  return tuple(rng.standard_normal(s) for s in
+               ((b, t, h, vd), (b, t, h, vd), (b, h, vd, kd), (b, h, vd, kd)))
+
+
+class PalimpsaSuite:
+  """Subclass and set IMPLEMENTATION / INTERPRET (and SHAPES for slow interpreted kernels)."""
+
+  IMPLEMENTATION: str = "sequential"
+  INTERPRET: bool = False
+  # (B, T, H, K, V), chunk_size, segment lengths per row (None: no segment ids).
+  SHAPES = (
+      ((2, 37, 2, 8, 4), 16, ((10, 20, 7), (37,))),  # T not a multiple of the chunk, K != V
+      ((1, 1, 2, 4, 4), 64, None),                    # T = 1
+      ((1, 64, 1, 16, 16), 16, ((64,),)),             # T a multiple of the chunk
+  )
+  LONG_RUN = True  # 100k-step alpha -> 1 run; off for interpreted kernels.
+
+  def op(self, *args, chunk_size, return_variance=False, **kwargs):
+    """palimpsa with this suite's implementation, jitted (one compile per static setting)."""
+    fn = _jitted_palimpsa(self.IMPLEMENTATION, self.INTERPRET, chunk_size, return_variance)
+    return fn(*args, **kwargs)
+
+  def _check_against_reference(self, seed, shape, chunk, lengths, dtype, fwd_tol, grad_tol):
+    x = make_inputs(seed, shape, dtype, lengths)
+    cts = random_cotangents(seed + 1, shape)
+    diff = tuple(jnp.asarray(x[n], dtype if i < 6 else jnp.float32)
+                 for i, n in enumerate(DIFF_ARGS))
+    seg = None if lengths is None else jnp.asarray(x["segment_ids"])
+    (res, grads) = _op_with_grads(diff, seg, cts, implementation=self.IMPLEMENTATION,
+                                  interpret=self.INTERPRET, chunk_size=chunk)
+    ref_res, ref_grads = reference_with_grads(x, cts)
+    assert res[0].dtype == dtype and res[1].dtype == jnp.float32
+    for name, got, want in zip(("out", "variance", "mu", "precision"), res, ref_res):
+      err = rel_error(got, want)
+      assert err < fwd_tol, f"{shape} {dtype.__name__} {name}: rel. error {err:.2e}"
+    for name, got, want in zip(DIFF_ARGS, grads, ref_grads):
+      assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{shape} d{name} not finite"
+      err = rel_error(got, want)
+      assert err < grad_tol, f"{shape} {dtype.__name__} d{name}: rel. error {err:.2e}"
+
+  def test_float32_matches_reference(self):
+    for i, (shape, chunk, lengths) in enumerate(self.SHAPES):
+      self._check_against_reference(10 + i, shape, chunk, lengths, jnp.float32, 1e-5, 1e-4)
+
+  def test_bfloat16_matches_reference(self):
+    shape, chunk, lengths = self.SHAPES[0]
+    self._check_against_reference(20, shape, chunk, lengths, jnp.bfloat16, 2e-2, 2e-2)
+
+  def test_state_continuation(self):
+    shape, chunk, _ = self.SHAPES[0]
+    x = make_inputs(30, shape)
+    t1 = shape[1] // 2 - 3
+    run = lambda y: _call(self.op, y, jnp.float32, chunk_size=chunk, return_variance=True)
+    whole = run(x)
+    first = run({n: (a[:, :t1] if a.ndim >= 3 and n not in ("mu0", "precision0") else a)
+                 for n, a in x.items()})
+    second = run({**{n: a[:, t1:] for n, a in x.items() if n not in ("mu0", "precision0",
+                                                                       "prior_precision")},
+                  "prior_precision": x["prior_precision"],
+                  "mu0": first.state.mu, "precision0": first.state.precision})
+    np.testing.assert_allclose(np.concatenate([first.out, second.out], 1), whole.out,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate([first.variance, second.variance], 1),
+                               whole.variance, rtol=1e-5)
+    np.testing.assert_allclose(second.state.mu, whole.state.mu, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(second.state.precision, whole.state.precision, rtol=1e-5)
+
+  def test_segments_match_separate_runs(self):
+    lengths = (5, 11, 8)
+    shape = (1, sum(lengths), 2, 4, 3)
+    x = make_inputs(40, shape, segment_lengths=(lengths,))
+    x.pop("mu0"), x.pop("precision0")
+    fields = ("q", "k", "v", "beta", "log_alpha")
+    packed = self.op(*(jnp.asarray(x[n]) for n in fields), jnp.asarray(x["prior_precision"]),
+                     segment_ids=jnp.asarray(x["segment_ids"]), chunk_size=8,
+                     return_variance=True)
+    start = 0
+    for length in lengths:
+      piece = self.op(*(jnp.asarray(x[n][:, start:start + length]) for n in fields),
+                      jnp.asarray(x["prior_precision"]), chunk_size=8, return_variance=True)
+      np.testing.assert_allclose(packed.out[:, start:start + length], piece.out,
+                                 rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(packed.variance[:, start:start + length], piece.variance,
+                                 rtol=1e-5)
+      start += length
+    np.testing.assert_allclose(packed.state.mu, piece.state.mu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(packed.state.precision, piece.state.precision, rtol=1e-5)
+
+  def test_corner_cases_finite(self):
+    shape = (1, 19, 2, 4, 4)
+    corners = {
+        "alpha->0": dict(log_alpha=-60.0),
+        "beta=1e4": dict(beta=1e4),
+        "Ip=1e-4": dict(prior_precision=1e-4),
+        "all": dict(log_alpha=-60.0, beta=1e4, prior_precision=1e-4),
+    }
+    for i, (label, override) in enumerate(corners.items()):
+      x = make_inputs(50 + i, shape)
+      x.update({n: np.full_like(x[n], val) for n, val in override.items()})
+      cts = random_cotangents(60 + i, shape)
+      diff = tuple(jnp.asarray(x[n], jnp.float32) for n in DIFF_ARGS)
+      res, grads = _op_with_grads(diff, None, cts, implementation=self.IMPLEMENTATION,
+                                  interpret=self.INTERPRET, chunk_size=8)
+      ref_res, _ = reference_with_grads(x, cts)
+      for name, arr in zip(("out", "variance", "mu", "precision") + DIFF_ARGS, res + grads):
+        assert np.all(np.isfinite(arr)), f"{label}: {name} not finite"
+      for name, got, want in zip(("out", "variance", "mu", "precision"), res, ref_res):
+        err = rel_error(got, want)
+        assert err < 1e-4, f"{label} {name}: rel. error {err:.2e}"
+
+  def test_alpha_to_one_for_100k_steps(self):
+    if not self.LONG_RUN:
+      return
+    t = 100_000
+    shape = (1, t, 1, 2, 2)
+    x = make_inputs(70, shape)
+    x["log_alpha"] = np.full_like(x["log_alpha"], -1e-7)
+    cts = random_cotangents(71, shape)
+    diff = tuple(jnp.asarray(x[n], jnp.float32) for n in DIFF_ARGS)
+    res, grads = _op_with_grads(diff, None, cts, implementation=self.IMPLEMENTATION,
+                                interpret=self.INTERPRET, chunk_size=64)
+    for name, arr in zip(("out", "variance", "mu", "precision") + DIFF_ARGS, res + grads):
+      assert np.all(np.isfinite(arr)), f"{name} not finite after {t} steps"
+    # Precision accumulates (almost) every write: I_T ~ I_0 + sum_t beta k^2.
+    expected = x["precision0"][0, 0] + np.einsum("tv,tk->vk", x["beta"][0, :, 0],
+                                                 x["k"][0, :, 0] ** 2)
+    np.testing.assert_allclose(res[3][0, 0], expected, rtol=2e-2)
+
+  def test_jit_vmap_grad_compose(self):
+    shape = (1, 9, 1, 4, 3)
+    xs = [make_inputs(80 + i, shape) for i in range(2)]
+
+    def loss(q, k, v, beta, la, ip):
+      r = self.op(q, k, v, beta, la, ip, chunk_size=4, return_variance=True)
+      return jnp.sum(r.out * r.out) + jnp.sum(r.variance) + jnp.sum(r.state.mu)
+
+    names = DIFF_ARGS[:6]
+    stacked = [jnp.stack([jnp.asarray(x[n]) for x in xs]) for n in names]
+    grad = jax.grad(loss, argnums=(0, 3, 4, 5))
+    batched = jax.jit(jax.vmap(grad))(*stacked)
+    single_grad = jax.jit(grad)
+    for i, x in enumerate(xs):
+      single = single_grad(*(jnp.asarray(x[n]) for n in names))
+      for got, want in zip(batched, single):
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
+
+  def test_no_recompilation(self):
+    shape = (1, 11, 2, 4, 4)
+    fn = jax.jit(lambda *a: palimpsa(*a, implementation=self.IMPLEMENTATION,
+                                     interpret=self.INTERPRET, chunk_size=4).out)
+    for seed in (90, 91, 92):
+      x = make_inputs(seed, shape)
+      fn(*(jnp.asarray(x[n]) for n in DIFF_ARGS[:6])).block_until_ready()
+    assert fn._cache_size() == 1

@@ -1,0 +1,184 @@
+"""Palimpsa op: the shared suite per XLA implementation, validation, reference, memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax.test_util import check_grads
+
+from palimpsa_jax.ops import PalimpsaState, palimpsa
+from palimpsa_jax.ops.palimpsa import reference_palimpsa
+from palimpsa_jax.ops.palimpsa.chunked import palimpsa_chunked
+from palimpsa_jax.ops.ssd import ssd_quadratic
+from tests.ops.palimpsa_suite import PalimpsaSuite, rel_error
+
+
+class TestSequential(PalimpsaSuite):
+  IMPLEMENTATION = "sequential"
+
+
+class TestAssociative(PalimpsaSuite):
+  IMPLEMENTATION = "associative"
+  LONG_RUN = False  # materialises every state
+
+
+class TestChunked(PalimpsaSuite):
+  IMPLEMENTATION = "chunked"
+
+
+def _small_inputs(seed=0, shape=(2, 13, 2, 4, 3)):
+  b, t, h, kd, vd = shape
+  rng = np.random.default_rng(seed)
+  return dict(
+      q=rng.standard_normal((b, t, h, kd)) / 2, k=rng.standard_normal((b, t, h, kd)) / 2,
+      v=rng.standard_normal((b, t, h, vd)), beta=rng.uniform(0, 1, (b, t, h, vd)),
+      log_alpha=np.log(rng.uniform(0.6, 1.0, (b, t, h))),
+      prior_precision=rng.uniform(0.5, 2.0, (h,)),
+      segment_ids=np.repeat([[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2]], b, 0).astype(np.int32))
+
+
+def _f32(x):
+  return {n: jnp.asarray(a, jnp.int32 if n == "segment_ids" else jnp.float32)
+          for n, a in x.items()}
+
+
+def _bad_cases():
+  x = _f32(_small_inputs())
+  b, t, h, kd = x["q"].shape
+  vd = x["v"].shape[-1]
+  state = PalimpsaState(jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)))
+  return [
+      ("q", ValueError, dict(q=x["q"][0])),
+      ("k", ValueError, dict(k=x["k"][:, :, :, :-1])),
+      ("v", ValueError, dict(v=x["v"][:, :-1])),
+      ("beta", ValueError, dict(beta=x["beta"][..., :-1])),
+      ("log_alpha", ValueError, dict(log_alpha=x["log_alpha"][..., None])),
+      ("prior_precision", ValueError, dict(prior_precision=jnp.ones((h + 1,)))),
+      ("q", ValueError, dict(q=x["q"][:, :0], k=x["k"][:, :0], v=x["v"][:, :0],
+                             beta=x["beta"][:, :0], log_alpha=x["log_alpha"][:, :0],
+                             segment_ids=None)),
+      ("q", TypeError, dict(q=x["q"].astype(jnp.int32))),
+      ("v", TypeError, dict(v=x["v"].astype(jnp.int32))),
+      ("prior_precision", TypeError, dict(prior_precision=jnp.ones((h,), jnp.int32))),
+      ("segment_ids", TypeError, dict(segment_ids=x["segment_ids"].astype(jnp.float32))),
+      ("segment_ids", ValueError, dict(segment_ids=x["segment_ids"][:, :-1])),
+      ("initial_state", TypeError, dict(initial_state=(state.mu, state.precision))),
+      ("initial_state.mu", ValueError, dict(initial_state=state._replace(mu=state.mu[..., :-1]))),
+      ("initial_state.precision", TypeError,
+       dict(initial_state=state._replace(precision=state.precision.astype(jnp.int32)))),
+      ("implementation", ValueError, dict(implementation="cuda")),
+      ("chunk_size", ValueError, dict(chunk_size=0)),
+      ("chunk_size", TypeError, dict(chunk_size=2.0)),
+  ]
+
+
+@pytest.mark.parametrize("name,error,override", _bad_cases(),
+                         ids=[f"{c[0]}-{c[1].__name__}-{i}" for i, c in enumerate(_bad_cases())])
+def test_bad_input_names_the_argument(name, error, override):
+  x = {**_f32(_small_inputs()), **override}
+  kwargs = {n: x.pop(n) for n in ("initial_state", "segment_ids", "implementation", "chunk_size")
+            if n in x}
+  with pytest.raises(error, match=name):
+    palimpsa(x["q"], x["k"], x["v"], x["beta"], x["log_alpha"], x["prior_precision"], **kwargs)
+
+
+def test_reference_gradients_check_numerically():
+  x = _small_inputs(1, (1, 6, 1, 3, 2))
+  seg = jnp.asarray(np.array([[0, 0, 0, 1, 1, 1]], np.int32))
+  with jax.enable_x64(True):
+    def fn(q, k, v, beta, log_alpha, prior_precision):
+      r = reference_palimpsa(q, k, v, beta, log_alpha, prior_precision, segment_ids=seg)
+      return r.out, r.variance, r.state.mu, r.state.precision
+
+    args = [jnp.asarray(x[n]) for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
+    check_grads(fn, args, order=1, modes=("rev",))
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_beta_none_is_beta_zero(with_state):
+  """beta=None (SimpleGLA path from the prior, general path from a state) == reference(beta=0)."""
+  x = _small_inputs(2)
+  b, _, h, kd = x["q"].shape
+  vd = x["v"].shape[-1]
+  rng = np.random.default_rng(3)
+  state = (rng.standard_normal((b, h, vd, kd)), rng.uniform(0.5, 2, (b, h, vd, kd)))
+  names = ("q", "k", "v", "log_alpha", "prior_precision")
+
+  def loss(fn, q, k, v, la, ip, mu0, p0, seg):
+    init = PalimpsaState(mu0, p0) if with_state else None
+    r = fn(q, k, v, None, la, ip, initial_state=init, segment_ids=seg)
+    return jnp.sum(r.out ** 2) + jnp.sum(r.variance) + jnp.sum(r.state.mu * r.state.precision)
+
+  grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5, 6, 7))
+  op = jax.tree_util.Partial(palimpsa, return_variance=True)
+  got = jax.jit(grad, static_argnums=0)(op, *(jnp.asarray(x[n], jnp.float32) for n in names),
+                                        *(jnp.asarray(s, jnp.float32) for s in state),
+                                        jnp.asarray(x["segment_ids"]))
+  with jax.enable_x64(True):
+    ref = jax.tree_util.Partial(reference_palimpsa)
+    want = grad(lambda *a, **kw: ref(*a, **kw)._replace(), *(jnp.asarray(x[n]) for n in names),
+                *(jnp.asarray(s) for s in state), jnp.asarray(x["segment_ids"]))
+    want = jax.tree.map(np.asarray, want)
+  assert rel_error(got[0], want[0]) < 1e-5
+  grads = got[1] if with_state else got[1][:5]
+  for g, w in zip(grads, want[1]):
+    assert rel_error(g, w) < 1e-4
+
+
+def test_beta_zero_matches_ssd_dual_form():
+  """beta = 0: Ip * out is the SSD (Mamba2) output, both via beta=None and the general path."""
+  x = _f32(_small_inputs(4))
+  ssd = ssd_quadratic(x["q"], x["k"], x["v"], x["log_alpha"])
+  ip = x["prior_precision"][:, None]
+  for beta in (None, jnp.zeros_like(x["v"])):
+    r = palimpsa(x["q"], x["k"], x["v"], beta, x["log_alpha"], x["prior_precision"],
+                 implementation="chunked", chunk_size=4)
+    assert rel_error(r.out * ip, ssd) < 1e-5
+
+
+def test_mamba2_limit_converges_at_rate_one_over_ip():
+  """beta > 0 fixed, Ip -> inf: |Ip * out - SSD| shrinks like 1/Ip."""
+  x = _small_inputs(5)
+  with jax.enable_x64(True):
+    args = {n: jnp.asarray(a) for n, a in x.items() if n != "segment_ids"}
+    ssd = np.asarray(ssd_quadratic(args["q"], args["k"], args["v"], args["log_alpha"]))
+    errors = []
+    for ip in (1e2, 1e3, 1e4):
+      prior = jnp.full_like(args["prior_precision"], ip)
+      r = reference_palimpsa(args["q"], args["k"], args["v"], args["beta"], args["log_alpha"],
+                             prior)
+      errors.append(rel_error(ip * np.asarray(r.out), ssd))
+  rates = np.array(errors[1:]) / np.array(errors[:-1])
+  np.testing.assert_allclose(rates, 0.1, rtol=0.05)
+
+
+def test_auto_on_cpu_matches_reference():
+  x = _small_inputs(6)
+  r = palimpsa(*(jnp.asarray(x[n], jnp.float32) for n in
+                 ("q", "k", "v", "beta", "log_alpha", "prior_precision")),
+               segment_ids=jnp.asarray(x["segment_ids"]), return_variance=True)
+  with jax.enable_x64(True):
+    ref = reference_palimpsa(*(jnp.asarray(x[n]) for n in
+                               ("q", "k", "v", "beta", "log_alpha", "prior_precision")),
+                             segment_ids=jnp.asarray(x["segment_ids"]))
+    ref = jax.tree.map(np.asarray, ref)
+  assert rel_error(r.out, ref.out) < 1e-5 and rel_error(r.variance, ref.variance) < 1e-5
+
+
+def test_chunked_backward_memory_is_sublinear_in_states():
+  """Compiled fwd+bwd temp memory at B=1, H=2, T=16384, K=V=64 < 25% of all T states."""
+  b, t, h, kd, vd = 1, 16384, 2, 64, 64
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+
+  def loss(q, k, v, beta, gate, ip, m0, ibar0):
+    out, _, m, ibar = palimpsa_chunked(q, k, v, beta, gate, ip, m0, ibar0,
+                                       return_variance=False, chunk_size=64)
+    return jnp.sum(out) + jnp.sum(m) + jnp.sum(ibar)
+
+  compiled = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).lower(
+      f32(b, t, h, kd), f32(b, t, h, kd), f32(b, t, h, vd), f32(b, t, h, vd), f32(b, t, h),
+      f32(h), f32(b, h, vd, kd), f32(b, h, vd, kd)).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  all_states = t * vd * kd * 4 * b * h
+  assert temp < 0.25 * all_states, f"temp {temp / 2**20:.1f} MiB vs states {all_states / 2**20} MiB"
