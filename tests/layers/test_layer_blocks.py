@@ -1,0 +1,138 @@
+"""Short conv, norms, RoPE, SwiGLU and initialisers against direct formulas."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from palimpsa_jax.layers import (GatedRMSNorm, RMSNorm, ShortConv, SwiGLU,
+                                 apply_rope, swiglu_hidden_dim)
+from palimpsa_jax.layers import params as params_lib
+
+
+def _conv_reference(x, w, b, seg):
+  """Causal depthwise conv in float64, restarting at segment changes."""
+  batch, length, _ = x.shape
+  width = w.shape[0]
+  y = np.zeros(x.shape)
+  for bi in range(batch):
+    for t in range(length):
+      for i in range(width):
+        src = t - (width - 1) + i
+        if src >= 0 and seg[bi, src] == seg[bi, t]:
+          y[bi, t] += w[i] * x[bi, src]
+  y = y + (0 if b is None else b)
+  return y / (1 + np.exp(-y))
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_short_conv_matches_reference_with_segments(use_bias):
+  conv = ShortConv(6, 4, rngs=nnx.Rngs(0), use_bias=use_bias)
+  x = jax.random.normal(jax.random.key(1), (2, 9, 6))
+  seg = jnp.array([[0] * 4 + [1] * 5, [0] * 9])
+  y, _ = conv(x, segment_ids=seg)
+  b = None if conv.bias is None else np.asarray(conv.bias[...], np.float64)
+  ref = _conv_reference(np.asarray(x, np.float64),
+                        np.asarray(conv.kernel[...], np.float64), b,
+                        np.asarray(seg))
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_short_conv_state_continues_the_sequence():
+  conv = ShortConv(5, 4, rngs=nnx.Rngs(0), use_bias=True)
+  x = jax.random.normal(jax.random.key(2), (2, 10, 5))
+  full, full_state = conv(x)
+  first, state = conv(x[:, :3])
+  second, state = conv(x[:, 3:4], state)
+  third, state = conv(x[:, 4:], state)
+  np.testing.assert_allclose(
+      np.concatenate([first, second, third], 1), full, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(state, full_state)
+  assert state.shape == (2, 3, 5) and state.dtype == jnp.float32
+
+
+def test_short_conv_rejects_wrong_channels():
+  conv = ShortConv(5, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"x must be \[B, T, 5\]"):
+    conv(jnp.zeros((1, 3, 4)))
+
+
+def test_rms_norm_and_dtype():
+  norm = RMSNorm(8, eps=1e-5, dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(3), (3, 8)) * 5
+  y = norm(x)
+  ref = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5)
+  assert y.dtype == jnp.bfloat16 and norm.scale[...].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=1e-2)
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_gated_rms_norm_groups(norm_before_gate):
+  norm = GatedRMSNorm(8, group_size=4, norm_before_gate=norm_before_gate,
+                      eps=1e-6)
+  norm.scale[...] = jnp.arange(1.0, 9.0)
+  x = np.random.default_rng(0).normal(size=(2, 8))
+  z = np.random.default_rng(1).normal(size=(2, 8))
+  y = norm(jnp.asarray(x, jnp.float32), jnp.asarray(z, jnp.float32))
+  gate = z / (1 + np.exp(-z))
+  pre = x if norm_before_gate else x * gate
+  groups = pre.reshape(2, 2, 4)
+  normed = (groups / np.sqrt(np.mean(groups ** 2, -1, keepdims=True) + 1e-6)
+            ).reshape(2, 8) * np.arange(1.0, 9.0)
+  ref = normed * gate if norm_before_gate else normed
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_scores_depend_on_relative_position_only():
+  q = jax.random.normal(jax.random.key(4), (1, 1, 2, 8))
+  k = jax.random.normal(jax.random.key(5), (1, 1, 2, 8))
+  def score(pq, pk):
+    return jnp.sum(apply_rope(q, jnp.array([pq])) * apply_rope(k, jnp.array([pk])), -1)
+  np.testing.assert_allclose(score(7, 3), score(104, 100), rtol=1e-4)
+  np.testing.assert_allclose(score(0, 0), jnp.sum(q * k, -1), rtol=1e-5)
+  assert not np.allclose(score(7, 3), score(3, 7))
+
+
+def test_swiglu_shape_and_hidden_rule():
+  assert swiglu_hidden_dim(768) == 2048
+  assert swiglu_hidden_dim(1536) == 4096
+  mlp = SwiGLU(8, 16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(6), (2, 3, 8))
+  ref = (jax.nn.silu(x @ mlp.gate_proj.kernel[...]) * (x @ mlp.up_proj.kernel[...])
+         ) @ mlp.down_proj.kernel[...]
+  np.testing.assert_allclose(mlp(x), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_a_log_initialisers():
+  key = jax.random.key(7)
+  a = jnp.exp(params_lib.init_a_log(key, 64, "uniform", (0.0, 16.0)))
+  assert float(a.min()) > 0 and float(a.max()) < 16
+  np.testing.assert_allclose(
+      jnp.exp(params_lib.init_a_log(key, 5, "arange", (1.0, 16.0))),
+      [1, 2, 3, 4, 5], rtol=1e-6)
+  np.testing.assert_allclose(
+      jnp.exp(params_lib.init_a_log(key, 4, "linspace", (0.01, 0.16))),
+      [0.01, 0.06, 0.11, 0.16], rtol=1e-5)
+  with pytest.raises(ValueError, match="A_init"):
+    params_lib.init_a_log(key, 4, "normal", (0.0, 1.0))
+
+
+def test_dt_bias_is_inverse_softplus_of_log_uniform_dt():
+  dt = jax.nn.softplus(
+      params_lib.init_dt_bias(jax.random.key(8), 20000, 1e-3, 1e-1, 1e-4))
+  assert float(dt.min()) >= 1e-3 * (1 - 1e-4)
+  assert float(dt.max()) <= 1e-1 * (1 + 1e-4)
+  log_dt = np.log(np.asarray(dt, np.float64))
+  lo, hi = math.log(1e-3), math.log(1e-1)
+  assert abs(log_dt.mean() - (lo + hi) / 2) < 0.05
+  assert abs(log_dt.std() - (hi - lo) / math.sqrt(12)) < 0.05
+
+
+def test_make_param_checks_names():
+  with pytest.raises(ValueError, match="must name every axis"):
+    params_lib.make_param(jnp.zeros((2, 3)), ("embed",))
+  with pytest.raises(ValueError, match="not in"):
+    params_lib.make_param(jnp.zeros((2,)), ("batch",))

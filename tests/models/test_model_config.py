@@ -1,0 +1,128 @@
+"""Model configs: parameter budgets, MQAR settings, inits, masks, sharding names."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.models import (abstract_parameter_count, build_model,
+                                 make_mixer,
+                                 model_config, mqar_model_config,
+                                 parameter_table, weight_decay_mask)
+from palimpsa_jax.models.config import MODELS, NOMINAL_PARAMS
+
+
+@pytest.mark.parametrize("size", ["170m", "760m", "2.7b"])
+@pytest.mark.parametrize("model", MODELS)
+def test_parameter_count_within_ten_percent_of_size(model, size):
+  count = abstract_parameter_count(model_config(model, size), build_model)
+  assert abs(count / NOMINAL_PARAMS[size] - 1) < 0.10, count
+
+
+@pytest.mark.parametrize("size", ["170m", "760m"])
+@pytest.mark.parametrize("baseline", ["gated_deltanet", "transformer"])
+def test_baselines_match_palimpsa_d_budget(baseline, size):
+  ours = abstract_parameter_count(model_config("palimpsa_d", size), build_model)
+  theirs = abstract_parameter_count(model_config(baseline, size), build_model)
+  assert abs(theirs / ours - 1) < 0.03
+
+
+def _abstract(config):
+  return nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0)))
+
+
+def test_parameter_table_rows_and_total():
+  config = model_config("palimpsa_d", "tiny")
+  table, total = parameter_table(_abstract(config))
+  lines = table.splitlines()
+  names = [line.split()[0] for line in lines[1:-1]]
+  assert names == ["blocks.0", "blocks.1", "embed", "final_norm"]
+  assert lines[-1].split()[-1] == f"{total:,}"
+  assert total == abstract_parameter_count(config, build_model) < 1_000_000
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_parameter_has_logical_axis_names(model):
+  state = nnx.state(_abstract(model_config(model, "tiny")), nnx.Param)
+  for path, var in nnx.to_flat_state(state):
+    names = var.get_metadata().get("out_sharding")
+    assert names is not None and len(names) == len(var.shape), path
+    assert all(name in params_lib.LOGICAL_AXES for name in names), path
+  assert state["embed"].get_metadata()["out_sharding"] == ("vocab", "embed")
+
+
+@pytest.mark.parametrize("model", ["palimpsa_d", "meta_mamba2", "transformer"])
+def test_weight_decay_mask_exclusions(model):
+  state = nnx.state(_abstract(model_config(model, "tiny")), nnx.Param)
+  flat, _ = jax.tree_util.tree_flatten_with_path(weight_decay_mask(state))
+  mask = {tuple(getattr(k, "key", None) for k in path
+                if hasattr(k, "key")): decays for path, decays in flat}
+  excluded = {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias", "scale"}
+  seen = set()
+  for path, decays in mask.items():
+    seen.add(path[-1])
+    if path[-1] in excluded:
+      assert decays is False, path
+    else:
+      assert path[-1] == "embed" or path[-1] == "kernel", path
+      assert decays is True, path
+  if model == "palimpsa_d":
+    assert {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"} <= seen
+  if model == "meta_mamba2":
+    assert {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"} <= seen
+
+
+def test_mqar_settings():
+  pd = mqar_model_config("palimpsa_d")
+  assert (pd.num_layers, pd.d_model, pd.vocab_size, pd.mlp_hidden_dim) == (
+      2, 128, 8192, 0)
+  assert (pd.num_heads, pd.head_k_dim, pd.head_v_dim, pd.beta_rank) == (
+      8, 16, 32, 8)
+  mm = mqar_model_config("meta_mamba2")
+  assert (mm.expand * mm.d_model // mm.head_dim, mm.head_dim, mm.state_dim,
+          mm.num_groups) == (8, 32, 16, 8)
+  gdn = mqar_model_config("gated_deltanet")
+  assert (gdn.num_heads, gdn.head_k_dim, gdn.head_v_dim) == (8, 16, 32)
+  assert not mqar_model_config("transformer").rope
+  assert not mqar_model_config("not_palimpsa").metaplasticity
+  assert not mqar_model_config("mamba2").metaplasticity
+  assert mqar_model_config("mamba2", d_model=64).d_model == 64
+
+
+@pytest.mark.parametrize("model", ["palimpsa_d", "mamba2", "gated_deltanet"])
+def test_mqar_forget_gate_init_is_small(model):
+  mixer = make_mixer(mqar_model_config(model), nnx.Rngs(0))
+  a = np.exp(np.asarray(mixer.A_log[...]))
+  assert a.size == 8
+  np.testing.assert_allclose(a, np.linspace(0.01, 0.16, 8), rtol=1e-5)
+  dt = np.asarray(jax.nn.softplus(mixer.dt_bias[...]))
+  assert np.all(dt >= 1e-3 * (1 - 1e-5)) and np.all(dt <= 1e-1 * (1 + 1e-5))
+
+
+def test_default_forget_gate_inits():
+  pd = build_model(model_config("palimpsa_d", "tiny", num_heads=16,
+                                head_k_dim=4, head_v_dim=4), nnx.Rngs(0))
+  a = np.exp(np.asarray(pd.blocks[0].mixer.A_log[...]))
+  assert np.all(a > 0) and np.all(a < 16) and np.ptp(a) > 4
+  mamba = build_model(model_config("mamba2", "tiny"), nnx.Rngs(0))
+  a = np.exp(np.asarray(mamba.blocks[0].mixer.A_log[...]))
+  np.testing.assert_allclose(a, np.arange(1, a.size + 1), rtol=1e-6)
+  mixer = pd.blocks[0].mixer
+  np.testing.assert_array_equal(mixer.D[...], 1.0)
+  np.testing.assert_array_equal(mixer.b_scale[...], 1.0)
+  np.testing.assert_array_equal(mixer.Ip_log[...], 0.0)
+  bound = mixer.beta_up.kernel[...].shape[0] ** -0.5
+  assert float(jnp.max(jnp.abs(mixer.beta_up.kernel[...]))) <= bound
+  assert abs(float(jnp.std(mixer.q_proj.kernel[...])) - 0.02) < 0.004
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="model must be one of"):
+    model_config("mamba3", "tiny")
+  with pytest.raises(ValueError, match="size must be one of"):
+    model_config("mamba2", "1b")
+  with pytest.raises(ValueError, match="unknown model config field 'heads'"):
+    model_config("palimpsa_d", "tiny", heads=3)
+  assert model_config("palimpsa_d", "tiny", dtype="float32").dtype == "float32"
