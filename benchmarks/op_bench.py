@@ -1,0 +1,267 @@
+"""Times every Palimpsa implementation (forward and forward+backward) in one process.
+
+    python benchmarks/op_bench.py --shapes small            # CPU: tiny shapes, a quick check
+    python benchmarks/op_bench.py --shapes perf             # GPU/TPU: the PERF.md shapes
+
+Every implementation is first checked against the float64 sequential reference on the same inputs
+(outputs, variance, final state; gradients too where the float64 backward fits in
+--max-ref-gib, otherwise against "chunked"), after poisoning the allocator with NaNs so a kernel
+that leaves elements unwritten fails. Then: warm-up, block_until_ready, medians over rotating
+input sets. The table gives ms (median), element-steps/s (B*T*H*K*V per second), the speed-up
+over the best OTHER implementation in the same run (>1: this one is faster) and the fraction of
+the PERF.md floor reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
+A markdown section with the date, device, JAX version and the exact command is appended to
+benchmarks/RESULTS.md.
+"""
+
+import argparse
+import datetime
+import functools
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from palimpsa_jax.ops import palimpsa
+from palimpsa_jax.ops.palimpsa import reference_palimpsa
+
+# (B, T, H, K, V)
+SHAPES = {
+    "perf": {
+        "D170": (4, 4096, 16, 48, 48),
+        "M170": (4, 4096, 16, 48, 96),
+        "D760": (4, 4096, 16, 96, 192),
+        "MQAR": (64, 1024, 8, 16, 32),
+        "D64": (4, 4096, 16, 64, 64),
+        "D760p2": (4, 4096, 16, 128, 256),
+    },
+    "small": {
+        "tiny": (1, 256, 2, 16, 16),
+        "tail": (2, 200, 2, 16, 32),
+        "wide": (1, 128, 2, 32, 64),
+    },
+}
+FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (PERF.md)
+FWD_BWD_FLOOR_RATE = 1.2e12
+RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
+INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
+
+
+def default_implementations() -> list[str]:
+  impls = ["sequential", "associative", "chunked"]
+  platform = jax.default_backend()
+  if platform in ("gpu", "cuda", "rocm"):
+    impls.append("pallas_gpu")
+  if platform == "tpu":
+    impls.append("pallas_tpu")
+  return impls
+
+
+def make_inputs(seed, shape, dtype):
+  """Benchmark inputs: q, k L2-normalised, alpha in (0.8, 1), beta in (0, 1), Ip in (0.5, 2)."""
+  b, t, h, kd, vd = shape
+  keys = jax.random.split(jax.random.key(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(keys[0], (b, t, h, kd)))
+  k = unit(jax.random.normal(keys[1], (b, t, h, kd)))
+  v = jax.random.normal(keys[2], (b, t, h, vd))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[3], (b, t, h, vd)))
+  log_alpha = jnp.log(jax.random.uniform(keys[4], (b, t, h), minval=0.8, maxval=1.0))
+  ip = jax.random.uniform(keys[5], (h,), minval=0.5, maxval=2.0)
+  return tuple(x.astype(dtype) for x in (q, k, v, beta, log_alpha, ip))
+
+
+def fwd_fn(impl, chunk_size):
+  @jax.jit
+  def f(*args):
+    r = palimpsa(*args, return_variance=True, implementation=impl, chunk_size=chunk_size)
+    return r.out, r.variance, r.state.mu, r.state.precision
+  return f
+
+
+def fwd_bwd_fn(impl, chunk_size):
+  @jax.jit
+  def f(args, cot):
+    def loss(*a):
+      r = palimpsa(*a, implementation=impl, chunk_size=chunk_size)
+      return jnp.sum(r.out.astype(jnp.float32) * cot)
+    return jax.grad(loss, argnums=tuple(range(6)))(*args)
+  return f
+
+
+@functools.partial(jax.jit, static_argnames=("with_grads",))
+def _reference(args, cot, with_grads):
+  def run(*a):
+    r = reference_palimpsa(*a)
+    return jnp.sum(r.out * cot), (r.out, r.variance, r.state.mu, r.state.precision)
+  if not with_grads:
+    return run(*args)[1], None
+  grads, res = jax.grad(run, argnums=tuple(range(6)), has_aux=True)(*args)
+  return res, grads
+
+
+def reference(args, cot, with_grads):
+  with jax.enable_x64(True):
+    a64 = tuple(jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in args)
+    res, grads = _reference(a64, jnp.asarray(np.asarray(cot), jnp.float64), with_grads)
+    return jax.tree.map(np.asarray, (res, grads))
+
+
+def rel_error(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  err = float(np.max(np.abs(x - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+  return err if np.isfinite(err) else float("inf")
+
+
+def poison(nbytes: int):
+  """Fills and frees a NaN buffer so a following allocation likely reuses NaN memory."""
+  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
+
+
+def time_fn(fn, arg_sets, warmup, iters) -> float:
+  """Median milliseconds of fn over rotating argument sets."""
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  times = []
+  for i in range(iters):
+    args = arg_sets[i % len(arg_sets)]
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def state_gib(shape, bytes_per=4) -> float:
+  b, t, h, kd, vd = shape
+  return b * t * h * kd * vd * bytes_per / 2**30
+
+
+def temp_mib(fn, *args) -> float:
+  stats = fn.lower(*args).compile().memory_analysis()
+  return float("nan") if stats is None else stats.temp_size_in_bytes / 2**20
+
+
+def bench_shape(name, shape, impls, args, log):
+  """Returns rows (shape, impl, mode, ms, error, temp_mib or nan) for one shape."""
+  dtype = jnp.dtype(args.dtype)
+  fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)
+  arg_sets = [make_inputs(s, shape, dtype) for s in range(args.rotate)]
+  cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
+  ref_grads_ok = 4 * state_gib(shape, 8) <= args.max_ref_gib
+  log(f"[{name}] float64 reference (grads: {ref_grads_ok})")
+  ref_res, ref_grads = reference(arg_sets[0], cot, ref_grads_ok)
+  rows = []
+  grad_oracle = None
+  order = sorted(impls, key=lambda i: i != "chunked")  # chunked first: grad oracle if needed
+  for impl in order:
+    for mode in ("fwd", "fwd+bwd"):
+      materialises = impl == "associative" or (impl == "sequential" and mode == "fwd+bwd")
+      if materialises and 6 * state_gib(shape) > args.max_state_gib:
+        rows.append((name, shape, impl, mode, None, "skipped: stores all T states", None))
+        continue
+      fn = fwd_fn(impl, args.chunk_size) if mode == "fwd" else fwd_bwd_fn(impl, args.chunk_size)
+      call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
+      nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[4]
+      poison(nbytes)
+      got = jax.tree.map(np.asarray, call(*arg_sets[0]))
+      if mode == "fwd":
+        err = max(rel_error(g, w) for g, w in zip(got, ref_res))
+        ok, tag = err < fwd_tol, "ref"
+      elif ref_grads is not None:
+        err = max(rel_error(g, w) for g, w in zip(got, ref_grads))
+        ok, tag = err < grad_tol, "ref"
+      else:
+        if grad_oracle is None:
+          grad_oracle = got
+        err = max(rel_error(g, w) for g, w in zip(got, grad_oracle))
+        ok, tag = err < grad_tol, "chunked"
+      if not ok:
+        rows.append((name, shape, impl, mode, None, f"WRONG: rel. error {err:.1e} vs {tag}", None))
+        log(f"[{name}] {impl} {mode}: WRONG rel. error {err:.2e} vs {tag}")
+        continue
+      mem = None
+      if args.memory:
+        mem = (temp_mib(fn, *arg_sets[0]) if mode == "fwd"
+               else temp_mib(fn, arg_sets[0], cot))
+      timed_sets = [tuple(s) for s in arg_sets]
+      ms = time_fn(call, timed_sets, args.warmup, args.iters)
+      log(f"[{name}] {impl} {mode}: {ms:.3f} ms (err {err:.1e} vs {tag})")
+      rows.append((name, shape, impl, mode, ms, f"{err:.1e} ({tag})", mem))
+  return rows
+
+
+def format_table(rows, with_memory) -> str:
+  header = ("| shape | (B, T, H, K, V) | implementation | mode | ms (median) | elem-steps/s | "
+            "speed-up vs best other | fraction of floor | rel. error |")
+  sep = "|---|---|---|---|---|---|---|---|---|"
+  if with_memory:
+    header += " temp MiB |"
+    sep += "---|"
+  lines = [header, sep]
+  for name, shape, impl, mode, ms, err, mem in rows:
+    steps = float(np.prod(shape))
+    if ms is None:
+      cells = ["-", "-", "-", "-", err]
+    else:
+      others = [r[4] for r in rows if r[0] == name and r[3] == mode and r[2] != impl
+                and r[4] is not None]
+      ratio = f"{min(others) / ms:.2f}x" if others else "-"
+      floor_ms = 1e3 * steps / (FWD_FLOOR_RATE if mode == "fwd" else FWD_BWD_FLOOR_RATE)
+      cells = [f"{ms:.3f}", f"{steps / (ms * 1e-3):.2e}", ratio, f"{floor_ms / ms:.3g}", err]
+    line = f"| {name} | {shape} | {impl} | {mode} | " + " | ".join(cells) + " |"
+    if with_memory:
+      line += f" {'-' if mem is None else f'{mem:.1f}'} |"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shapes", choices=sorted(SHAPES), default="small")
+  parser.add_argument("--only", nargs="*", help="shape names to run (default: all of the set)")
+  parser.add_argument("--impls", nargs="*", help="implementations (default: all for the platform)")
+  parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+  parser.add_argument("--chunk-size", type=int, default=64)
+  parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--rotate", type=int, default=3, help="distinct input sets cycled through")
+  parser.add_argument("--memory", action="store_true", help="also report compiled temp memory")
+  parser.add_argument("--max-state-gib", type=float, default=16.0,
+                      help="skip implementations that store every state beyond this")
+  parser.add_argument("--max-ref-gib", type=float, default=16.0,
+                      help="check grads against the float64 reference only below this")
+  parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+  args = parser.parse_args()
+
+  impls = args.impls or default_implementations()
+  shapes = {n: s for n, s in SHAPES[args.shapes].items() if not args.only or n in args.only}
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  device = jax.devices()[0]
+  log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  rows = []
+  for i, (name, shape) in enumerate(shapes.items()):
+    log(f"shape {i + 1}/{len(shapes)}: {name} {shape}")
+    rows += bench_shape(name, shape, impls, args, log)
+  table = format_table(rows, args.memory)
+  print(table)
+  if not args.no_record:
+    command = "python " + " ".join(["benchmarks/op_bench.py"] + sys.argv[1:])
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (f"\n## op_bench {args.shapes} shapes, {args.dtype} inputs: {now}\n\n"
+               f"- device: {device.device_kind} ({jax.default_backend()}), "
+               f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size {args.chunk_size}, "
+               f"{args.iters} timed iterations after {args.warmup} warm-up, {args.rotate} "
+               f"rotating input sets\n\n{table}\n")
+    if not RESULTS.exists():
+      RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")
+    with RESULTS.open("a") as f:
+      f.write(section)
+    log(f"appended to {RESULTS}")
+
+
+if __name__ == "__main__":
+  main()
