@@ -1,52 +1,17 @@
-"""Chunk-boundary states of the linear form (M = mu * I, Ibar = I - Ip) with matmuls."""
+"""Chunk-boundary states of the linear form (M = mu * I, Ibar = I - Ip) with matmuls.
+
+The Pallas kernel fuses each chunk's write (tensor-core matmuls) with the scan over
+chunks; the backward's adjoint carries use the XLA reverse scan.
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def chunk_contributions(k: jax.Array, x: jax.Array, to_end: jax.Array,
-                        chunk: int) -> jax.Array:
-  """Each chunk's own decayed write, sum_t to_end_t x_t (x) k_t.
-
-  Args:
-    k: [BH, Tp, Kp] keys (or squared keys).
-    x: [BH, Tp, Vp] values (or beta).
-    to_end: [BH, Tp] decay from t to the chunk end.
-    chunk: chunk length C.
-
-  Returns:
-    [BH, NC, Vp, Kp] float32.
-  """
-  bh, tp, kp = k.shape
-  vp = x.shape[-1]
-  nc = tp // chunk
-  xw = (x.astype(jnp.float32) * to_end[..., None]).reshape(bh, nc, chunk, vp)
-  kc = k.astype(jnp.float32).reshape(bh, nc, chunk, kp)
-  return jnp.einsum("nctv,nctk->ncvk", xw, kc, precision=_HIGHEST)
-
-
-def scan_chunks(start: jax.Array, chunk_gate: jax.Array,
-                contrib: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """States at every chunk start and after the last chunk.
-
-  Args:
-    start: [BH, Vp, Kp] state before the first chunk.
-    chunk_gate: [BH, NC] decay across each chunk.
-    contrib: [BH, NC, Vp, Kp] each chunk's own write.
-
-  Returns:
-    ([BH, NC, Vp, Kp] states at chunk starts, [BH, Vp, Kp] final state).
-  """
-
-  def step(s, inputs):
-    g, d = inputs
-    return g[:, None, None] * s + d, s
-
-  final, starts = jax.lax.scan(
-      step, start, (jnp.moveaxis(chunk_gate, 1, 0), jnp.moveaxis(contrib, 1, 0)))
-  return jnp.moveaxis(starts, 0, 1), final
 
 
 def reverse_scan_chunks(end: jax.Array, chunk_gate: jax.Array,
@@ -72,3 +37,72 @@ def reverse_scan_chunks(end: jax.Array, chunk_gate: jax.Array,
       step, end, (jnp.moveaxis(chunk_gate, 1, 0), jnp.moveaxis(local, 1, 0)),
       reverse=True)
   return jnp.moveaxis(carries, 0, 1), initial
+
+
+def _dot_precision(interpret: bool):
+  # fp32-accurate products on tensor cores (3 TF32 passes); plain f32 on CPU.
+  return _HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _dot_t(x, y, precision):
+  """x^T y for x [C, V], y [C, K] -> [V, K] float32."""
+  return jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
+                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, interpret):
+  """Sequential over chunks for one (batch*head, V-tile): state += chunk writes."""
+  precision = _dot_precision(interpret)
+
+  def step(c, carry):
+    m, b = carry
+    ms_ref[c] = m
+    bs_ref[c] = b
+    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+    k = k_ref[rows, :].astype(jnp.float32)
+    w = w_ref[rows][:, None]
+    vw = v_ref[rows, :].astype(jnp.float32) * w
+    bw = beta_ref[rows, :].astype(jnp.float32) * w
+    g = g_ref[c]
+    m = g * m + _dot_t(vw, k, precision)
+    b = g * b + _dot_t(bw, k * k, precision)
+    return m, b
+
+  m, b = jax.lax.fori_loop(0, num_chunks, step, (m0_ref[...], b0_ref[...]))
+  mf_ref[...] = m
+  bf_ref[...] = b
+
+
+def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
+                    block_v: int, num_warps: int, interpret: bool):
+  """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
+
+  Args:
+    k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; to_end: [BH, Tp]; chunk_gate: [BH, NC];
+    m0, b0: [BH, Vp, Kp] initial state.
+
+  Returns:
+    m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
+  """
+  bh, tp, kp = k.shape
+  vp = v.shape[-1]
+  nc = tp // chunk
+  seq_v = pl.BlockSpec((None, tp, block_v), lambda n, j: (n, 0, j))
+  state = pl.BlockSpec((None, block_v, kp), lambda n, j: (n, j, 0))
+  starts = pl.BlockSpec((None, nc, block_v, kp), lambda n, j: (n, 0, j, 0))
+  f32 = jnp.float32
+  kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc,
+                             interpret=interpret)
+  params = None if interpret else plgpu_triton.CompilerParams(
+      num_warps=num_warps, num_stages=2)
+  return pl.pallas_call(
+      kernel, grid=(bh, vp // block_v),
+      in_specs=[pl.BlockSpec((None, tp, kp), lambda n, j: (n, 0, 0)), seq_v, seq_v,
+                pl.BlockSpec((None, tp), lambda n, j: (n, 0)),
+                pl.BlockSpec((None, nc), lambda n, j: (n, 0)), state, state],
+      out_specs=[starts, starts, state, state],
+      out_shape=[jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
+      + [jax.ShapeDtypeStruct((bh, vp, kp), f32)] * 2,
+      compiler_params=params, interpret=interpret, name="palimpsa_boundary",
+  )(k, v, beta, to_end, chunk_gate, m0, b0)

@@ -23,6 +23,7 @@ from pallas_kernels.palimpsa_gpu import boundary, layout, walk
 _HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_DIM = 256
 _MIN_K = 16
+_V_MULTIPLE = 16  # V is padded to a multiple of 16 (tensor-core tiles).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Config:
   chunk: int
   block_v: int
   block_v_bwd: int
+  block_v_boundary: int
   sub: int
   return_variance: bool
   log_alpha_dtype: str
@@ -44,6 +46,7 @@ class Config:
   interpret: bool
   num_warps: int = 4
   num_warps_bwd: int = 4
+  num_warps_boundary: int = 4
 
   @property
   def t_pad(self) -> int:
@@ -55,13 +58,15 @@ class Config:
 
   @property
   def v_pad(self) -> int:
-    return round_up(self.v, max(self.block_v, self.block_v_bwd)) - self.v
+    return round_up(self.v, _V_MULTIPLE) - self.v
 
 
-def _block_v(v: int, k_padded: int, elements: int) -> int:
-  """V-tile: a power of two dividing the padded V with about `elements` per tile."""
-  bv = max(1, min(next_power_of_two(v), elements // k_padded))
-  return 1 << (bv.bit_length() - 1)
+def _block_v(v_padded: int, k_padded: int, elements: int, minimum: int = 1) -> int:
+  """V-tile: the largest power of two dividing v_padded with <= `elements` per tile."""
+  bv = next_power_of_two(v_padded)
+  while bv > minimum and (v_padded % bv or bv * k_padded > elements):
+    bv //= 2
+  return bv
 
 
 def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,
@@ -75,10 +80,11 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   kp = max(_MIN_K, next_power_of_two(k))
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
-  sub = 8 if chunk >= 8 else chunk
+  vp = round_up(vdim, _V_MULTIPLE)
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
-                block_v=_block_v(vdim, kp, 2048),
-                block_v_bwd=_block_v(vdim, kp, 512), sub=sub,
+                block_v=_block_v(vp, kp, 2048),
+                block_v_bwd=_block_v(vp, kp, 512),
+                block_v_boundary=_block_v(vp, kp, 4096, minimum=16), sub=8,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
@@ -114,16 +120,14 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   qh, kh, vh, betah, gates, ip, ip_row = _prepare(
       cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids)
   m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip)
-  k2 = kh.astype(jnp.float32) ** 2
-  dm = boundary.chunk_contributions(kh, vh, gates.to_end, cfg.chunk)
-  db = boundary.chunk_contributions(k2, betah, gates.to_end, cfg.chunk)
-  m_starts, m_final = boundary.scan_chunks(m0, gates.chunk, dm)
-  b_starts, b_final = boundary.scan_chunks(b0, gates.chunk, db)
+  m_starts, b_starts, m_final, b_final = boundary.boundary_states(
+      kh, vh, betah, gates.to_end, gates.chunk, m0, b0, chunk=cfg.chunk,
+      block_v=cfg.block_v_boundary, num_warps=cfg.num_warps_boundary,
+      interpret=cfg.interpret)
   outs = walk.walk_forward(
       qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
-      block_v=cfg.block_v, sub=cfg.sub, with_out=True,
-      with_var=cfg.return_variance, with_states=False, out_dtype=v.dtype,
-      num_warps=cfg.num_warps, interpret=cfg.interpret)
+      block_v=cfg.block_v, unroll=cfg.sub, with_var=cfg.return_variance,
+      out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
   out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
   var_h = outs[1] if cfg.return_variance else None
   var = (layout.from_head_major(var_h, cfg.b, cfg.h, cfg.t, cfg.v)
@@ -169,13 +173,8 @@ def _backward(cfg: Config, residuals, cotangents):
   doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad, f32)
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
-  sub_m, sub_b = walk.walk_forward(
-      qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
-      block_v=cfg.block_v_bwd, sub=cfg.sub, with_out=False, with_var=False,
-      with_states=True, out_dtype=f32, num_warps=cfg.num_warps,
-      interpret=cfg.interpret)
-  dq_part, dk_part, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
-      qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, sub_m, sub_b,
+  dq, dk, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
+      qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
       num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
 
@@ -203,8 +202,7 @@ def _backward(cfg: Config, residuals, cotangents):
   dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_b)).reshape(bh, tp, vp)
   dk_carry = ein("nctv,ncvk->nctk", vf, carry_m) + 2.0 * kf * ein(
       "nctv,ncvk->nctk", betaf, carry_b)
-  dk = jnp.sum(dk_part, axis=0) + (w * dk_carry).reshape(bh, tp, kp)
-  dq = jnp.sum(dq_part, axis=0)
+  dk = dk + (w * dk_carry).reshape(bh, tp, kp)
 
   # dlog_alpha via the scaling identity (segment-wise reverse sums).
   s = jnp.sum(s_rows, axis=-1)  # [BH, Tp]: sum_{v,k} dL/dI_t (local)

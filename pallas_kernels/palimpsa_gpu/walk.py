@@ -1,7 +1,10 @@
-"""Pallas (Triton) kernels that walk the steps of one chunk for one V-tile.
+"""Pallas (Triton) kernels that walk the steps of one chunk.
 
-Grid (B*H, chunk, V-tile). Each program starts from its chunk-boundary state [BV, Kp]
-(float32, in registers) and steps through the chunk one token at a time.
+Forward: grid (B*H, chunk, V-tile); each program starts from its chunk-boundary state
+[BV, Kp] (float32, in registers) and steps through the chunk one token at a time.
+Backward: grid (B*H, chunk); each program loops over V-tiles, recomputes the states of
+its chunk sub-chunk by sub-chunk (sub-chunk start states go through a per-program
+scratch output), and walks them in reverse, accumulating dq and dk over V-tiles.
 """
 
 import functools
@@ -20,56 +23,50 @@ def _params(num_warps: int, interpret: bool):
   return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
+def _barrier(interpret: bool):
+  """Orders a program's global-memory writes before its later reads (GPU only)."""
+  if not interpret:
+    plgpu_triton.debug_barrier()
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref,
-                    *out_refs, chunk, sub, with_out, with_var, with_states,
-                    interpret):
-  """Walks one chunk: writes readouts and/or the states at every sub-chunk start."""
-  refs = list(out_refs)
-  out_ref = refs.pop(0) if with_out else None
-  var_ref = refs.pop(0) if with_var else None
-  sm_ref, sb_ref = (refs.pop(0), refs.pop(0)) if with_states else (None, None)
+                    *out_refs, chunk, unroll, with_var, interpret):
+  """Walks one chunk for one V-tile, writing readouts (and variances)."""
+  out_ref = out_refs[0]
+  var_ref = out_refs[1] if with_var else None
   ip = ip_ref[...].astype(jnp.float32)[None, :]
 
-  def step(t, carry):
+  def steps(i, carry):
     m, b = carry
-    if with_states:
-
-      @pl.when(jax.lax.rem(t, sub) == 0)
-      def _():
-        sm_ref[jax.lax.div(t, sub)] = m
-        sb_ref[jax.lax.div(t, sub)] = b
-
-    k = k_ref[t, :].astype(jnp.float32)[None, :]
-    v = v_ref[t, :].astype(jnp.float32)[:, None]
-    beta = beta_ref[t, :].astype(jnp.float32)[:, None]
-    a = a_ref[t]
-    m = a * m + v * k
-    b = a * b + beta * (k * k)
-    if with_out or with_var:
-      q = q_ref[t, :].astype(jnp.float32)[None, :]
+    t0 = i * unroll
+    rows = [(k_ref[t0 + s, :].astype(jnp.float32)[None, :],
+             v_ref[t0 + s, :].astype(jnp.float32)[:, None],
+             beta_ref[t0 + s, :].astype(jnp.float32)[:, None],
+             q_ref[t0 + s, :].astype(jnp.float32)[None, :],
+             a_ref[t0 + s]) for s in range(unroll)]
+    for s, (k, v, beta, q, a) in enumerate(rows):
+      m = a * m + v * k
+      b = a * b + beta * (k * k)
       r = fast_reciprocal(b + ip, interpret=interpret)
-      if with_out:
-        out_ref[t, :] = jnp.sum(m * r * q, axis=1).astype(out_ref.dtype)
+      out_ref[t0 + s, :] = jnp.sum(m * r * q, axis=1).astype(out_ref.dtype)
       if with_var:
-        var_ref[t, :] = jnp.sum(r * (q * q), axis=1)
+        var_ref[t0 + s, :] = jnp.sum(r * (q * q), axis=1)
     return m, b
 
-  jax.lax.fori_loop(0, chunk, step, (m0_ref[...], b0_ref[...]))
+  jax.lax.fori_loop(0, chunk // unroll, steps, (m0_ref[...], b0_ref[...]))
 
 
 def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
-                 block_v: int, sub: int, with_out: bool, with_var: bool,
-                 with_states: bool, out_dtype, num_warps: int, interpret: bool):
-  """Forward walk over all chunks.
+                 block_v: int, unroll: int, with_var: bool, out_dtype,
+                 num_warps: int, interpret: bool):
+  """Readouts of every step.
 
   Args:
     q, k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; a: [BH, Tp] step gates;
     ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Kp].
 
   Returns:
-    list of (out [BH, Tp, Vp] out_dtype) if with_out, (var [BH, Tp, Vp] f32) if
-    with_var, (sub_m, sub_b [BH, Tp/sub, Vp, Kp] f32: states before every sub-chunk)
-    if with_states.
+    [out [BH, Tp, Vp] out_dtype] + ([var [BH, Tp, Vp] f32] if with_var).
   """
   bh, tp, kp = q.shape
   vp = v.shape[-1]
@@ -77,127 +74,147 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
   row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, j: (n, c, 0))
   row_v = pl.BlockSpec((None, chunk, block_v), lambda n, c, j: (n, c, j))
   state = pl.BlockSpec((None, None, block_v, kp), lambda n, c, j: (n, c, j, 0))
-  in_specs = [row_k, row_k, row_v, row_v,
-              pl.BlockSpec((None, chunk), lambda n, c, j: (n, c)),
-              pl.BlockSpec((None, kp), lambda n, c, j: (n, 0)), state, state]
-  out_specs, out_shape = [], []
-  if with_out:
-    out_specs.append(row_v)
-    out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), out_dtype))
+  out_shape = [jax.ShapeDtypeStruct((bh, tp, vp), out_dtype)]
   if with_var:
-    out_specs.append(row_v)
     out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
-  if with_states:
-    sub_spec = pl.BlockSpec((None, chunk // sub, block_v, kp),
-                            lambda n, c, j: (n, c, j, 0))
-    out_specs += [sub_spec, sub_spec]
-    out_shape += [jax.ShapeDtypeStruct((bh, tp // sub, vp, kp), jnp.float32)] * 2
-  kernel = functools.partial(
-      _forward_kernel, chunk=chunk, sub=sub, with_out=with_out, with_var=with_var,
-      with_states=with_states, interpret=interpret)
-  return pl.pallas_call(
-      kernel, grid=(bh, nc, nv), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, compiler_params=_params(num_warps, interpret),
-      interpret=interpret, name="palimpsa_walk_forward",
-  )(q, k, v, beta, a, ip_row, m_starts, b_starts)
-
-
-def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_ref,
-                     sm_ref, sb_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, s_ref,
-                     am_ref, ab_ref, *, chunk, sub, with_var, interpret):
-  """Reverse walk of one chunk with zero adjoint entering from later chunks."""
-  ip = ip_ref[...].astype(jnp.float32)[None, :]
-  n_sub = chunk // sub
-
-  def sub_chunk(i, carry):
-    gm, gb = carry
-    j = n_sub - 1 - i
-    m, b = sm_ref[j], sb_ref[j]
-    rows, states = [], []
-    for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
-      t = j * sub + s
-      k = k_ref[t, :].astype(jnp.float32)
-      v = v_ref[t, :].astype(jnp.float32)
-      beta = beta_ref[t, :].astype(jnp.float32)
-      a = a_ref[t]
-      m = a * m + v[:, None] * k[None, :]
-      b = a * b + beta[:, None] * (k * k)[None, :]
-      rows.append((t, k, v, beta, a))
-      states.append((m, b))
-    for s in reversed(range(sub)):
-      t, k, v, beta, a = rows[s]
-      m, b = states[s]
-      q = q_ref[t, :].astype(jnp.float32)
-      do = do_ref[t, :].astype(jnp.float32)
-      r = fast_reciprocal(b + ip, interpret=interpret)
-      mu = m * r
-      dmu = do[:, None] * q[None, :]
-      dr = dmu * m
-      dq = jnp.sum(do[:, None] * mu, axis=0)
-      if with_var:
-        dvar = dvar_ref[t, :].astype(jnp.float32)
-        dr = dr + dvar[:, None] * (q * q)[None, :]
-        dq = dq + 2.0 * q * jnp.sum(dvar[:, None] * r, axis=0)
-      di = -(r * r) * dr
-      gm = gm + dmu * r
-      gb = gb + di
-      dq_ref[t, :] = dq
-      dk_ref[t, :] = jnp.sum(gm * v[:, None], axis=0) + 2.0 * k * jnp.sum(
-          gb * beta[:, None], axis=0)
-      dv_ref[t, :] = jnp.sum(gm * k[None, :], axis=1)
-      dbeta_ref[t, :] = jnp.sum(gb * (k * k)[None, :], axis=1)
-      s_ref[t, :] = jnp.sum(di, axis=1)
-      gm = a * gm
-      gb = a * gb
-    return gm, gb
-
-  zeros = jnp.zeros(am_ref.shape, jnp.float32)
-  gm, gb = jax.lax.fori_loop(0, n_sub, sub_chunk, (zeros, zeros))
-  am_ref[...] = gm
-  ab_ref[...] = gb
-
-
-def walk_backward(q, k, v, beta, a, ip_row, do, dvar, sub_m, sub_b, *, chunk: int,
-                  block_v: int, sub: int, num_warps: int, interpret: bool):
-  """Reverse walk over all chunks, each with zero adjoint from later chunks.
-
-  Args:
-    q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
-    a: [BH, Tp]; ip_row: [BH, Kp]; sub_m, sub_b: [BH, Tp/sub, Vp, Kp].
-
-  Returns:
-    dq_part, dk_part [NV, BH, Tp, Kp] (to be summed over V-tiles); dv, dbeta, s
-    [BH, Tp, Vp] (chunk-local adjoint parts; s = sum_k dL/dI_t); adj_m, adj_b
-    [BH, NC, Vp, Kp]: each chunk's adjoint of the state before its first step.
-  """
-  bh, tp, kp = q.shape
-  vp = v.shape[-1]
-  nc, nv = tp // chunk, vp // block_v
-  with_var = dvar is not None
-  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, j: (n, c, 0))
-  row_v = pl.BlockSpec((None, chunk, block_v), lambda n, c, j: (n, c, j))
-  sub_spec = pl.BlockSpec((None, chunk // sub, block_v, kp),
-                          lambda n, c, j: (n, c, j, 0))
-  part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, j: (j, n, c, 0))
-  state = pl.BlockSpec((None, None, block_v, kp), lambda n, c, j: (n, c, j, 0))
-  f32 = jnp.float32
-  kernel = functools.partial(_backward_kernel, chunk=chunk, sub=sub,
+  kernel = functools.partial(_forward_kernel, chunk=chunk, unroll=unroll,
                              with_var=with_var, interpret=interpret)
-  if not with_var:
-    dvar = jnp.zeros((bh, chunk, block_v), f32)  # Never read.
-    dvar_spec = pl.BlockSpec((None, chunk, block_v), lambda n, c, j: (0, 0, 0))
-  else:
-    dvar_spec = row_v
   return pl.pallas_call(
       kernel, grid=(bh, nc, nv),
       in_specs=[row_k, row_k, row_v, row_v,
                 pl.BlockSpec((None, chunk), lambda n, c, j: (n, c)),
-                pl.BlockSpec((None, kp), lambda n, c, j: (n, 0)),
-                row_v, dvar_spec, sub_spec, sub_spec],
-      out_specs=[part_k, part_k, row_v, row_v, row_v, state, state],
-      out_shape=[jax.ShapeDtypeStruct((nv, bh, tp, kp), f32)] * 2
+                pl.BlockSpec((None, kp), lambda n, c, j: (n, 0)), state, state],
+      out_specs=[row_v] * len(out_shape), out_shape=out_shape,
+      compiler_params=_params(num_warps, interpret), interpret=interpret,
+      name="palimpsa_walk_forward",
+  )(q, k, v, beta, a, ip_row, m_starts, b_starts)
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_ref,
+                     m0_ref, b0_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, s_ref,
+                     am_ref, ab_ref, sm_ref, sb_ref, *, chunk, sub, block_v,
+                     num_tiles, with_var, interpret):
+  """Reverse walk of one chunk (all V-tiles) with zero adjoint from later chunks."""
+  ip = ip_ref[...].astype(jnp.float32)[None, :]
+  n_sub = chunk // sub
+  dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+  dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+
+  def tile(vt, _):
+    cols = pl.ds(pl.multiple_of(vt * block_v, block_v), block_v)
+
+    def load_rows(t):
+      return (k_ref[t, :].astype(jnp.float32), v_ref[t, cols].astype(jnp.float32),
+              beta_ref[t, cols].astype(jnp.float32), a_ref[t])
+
+    def advance(m, b, row):
+      k, v, beta, a = row
+      return a * m + v[:, None] * k[None, :], a * b + beta[:, None] * (k * k)[None, :]
+
+    def forward(j, carry):  # States before every sub-chunk, into the scratch.
+      m, b = carry
+      sm_ref[j] = m
+      sb_ref[j] = b
+      rows = [load_rows(j * sub + s) for s in range(sub)]
+      for row in rows:
+        m, b = advance(m, b, row)
+      return m, b
+
+    jax.lax.fori_loop(0, n_sub, forward, (m0_ref[cols, :], b0_ref[cols, :]))
+    _barrier(interpret)
+
+    def backward(i, carry):
+      gm, gb = carry
+      j = n_sub - 1 - i
+      m, b = sm_ref[j], sb_ref[j]
+      rows, states = [], []
+      for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
+        t = j * sub + s
+        rows.append((t,) + load_rows(t))
+        m, b = advance(m, b, rows[-1][1:])
+        states.append((m, b))
+      for s in reversed(range(sub)):
+        t, k, v, beta, a = rows[s]
+        m, b = states[s]
+        q = q_ref[t, :].astype(jnp.float32)
+        do = do_ref[t, cols].astype(jnp.float32)
+        r = fast_reciprocal(b + ip, interpret=interpret)
+        dmu = do[:, None] * q[None, :]
+        dr = dmu * m
+        dq = jnp.sum(do[:, None] * (m * r), axis=0)
+        if with_var:
+          dvar = dvar_ref[t, cols].astype(jnp.float32)
+          dr = dr + dvar[:, None] * (q * q)[None, :]
+          dq = dq + 2.0 * q * jnp.sum(dvar[:, None] * r, axis=0)
+        di = -(r * r) * dr
+        gm = gm + dmu * r
+        gb = gb + di
+        dk = jnp.sum(gm * v[:, None], axis=0) + 2.0 * k * jnp.sum(
+            gb * beta[:, None], axis=0)
+        dq_ref[t, :] = dq_ref[t, :] + dq
+        dk_ref[t, :] = dk_ref[t, :] + dk
+        dv_ref[t, cols] = jnp.sum(gm * k[None, :], axis=1)
+        dbeta_ref[t, cols] = jnp.sum(gb * (k * k)[None, :], axis=1)
+        s_ref[t, cols] = jnp.sum(di, axis=1)
+        gm = a * gm
+        gb = a * gb
+      return gm, gb
+
+    zeros = jnp.zeros((block_v, ip.shape[-1]), jnp.float32)
+    gm, gb = jax.lax.fori_loop(0, n_sub, backward, (zeros, zeros))
+    am_ref[cols, :] = gm
+    ab_ref[cols, :] = gb
+    _barrier(interpret)
+    return 0
+
+  _barrier(interpret)
+  jax.lax.fori_loop(0, num_tiles, tile, 0)
+
+
+def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
+                  chunk: int, block_v: int, sub: int, num_warps: int,
+                  interpret: bool):
+  """Reverse walk over all chunks, each with zero adjoint from later chunks.
+
+  Args:
+    q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
+    a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
+
+  Returns:
+    dq, dk [BH, Tp, Kp] (dk without the later chunks' part); dv, dbeta, s
+    [BH, Tp, Vp] (chunk-local parts; s = sum_k dL/dI_t); adj_m, adj_b
+    [BH, NC, Vp, Kp]: each chunk's adjoint of the state before its first step.
+  """
+  bh, tp, kp = q.shape
+  vp = v.shape[-1]
+  nc = tp // chunk
+  with_var = dvar is not None
+  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c: (n, c, 0))
+  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c: (n, c, 0))
+  state = pl.BlockSpec((None, None, vp, kp), lambda n, c: (n, c, 0, 0))
+  scratch = pl.BlockSpec((None, None, chunk // sub, block_v, kp),
+                         lambda n, c: (n, c, 0, 0, 0))
+  f32 = jnp.float32
+  kernel = functools.partial(_backward_kernel, chunk=chunk, sub=sub, block_v=block_v,
+                             num_tiles=vp // block_v, with_var=with_var,
+                             interpret=interpret)
+  if with_var:
+    dvar_spec = row_v
+  else:
+    dvar = jnp.zeros((1, chunk, vp), f32)  # Never read.
+    dvar_spec = pl.BlockSpec((None, chunk, vp), lambda n, c: (0, 0, 0))
+  outs = pl.pallas_call(
+      kernel, grid=(bh, nc),
+      in_specs=[row_k, row_k, row_v, row_v,
+                pl.BlockSpec((None, chunk), lambda n, c: (n, c)),
+                pl.BlockSpec((None, kp), lambda n, c: (n, 0)),
+                row_v, dvar_spec, state, state],
+      out_specs=[row_k, row_k, row_v, row_v, row_v, state, state, scratch, scratch],
+      out_shape=[jax.ShapeDtypeStruct((bh, tp, kp), f32)] * 2
       + [jax.ShapeDtypeStruct((bh, tp, vp), f32)] * 3
-      + [jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2,
+      + [jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
+      + [jax.ShapeDtypeStruct((bh, nc, chunk // sub, block_v, kp), f32)] * 2,
       compiler_params=_params(num_warps, interpret), interpret=interpret,
       name="palimpsa_walk_backward",
-  )(q, k, v, beta, a, ip_row, do, dvar, sub_m, sub_b)
+  )(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts)
+  return outs[:7]

@@ -133,4 +133,4 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
   """
   layout.geometry(q.shape, v.shape[-1], chunk_size)
   return _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                       segment_ids, return_variance, chunk_size, bool(interpret))
+                       segment_ids, return_variance, chunk_size, interpret)

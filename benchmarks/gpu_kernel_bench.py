@@ -1,0 +1,173 @@
+"""Scratch timings of the palimpsa_gpu kernel: stages, tile variants, vs "chunked".
+
+    PYTHONPATH=. python3 benchmarks/gpu_kernel_bench.py [--shapes D170 D760] [--sweep]
+
+bf16 inputs (q, k L2-normalised, alpha in (0.8, 1)), float32 state; medians after warm-up
+over rotating input sets. The official table is benchmarks/op_bench.py.
+"""
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.palimpsa_gpu import op as gpu_op
+from pallas_kernels.palimpsa_gpu import boundary, walk
+
+SHAPES = {
+    "D170": (4, 4096, 16, 48, 48),
+    "M170": (4, 4096, 16, 48, 96),
+    "D760": (4, 4096, 16, 96, 192),
+    "MQAR": (64, 1024, 8, 16, 32),
+}
+REFERENCE_MS = {  # PERF.md: authors' Triton kernel fwd, fwd+bwd
+    "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
+    "MQAR": (1.32, 6.67)}
+FWD_FLOOR_RATE, FWD_BWD_FLOOR_RATE = 4.2e12, 1.2e12
+
+
+def make_inputs(seed, shape, dtype=jnp.bfloat16):
+  b, t, h, k, v = shape
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, k))).astype(dtype)
+  kk = unit(jax.random.normal(ks[1], (b, t, h, k))).astype(dtype)
+  vv = jax.random.normal(ks[2], (b, t, h, v)).astype(dtype)
+  beta = jax.random.uniform(ks[3], (b, t, h, v)).astype(dtype)
+  la = jnp.log(jax.random.uniform(ks[4], (b, t, h), minval=0.8, maxval=1.0))
+  ip = jnp.ones((h,), jnp.float32)
+  mu0 = jnp.zeros((b, h, v, k), jnp.float32)
+  p0 = jnp.ones((b, h, v, k), jnp.float32)
+  cot = jax.random.normal(ks[5], (b, t, h, v), jnp.float32)
+  return (q, kk, vv, beta, la, ip, mu0, p0), cot
+
+
+def time_ms(fn, arg_sets, warmup=2, iters=10):
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  times = []
+  for i in range(iters):
+    args = arg_sets[i % len(arg_sets)]
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times)
+
+
+def pallas_fns(cfg):
+  def fwd(*a):
+    return gpu_op._palimpsa(cfg, *a, None)[::2]  # out, mu_final
+
+  def loss(a, cot):
+    out = gpu_op._palimpsa(cfg, *a, None)[0]
+    return jnp.sum(out.astype(jnp.float32) * cot)
+
+  fb = jax.grad(loss)
+  return jax.jit(fwd), jax.jit(lambda *a: fb(a[:-1], a[-1]))
+
+
+def chunked_fns():
+  from palimpsa_jax.ops import PalimpsaState, palimpsa
+
+  def run(*a):
+    q, k, v, beta, la, ip, mu0, p0 = a
+    return palimpsa(q, k, v, beta, la, ip, initial_state=PalimpsaState(mu0, p0),
+                    implementation="chunked", chunk_size=64)
+
+  fwd = lambda *a: (lambda r: (r.out, r.state.mu))(run(*a))
+  fb = jax.grad(lambda a, cot: jnp.sum(run(*a).out.astype(jnp.float32) * cot))
+  return jax.jit(fwd), jax.jit(lambda *a: fb(a[:-1], a[-1]))
+
+
+def stage_times(cfg, args, log):
+  """Times each stage of the forward and backward alone."""
+  q, k, v, beta, la, ip, mu0, p0 = args
+  prep = jax.jit(lambda *a: gpu_op._prepare(cfg, *a, None))
+  qh, kh, vh, betah, gates, ipv, ip_row = prep(q, k, v, beta, la, ip)
+  m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv)
+  bnd = jax.jit(functools.partial(
+      boundary.boundary_states, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
+      num_warps=cfg.num_warps_boundary, interpret=False))
+  ms, bs, _, _ = bnd(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
+  fw = jax.jit(functools.partial(
+      walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.sub,
+      with_var=False, out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=False))
+  do = jnp.ones(vh.shape, jnp.float32)
+  bw = jax.jit(functools.partial(
+      walk.walk_backward, dvar=None, chunk=cfg.chunk, block_v=cfg.block_v_bwd,
+      sub=cfg.sub, num_warps=cfg.num_warps_bwd, interpret=False))
+  t_prep = time_ms(prep, [(q, k, v, beta, la, ip)])
+  t_bnd = time_ms(bnd, [(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)])
+  t_fw = time_ms(fw, [(qh, kh, vh, betah, gates.step, ip_row, ms, bs)])
+  t_bw = time_ms(lambda *a: bw(*a[:7], m_starts=a[7], b_starts=a[8]),
+                 [(qh, kh, vh, betah, gates.step, ip_row, do, ms, bs)])
+  log(f"    stages: prep {t_prep:.3f} ms, boundary {t_bnd:.3f} ms, walk fwd "
+      f"{t_fw:.3f} ms, walk bwd {t_bw:.3f} ms")
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+  parser.add_argument("--sweep", action="store_true")
+  parser.add_argument("--no-chunked", action="store_true")
+  args_ns = parser.parse_args()
+  log = functools.partial(print, flush=True)
+  log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+  for name in args_ns.shapes:
+    shape = SHAPES[name]
+    b, t, h, kd, vd = shape
+    elem = b * t * h * kd * vd
+    sets = [make_inputs(s, shape) for s in range(2)]
+    fwd_sets = [s[0] for s in sets]
+    fb_sets = [s[0] + (s[1],) for s in sets]
+    base = gpu_op.make_config(sets[0][0][0], sets[0][0][2], sets[0][0][4],
+                              sets[0][0][5], return_variance=False, chunk_size=64,
+                              interpret=False)
+    log(f"{name} {shape}: {base}")
+    variants = {"base": base}
+    if args_ns.sweep:
+      variants.update({
+          "fwd_bv/2": dataclasses.replace(base, block_v=max(1, base.block_v // 2)),
+          "fwd_bv*2": dataclasses.replace(base, block_v=base.block_v * 2),
+          "bwd_bv*2": dataclasses.replace(base, block_v_bwd=base.block_v_bwd * 2),
+          "bwd_w2": dataclasses.replace(base, num_warps_bwd=2),
+          "sub4": dataclasses.replace(base, sub=4),
+          "chunk32": dataclasses.replace(base, chunk=32),
+      })
+    ref_f, ref_fb = REFERENCE_MS[name]
+    for label, cfg in variants.items():
+      if cfg.v_pad + cfg.v != gpu_op.round_up(cfg.v, gpu_op._V_MULTIPLE):
+        continue
+      try:
+        f, fb = pallas_fns(cfg)
+        tf = time_ms(f, fwd_sets)
+        tfb = time_ms(fb, fb_sets)
+      except Exception as e:  # A variant that does not compile is reported, not fatal.
+        log(f"  {label}: failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
+      log(f"  pallas_gpu[{label}]: fwd {tf:.3f} ms ({ref_f / tf:.1f}x ref, "
+          f"{elem / FWD_FLOOR_RATE * 1e3 / tf:.2f} of floor) | fwd+bwd {tfb:.3f} ms "
+          f"({ref_fb / tfb:.1f}x ref, {elem / FWD_BWD_FLOOR_RATE * 1e3 / tfb:.2f} of floor)")
+      if label == "base":
+        stage_times(cfg, sets[0][0], log)
+        mem = fb.lower(*fb_sets[0]).compile().memory_analysis()
+        if mem is not None:
+          log(f"    fwd+bwd compiled temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, "
+              f"args {mem.argument_size_in_bytes / 2**20:.1f} MiB")
+    if not args_ns.no_chunked:
+      f, fb = chunked_fns()
+      tf = time_ms(f, fwd_sets, warmup=1, iters=3)
+      tfb = time_ms(fb, fb_sets, warmup=1, iters=3)
+      out_p = pallas_fns(base)[0](*fwd_sets[0])[0].astype(jnp.float32)
+      out_c = f(*fwd_sets[0])[0].astype(jnp.float32)
+      err = float(jnp.max(jnp.abs(out_p - out_c)) / jnp.max(jnp.abs(out_c)))
+      log(f"  chunked: fwd {tf:.3f} ms | fwd+bwd {tfb:.3f} ms | max rel diff of out "
+          f"pallas vs chunked {err:.1e}")
+
+
+if __name__ == "__main__":
+  main()
