@@ -5,6 +5,8 @@ Importing this module registers the lm-eval model "palimpsa_jax" (needs `pip ins
   python eval.py --suite commonsense --checkpoint WORKDIR [--tasks piqa,hellaswag] [--include_path DIR]
   python -m palimpsa_jax.evaluation.commonsense --model palimpsa_jax \
       --model_args checkpoint=WORKDIR --tasks piqa          (lm-eval's own command line)
+  python -m palimpsa_jax.evaluation.commonsense --install-lm-eval-hook    (once; then the plain
+      `lm_eval --model palimpsa_jax --model_args checkpoint=WORKDIR ...` works too)
 
 Every scored sequence starts with EOS, as every training document does (palimpsa_jax.data.text).
 Requests are scored in batches of fixed shape: lengths are padded to power-of-two buckets, so the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping, Sequence
 import json
+import os
 import sys
 from typing import Any
 
@@ -313,8 +316,38 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   return {"checkpoints": outputs}
 
 
+HOOK_FILE = "palimpsa_jax_lm_eval.pth"
+# A .pth line runs at interpreter start; this one imports the adapter only in lm_eval processes.
+_HOOK_LINE = ("import sys; sys.argv and sys.argv[0].endswith(('lm_eval', 'lm-eval')) and "
+              "__import__('palimpsa_jax.evaluation.commonsense')\n")
+
+
+def install_lm_eval_hook(site_packages: str | None = None) -> str:
+  """Makes lm-eval's own `lm_eval` command know --model palimpsa_jax.
+
+  lm-eval has no plugin entry point for models, so this writes a one-line .pth file into
+  site-packages that registers the adapter when (and only when) the `lm_eval` command starts.
+
+  Returns:
+    The path of the .pth file.
+  """
+  import sysconfig  # pylint: disable=g-import-not-at-top
+  directory = site_packages or sysconfig.get_paths()["purelib"]
+  path = os.path.join(directory, HOOK_FILE)
+  with open(path, "w") as f:
+    f.write(_HOOK_LINE)
+  return path
+
+
 def main() -> None:
-  """lm-eval's command line with "palimpsa_jax" registered."""
+  """lm-eval's command line with "palimpsa_jax" registered.
+
+  `--install-lm-eval-hook` instead installs the hook that makes the plain `lm_eval` command
+  know the model.
+  """
+  if sys.argv[1:] == ["--install-lm-eval-hook"]:
+    print(f"wrote {install_lm_eval_hook()}")
+    return
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
   cli_evaluate()
 

@@ -4,6 +4,8 @@ multiple-choice task (YAML + JSONL written here) run offline through lm-eval, mi
 import functools
 import json
 import os
+import subprocess
+import sys
 import types
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -212,3 +214,21 @@ def test_generate_until_is_greedy_decoding(setup):
     if setup.tok.eos_id in new:
       new = new[:new.index(setup.tok.eos_id)]
     assert text == setup.tok.decode(new).split("\n\n")[0]
+
+
+def test_lm_eval_command_hook(tmp_path):
+  site_dir = tmp_path / "site"
+  site_dir.mkdir()
+  path = commonsense.install_lm_eval_hook(str(site_dir))
+  assert os.path.basename(path) == commonsense.HOOK_FILE
+  # A script called lm_eval that processes the hook as site start-up would, then asks lm-eval's
+  # registry for the model.
+  script = tmp_path / "lm_eval"
+  script.write_text(
+      "import site, sys\n"
+      f"site.addsitedir({str(site_dir)!r})\n"
+      "from lm_eval.api.registry import get_model\n"
+      "print(get_model('palimpsa_jax').__module__)\n")
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True,
+                        timeout=120)
+  assert done.stdout.strip().splitlines()[-1] == "palimpsa_jax.evaluation.commonsense"
