@@ -108,9 +108,13 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
 
 
 def _plot_path(options: Mapping[str, Any], checkpoints: Sequence[str]) -> str:
+  """Next to --output, else in the first checkpoint's workdir (beside eval.py's JSON)."""
   if options.get("output"):
     return os.path.splitext(options["output"])[0] + ".png"
-  return os.path.join(checkpoints[0], "eval_long_context.png")
+  path = os.path.abspath(checkpoints[0])
+  if os.path.basename(os.path.dirname(path)) == "checkpoints":
+    path = os.path.dirname(os.path.dirname(path))
+  return os.path.join(path, "eval_long_context.png")
 
 
 def run(options: Mapping[str, Any]) -> dict[str, Any]:

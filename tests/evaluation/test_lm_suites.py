@@ -171,6 +171,9 @@ def test_run_suites(setup, monkeypatch):
   with open(curves["plot"], "rb") as f:
     assert curves["plot"].endswith("long.png") and f.read(8) == b"\x89PNG\r\n\x1a\n"
   json.dumps(curves)
+  # Without --output the plot goes to the workdir of a checkpoints/<step> folder.
+  single = long_context.run({"checkpoint": [a], "files": setup.files, "max_length": 8})
+  assert single["plot"] == str(setup.root / "eval_long_context.png")
   with pytest.raises(ValueError, match="files"):
     lm_lib.run({"checkpoint": [a]})
   with pytest.raises(ValueError, match="checkpoint"):
