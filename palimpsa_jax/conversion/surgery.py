@@ -1,0 +1,118 @@
+"""Turning chosen layers of a Mamba2 / NotPalimpsa model metaplastic (SPEC.md sec. 7).
+
+Every source weight is copied; the converted layers gain beta_down, beta_up,
+b_scale and Ip_log. init="paper" keeps the layers' own initialisers (SPEC.md
+sec. 4: beta_down ~ N(0, 0.02), beta_up ~ U(+-r^-1/2), b_scale 1, Ip_log 0);
+init="zero" sets b_scale so low that softplus(b_scale) is exactly 0 in float32,
+so beta == 0 and the model computes the source function (Ip = 1). The
+metaplastic branch then also has zero gradient: "zero" is a function-preserving
+starting point, to be followed by raising b_scale, while "paper" is the
+fine-tuning initialisation.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from palimpsa_jax.conversion.sources import Source
+
+INITS = ("paper", "zero")
+NEW_PARAMETER_NAMES = ("beta_down", "beta_up", "b_scale", "Ip_log")
+# softplus(-1e4) and its derivative underflow to exactly 0 in float32.
+ZERO_INIT_B_SCALE = -1e4
+
+
+def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """Indices of the layers whose mixer is metaplastic under `config`."""
+  if config.get("metaplasticity", False):
+    return tuple(range(config.num_layers))
+  return tuple(int(i) for i in (config.get("metaplastic_layers") or ()))
+
+
+def converted_config(config: ml_collections.ConfigDict,
+                     layers: Sequence[int]) -> ml_collections.ConfigDict:
+  """The source model config with `layers` added to config.metaplastic_layers."""
+  new = ml_collections.ConfigDict(config.to_dict())
+  new.metaplastic_layers = tuple(sorted(set(metaplastic_layers(config)) | set(layers)))
+  return new
+
+
+def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+  """models.build_model, with metaplastic mixers in config.metaplastic_layers.
+
+  A mixer that models.build_model already made metaplastic is kept.
+  """
+  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
+  model = models.build_model(config, rngs)
+  layers = metaplastic_layers(config)
+  if layers and not config.get("metaplasticity", False):
+    meta = ml_collections.ConfigDict(config.to_dict())
+    meta.metaplasticity = True
+    for i in layers:
+      if not model.blocks[i].mixer.metaplasticity:
+        model.blocks[i].mixer = models.make_mixer(meta, rngs)
+  return model
+
+
+def check_layers(layers: Sequence[int], config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for out-of-range, repeated or already metaplastic layers."""
+  if len(set(layers)) != len(layers):
+    raise ValueError(f"layers {list(layers)} contain repeats")
+  bad = [i for i in layers if not 0 <= i < config.num_layers]
+  if bad:
+    raise ValueError(f"layers {bad} out of range [0, {config.num_layers})")
+  done = sorted(set(layers) & set(metaplastic_layers(config)))
+  if done:
+    raise ValueError(f"layers {done} are already metaplastic in the source")
+
+
+def _leaves(tree: dict[str, Any]) -> dict[tuple, Any]:
+  return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _is_new(path: tuple) -> bool:
+  return any(name in NEW_PARAMETER_NAMES for name in path)
+
+
+def convert(source: Source, layers: Sequence[int], init: str = "paper",
+            seed: int = 0) -> tuple[nnx.Module, ml_collections.ConfigDict]:
+  """(converted NNX model, its model config) with `layers` made metaplastic."""
+  if init not in INITS:
+    raise ValueError(f"init must be one of {INITS}, got {init!r}")
+  layers = [int(i) for i in layers]
+  check_layers(layers, source.config)
+  config = converted_config(source.config, layers)
+  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import state as state_lib
+  # pylint: enable=g-import-not-at-top
+  graphdef, params, model_state = state_lib.split_model(
+      build_model(config, nnx.Rngs(seed)))
+  target = _leaves(params)
+  given = _leaves(source.params)
+  unknown = sorted(set(given) - set(target), key=str)
+  if unknown:
+    raise ValueError(f"source parameters with no place in the converted model: {unknown}")
+  for path, value in given.items():
+    if tuple(value.shape) != tuple(target[path].shape):
+      raise ValueError(
+          f"source parameter {'/'.join(map(str, path))} has shape {value.shape}, "
+          f"the converted model expects {target[path].shape}")
+  uncovered = sorted((p for p in set(target) - set(given) if not _is_new(p)), key=str)
+  if uncovered:
+    raise ValueError(f"converted-model parameters missing from the source: {uncovered}")
+
+  def pick(path, leaf):
+    key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+    if key in given:
+      return jnp.asarray(given[key], jnp.float32)
+    if init == "zero" and key[-1] == "b_scale" and key[1] in layers:
+      return jnp.full_like(leaf, ZERO_INIT_B_SCALE)
+    return leaf
+
+  params = jax.tree_util.tree_map_with_path(pick, params)
+  return state_lib.merge_model(graphdef, params, model_state), config
