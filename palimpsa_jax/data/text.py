@@ -236,20 +236,25 @@ def _zero_based_rows(packed: dict[str, Any]) -> dict[str, np.ndarray]:
   return {"tokens": tokens, "segment_ids": segment_ids, "mask": mask}
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _validate(seq_len: int, batch_size: int, shard_index: int, shard_count: int) -> None:
-  if not isinstance(seq_len, int) or seq_len < 2:
+  if not _is_int(seq_len) or seq_len < 2:
     raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
-  if not isinstance(batch_size, int) or batch_size < 1:
+  if not _is_int(batch_size) or batch_size < 1:
     raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-  if not isinstance(shard_count, int) or shard_count < 1:
+  if not _is_int(shard_count) or shard_count < 1:
     raise ValueError(f"shard_count must be an int >= 1, got {shard_count!r}")
-  if not isinstance(shard_index, int) or not 0 <= shard_index < shard_count:
+  if not _is_int(shard_index) or not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index must be an int in [0, shard_count={shard_count}), "
                      f"got {shard_index!r}")
 
 
 def _packed_rows(documents: grain.MapDataset, tokenizer: Tokenizer, seq_len: int,
                  num_threads: int) -> grain.IterDataset:
+  seq_len = int(seq_len)
   tokenized = documents.map(_TokenizeDocument(tokenizer)).to_iter_dataset(
       grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=4 * max(num_threads, 1)))
   packed = grain.experimental.ConcatThenSplitIterDataset(
@@ -262,7 +267,7 @@ def _shard(files_glob, shard_index: int, shard_count: int) -> grain.MapDataset:
   if len(source) < shard_count:
     raise ValueError(f"files_glob {files_glob!r} holds {len(source)} documents, fewer than "
                      f"shard_count={shard_count}")
-  return grain.MapDataset.source(source)[shard_index::shard_count]
+  return grain.MapDataset.source(source)[int(shard_index)::int(shard_count)]
 
 
 def make_text_dataset(files_glob: str | Sequence[str], tokenizer: Tokenizer, seq_len: int,
@@ -290,7 +295,7 @@ def make_text_dataset(files_glob: str | Sequence[str], tokenizer: Tokenizer, seq
   documents = _shard(files_glob, shard_index, shard_count).shuffle(seed=seed).repeat(None)
   rows = _packed_rows(documents, tokenizer, seq_len, num_threads)
   rows = rows.map(lambda row: {"tokens": row["tokens"], "segment_ids": row["segment_ids"]})
-  return rows.batch(batch_size, drop_remainder=True)
+  return rows.batch(int(batch_size), drop_remainder=True)
 
 
 def _stack_and_pad(rows: Sequence[dict[str, np.ndarray]], batch_size: int) -> dict[str, np.ndarray]:
@@ -318,6 +323,7 @@ def make_text_eval_dataset(files_glob: str | Sequence[str], tokenizer: Tokenizer
   _validate(seq_len, batch_size, shard_index, shard_count)
   rows = _packed_rows(_shard(files_glob, shard_index, shard_count), tokenizer, seq_len,
                       num_threads)
+  batch_size = int(batch_size)
   return rows.batch(batch_size, batch_fn=lambda rows: _stack_and_pad(rows, batch_size))
 
 
