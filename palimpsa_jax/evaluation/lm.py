@@ -39,8 +39,8 @@ class ModelScorer:
   def _score_impl(self, state, tokens, segment_ids, targets):
     model = nnx.merge(self._graphdef, state)
     logits = model(tokens, segment_ids=segment_ids).astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    picked = target_logits - jax.nn.logsumexp(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1) == targets
     return picked, greedy
 
