@@ -47,7 +47,6 @@ DEFAULT_MAX_GEN_TOKS = 256
 MIN_BUCKET = 32
 
 
-
 def length_bucket(length: int, max_length: int) -> int:
   """Padded length for a row of `length` tokens: the next power of two >= MIN_BUCKET, capped."""
   bucket = MIN_BUCKET
