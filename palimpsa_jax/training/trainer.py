@@ -114,22 +114,6 @@ class MqarTask(Task):
     return iter(self._eval_dataset)
 
 
-def lm_targets(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray:
-  """Next-token targets of packed rows; IGNORE_INDEX across document boundaries.
-
-  Args:
-    tokens: [b, T] int.
-    segment_ids: [b, T] int; a change marks a new document.
-
-  Returns:
-    [b, T] int32: targets[:, t] = tokens[:, t + 1] inside a document.
-  """
-  targets = np.full(tokens.shape, mqar_lib.IGNORE_INDEX, np.int32)
-  same_document = segment_ids[:, 1:] == segment_ids[:, :-1]
-  targets[:, :-1] = np.where(same_document, tokens[:, 1:], mqar_lib.IGNORE_INDEX)
-  return targets
-
-
 class LmTask(Task):
   """Packed text from data/text.py, tokenised with data/tokenizer.py."""
 
@@ -143,33 +127,47 @@ class LmTask(Task):
     tokenizer = tokenizer_lib.load_or_train_tokenizer(
         data.tokenizer, data.train_files, workdir)
 
-    def make(files, global_batch, seed):
-      return text_lib.make_text_dataset(
-          files, tokenizer, config.seq_len,
-          pipeline.per_host_batch_size(global_batch, shard_count), seed,
-          shard_index, shard_count)
-
-    self._make = make
-    self.train_dataset = make(data.train_files, config.batch_size, config.seed)
+    self.train_dataset = text_lib.make_text_dataset(
+        data.train_files, tokenizer, config.seq_len,
+        pipeline.per_host_batch_size(config.batch_size, shard_count),
+        config.seed, shard_index, shard_count)
     self.train_iterator = iter(self.train_dataset)
     self.total_steps = config.total_steps
     self.tokens_per_step = config.batch_size * config.seq_len
-    self._eval_files = data.eval_files
-    self._eval_batch_size = config.eval_batch_size
+    self._eval_dataset = None
+    if data.eval_files:
+      self._eval_dataset = text_lib.make_text_eval_dataset(
+          data.eval_files, tokenizer, config.seq_len,
+          pipeline.per_host_batch_size(config.eval_batch_size, shard_count),
+          shard_index, shard_count)
     self._num_eval_batches = data.eval_batches
 
   def eval_batches(self):
-    if not self._eval_files:
+    if self._eval_dataset is None:
       return iter(())
-    batches = iter(self._make(self._eval_files, self._eval_batch_size, 0))
-    return (_with_lm_targets(next(batches)) for _ in range(self._num_eval_batches))
+    batches = iter(self._eval_dataset)
+    # Every host must run the same number of eval steps: stop at the
+    # configured count, or earlier only if the (sharded) data runs out.
+    return (with_lm_targets(batch) for _, batch in
+            zip(range(self._num_eval_batches), batches))
 
 
-def _with_lm_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Adds next-token "targets" to a text batch (MQAR batches already have them)."""
+def with_lm_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Adds next-token "targets" to a packed text batch (MQAR batches have them).
+
+  A target is IGNORE_INDEX at the last position, across document boundaries
+  and on padding ("mask" 0); "mask" itself is consumed.
+  """
   if "targets" in batch:
     return batch
-  return {**batch, "targets": lm_targets(batch["tokens"], batch["segment_ids"])}
+  from palimpsa_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
+  batch = dict(batch)
+  mask = batch.pop("mask", None)
+  targets, weights = text_lib.next_token_targets(
+      batch["tokens"], batch["segment_ids"], mask)
+  batch["targets"] = np.where(weights > 0, targets, mqar_lib.IGNORE_INDEX).astype(
+      np.int32)
+  return batch
 
 
 def make_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
@@ -272,7 +270,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     while step < total_steps and not stopped_early:
       batch = sharding_lib.global_batch(
-          _with_lm_targets(next(task.train_iterator)), mesh)
+          with_lm_targets(next(task.train_iterator)), mesh)
       state, step_metrics = train_step(state, batch)
       finite = finite & step_metrics["train/finite"]
       step += 1

@@ -157,8 +157,10 @@ def test_bad_config_values(tmp_path, field, value, match):
     trainer.train_and_evaluate(config, str(tmp_path))
 
 
-def test_lm_targets_stop_at_document_boundaries():
-  tokens = np.array([[5, 6, 7, 8, 9]])
-  segments = np.array([[1, 1, 2, 2, 2]])
-  np.testing.assert_array_equal(trainer.lm_targets(tokens, segments),
-                                [[6, -100, 8, 9, -100]])
+def test_lm_targets_stop_at_document_boundaries_and_padding():
+  batch = {"tokens": np.array([[5, 6, 7, 8, 9]]),
+           "segment_ids": np.array([[0, 0, 1, 1, 1]]),
+           "mask": np.array([[1, 1, 1, 1, 0]])}
+  out = trainer.with_lm_targets(batch)
+  assert sorted(out) == ["segment_ids", "targets", "tokens"]
+  np.testing.assert_array_equal(out["targets"], [[6, -100, 8, -100, -100]])

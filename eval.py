@@ -1,0 +1,74 @@
+"""Evaluates trained checkpoints with one suite and writes the results as JSON.
+
+  python eval.py --suite mqar --workdir runs/mqar
+  python eval.py --suite mqar --workdir runs/mqar --mqar_settings 128:16,256:32
+  python eval.py --suite lm --checkpoint runs/lm --files 'data/valid/*.txt'
+
+Suites live in palimpsa_jax/evaluation/suites.py. The JSON goes to --output,
+or by default to <first checkpoint's workdir>/eval_<suite>.json.
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+
+from palimpsa_jax.evaluation.suites import SUITES
+
+_SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Evaluation suite.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir (latest checkpoint).")
+_CHECKPOINT = flags.DEFINE_multi_string(
+    "checkpoint", [], "Workdirs or checkpoints/<step> folders; repeatable or comma-separated.")
+_OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
+_FILES = flags.DEFINE_string("files", None, "Held-out text files (glob) for lm / long_context.")
+_TASKS = flags.DEFINE_list("tasks", None, "lm-eval tasks (commonsense).")
+_INCLUDE_PATH = flags.DEFINE_string("include_path", None, "Extra lm-eval task YAMLs.")
+_MAX_LENGTH = flags.DEFINE_integer("max_length", None, "Maximum sequence length.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None, "Evaluation batch size.")
+_LIMIT = flags.DEFINE_float("limit", None, "Examples per task (commonsense; for quick runs).")
+_MQAR_SETTINGS = flags.DEFINE_string(
+    "mqar_settings", None,
+    "mqar: extra test settings SEQ_LEN:KV_PAIRS,... besides the trained one.")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "mqar: test examples per setting.")
+
+
+def _checkpoints() -> list[str]:
+  checkpoints = [_WORKDIR.value] if _WORKDIR.value else []
+  for value in _CHECKPOINT.value:
+    checkpoints.extend(c for c in value.split(",") if c)
+  if not checkpoints:
+    raise app.UsageError("give --workdir or --checkpoint.")
+  return checkpoints
+
+
+def default_output(suite: str, checkpoint: str) -> str:
+  """<workdir>/eval_<suite>.json for a workdir or one of its checkpoints/<step>."""
+  path = os.path.abspath(checkpoint)
+  if os.path.basename(os.path.dirname(path)) == "checkpoints":
+    path = os.path.dirname(os.path.dirname(path))
+  return os.path.join(path, f"eval_{suite}.json")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  checkpoints = _checkpoints()
+  options = {
+      "suite": _SUITE.value, "checkpoint": checkpoints, "output": _OUTPUT.value,
+      "files": _FILES.value, "tasks": _TASKS.value,
+      "include_path": _INCLUDE_PATH.value, "max_length": _MAX_LENGTH.value,
+      "batch_size": _BATCH_SIZE.value, "limit": _LIMIT.value,
+      "mqar_settings": _MQAR_SETTINGS.value, "num_examples": _NUM_EXAMPLES.value,
+  }
+  results = SUITES[_SUITE.value](options)
+  output = _OUTPUT.value or default_output(_SUITE.value, checkpoints[0])
+  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  with open(output, "w") as f:
+    json.dump(results, f, indent=2)
+  print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("suite")
+  app.run(main)

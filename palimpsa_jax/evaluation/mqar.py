@@ -1,0 +1,139 @@
+"""MQAR evaluation of trained checkpoints on freshly generated test sets."""
+
+from collections.abc import Mapping, Sequence
+import math
+from typing import Any
+
+from flax import nnx
+import jax
+import numpy as np
+
+from palimpsa_jax.data import mqar as mqar_lib
+from palimpsa_jax.data import pipeline
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import steps as steps_lib
+
+DEFAULT_NUM_EXAMPLES = 3000
+DEFAULT_BATCH_SIZE = 128
+# Test sets are drawn from a seed stream disjoint from training (2 * seed) and
+# the run's own validation set (2 * seed + 1).
+_TEST_SEED_OFFSET = 1_000_003
+
+
+def accuracy_on(model: nnx.Module, inputs: np.ndarray, targets: np.ndarray,
+                batch_size: int) -> dict[str, float]:
+  """Query accuracy and mean query cross-entropy of `model`.
+
+  Args:
+    model: NNX language model; model(tokens [B, T]) -> logits [B, T, vocab].
+    inputs: [N, T] int32 MQAR inputs.
+    targets: [N, T] int32 (IGNORE_INDEX where not a query).
+    batch_size: examples per forward pass (the last batch is padded).
+  """
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def sums(state, tokens, batch_targets):
+    logits = nnx.merge(graphdef, state)(tokens)
+    return jax.numpy.stack(steps_lib.cross_entropy_sums(logits, batch_targets))
+
+  padded = pipeline.pad_rows({"tokens": inputs, "targets": targets}, batch_size,
+                             {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX})
+  total = 0.0
+  for start in range(0, len(padded["tokens"]), batch_size):
+    total = total + sums(state, padded["tokens"][start:start + batch_size],
+                         padded["targets"][start:start + batch_size])
+  loss_sum, correct, count = (float(x) for x in jax.device_get(total))
+  return {"accuracy": correct / count, "loss": loss_sum / count,
+          "num_queries": int(count)}
+
+
+def parse_settings(text: str | Sequence[Any] | None) -> list[tuple[int, int]]:
+  """"1024:256,2048:512" (or a list of pairs) -> [(seq_len, num_kv_pairs), ...]."""
+  if not text:
+    return []
+  if isinstance(text, str):
+    items = [item for item in text.split(",") if item.strip()]
+    pairs = []
+    for item in items:
+      parts = item.split(":")
+      if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(
+            f"MQAR setting {item!r} must look like SEQ_LEN:NUM_KV_PAIRS, e.g. 1024:256.")
+      pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
+  return [(int(a), int(b)) for a, b in text]
+
+
+def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
+                        num_examples: int, batch_size: int,
+                        seed: int = 0) -> dict[str, Any]:
+  """Evaluates one checkpoint on its trained setting and on `settings`.
+
+  Returns:
+    {"checkpoint", "step", "mixer", "results": [{"seq_len", "num_kv_pairs",
+    "accuracy", "loss", "num_queries", "trained_setting"}, ...]}.
+  """
+  model, config, step = checkpoint_lib.load_model(checkpoint)
+  if config.task != "mqar":
+    raise ValueError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
+  data = config.data
+  trained = (config.seq_len, data.num_kv_pairs)
+  results = []
+  for index, (seq_len, num_kv_pairs) in enumerate(
+      [trained] + [s for s in settings if s != trained]):
+    inputs, targets = mqar_lib.multiquery_ar(
+        vocab_size=data.vocab_size, num_examples=num_examples,
+        input_seq_len=seq_len, num_kv_pairs=num_kv_pairs, power_a=data.power_a,
+        random_non_queries=data.random_non_queries,
+        seed=_TEST_SEED_OFFSET + 1000 * seed + index)
+    metrics = accuracy_on(model, inputs, targets, batch_size)
+    results.append({"seq_len": seq_len, "num_kv_pairs": num_kv_pairs,
+                    "trained_setting": index == 0, **metrics})
+  mixer = config.get("args", {}).get("mixer") or config.model.get("model")
+  return {"checkpoint": checkpoint, "step": step, "mixer": mixer,
+          "results": results}
+
+
+def format_table(evaluations: Sequence[Mapping[str, Any]]) -> str:
+  """A plain-text table: one row per checkpoint and setting."""
+  header = f"{'checkpoint':<40} {'step':>7} {'mixer':<15} {'seq_len':>7} {'kv':>5} {'accuracy':>9} {'loss':>8}"
+  lines = [header, "-" * len(header)]
+  for evaluation in evaluations:
+    name = evaluation["checkpoint"]
+    name = name if len(name) <= 40 else "..." + name[-37:]
+    for r in evaluation["results"]:
+      loss = r["loss"] if math.isfinite(r["loss"]) else float("nan")
+      lines.append(
+          f"{name:<40} {evaluation['step']:>7} {str(evaluation['mixer']):<15} "
+          f"{r['seq_len']:>7} {r['num_kv_pairs']:>5} {100 * r['accuracy']:>8.2f}% "
+          f"{loss:>8.4f}")
+  return "\n".join(lines)
+
+
+def run(options: Mapping[str, Any]) -> dict[str, Any]:
+  """The "mqar" suite of eval.py.
+
+  Options: "checkpoint" (list of workdirs or checkpoints/<step> folders),
+  "mqar_settings" (extra "SEQ_LEN:KV,..." test settings), "num_examples"
+  (default 3000), "batch_size" (default 128), "seed" (test-set seed).
+  """
+  checkpoints = options.get("checkpoint")
+  if isinstance(checkpoints, str):
+    checkpoints = [c for c in checkpoints.split(",") if c]
+  if not checkpoints:
+    raise ValueError("the mqar suite needs --workdir or --checkpoint.")
+  settings = parse_settings(options.get("mqar_settings"))
+  num_examples = int(options.get("num_examples") or DEFAULT_NUM_EXAMPLES)
+  batch_size = int(options.get("batch_size") or DEFAULT_BATCH_SIZE)
+  if num_examples <= 0 or batch_size <= 0:
+    raise ValueError(
+        f"num_examples and batch_size must be positive, got {num_examples} "
+        f"and {batch_size}.")
+  evaluations = [
+      evaluate_checkpoint(c, settings, num_examples, batch_size,
+                          int(options.get("seed") or 0))
+      for c in checkpoints]
+  print(format_table(evaluations), flush=True)
+  return {"suite": "mqar", "num_examples": num_examples,
+          "evaluations": evaluations}

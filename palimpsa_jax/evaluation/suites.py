@@ -1,0 +1,34 @@
+"""Evaluation suites for eval.py: name -> run(options) -> JSON-able dict."""
+
+from collections.abc import Callable, Mapping
+import importlib
+from typing import Any
+
+Suite = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+# Modules are imported on first use: a suite's dependencies (lm-eval, ...)
+# are needed only when that suite runs.
+_MODULES = {
+    "mqar": "palimpsa_jax.evaluation.mqar",
+    "lm": "palimpsa_jax.evaluation.lm",
+    "long_context": "palimpsa_jax.evaluation.long_context",
+    "commonsense": "palimpsa_jax.evaluation.commonsense",
+}
+
+
+class _LazySuites(Mapping):
+  """Mapping of suite names to their `run` functions, imported lazily."""
+
+  def __getitem__(self, name: str) -> Suite:
+    if name not in _MODULES:
+      raise KeyError(f"unknown suite {name!r}; suites: {sorted(_MODULES)}")
+    return importlib.import_module(_MODULES[name]).run
+
+  def __iter__(self):
+    return iter(_MODULES)
+
+  def __len__(self):
+    return len(_MODULES)
+
+
+SUITES: Mapping[str, Suite] = _LazySuites()

@@ -1,0 +1,83 @@
+"""MQAR evaluation of a saved checkpoint, the suites registry and eval.py."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "training"))
+import tiny_lm  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from palimpsa_jax.data import mqar as mqar_lib  # pylint: disable=wrong-import-position
+from palimpsa_jax.evaluation import mqar as mqar_eval  # pylint: disable=wrong-import-position
+from palimpsa_jax.evaluation.suites import SUITES  # pylint: disable=wrong-import-position
+from palimpsa_jax.training import trainer  # pylint: disable=wrong-import-position
+
+REPO = pathlib.Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  with pytest.MonkeyPatch.context() as patcher:
+    tiny_lm.use_tiny_model(patcher)
+    path = tmp_path_factory.mktemp("mqar_run")
+    config = tiny_lm.tiny_mqar_config(**{"optimizer.learning_rate": 3e-2})
+    trainer.train_and_evaluate(config, str(path))
+  return path
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model(monkeypatch):
+  tiny_lm.use_tiny_model(monkeypatch)
+
+
+def test_accuracy_on_matches_manual_count():
+  with nnx.use_eager_sharding(False):
+    model = tiny_lm.TinyLM(tiny_lm.VOCAB, 8, nnx.Rngs(0))
+  inputs, targets = mqar_lib.multiquery_ar(tiny_lm.VOCAB, 10, 16, 2, seed=0)
+  result = mqar_eval.accuracy_on(model, inputs, targets, batch_size=4)
+  predictions = np.asarray(jnp.argmax(model(jnp.asarray(inputs)), -1))
+  queries = targets != mqar_lib.IGNORE_INDEX
+  assert result["num_queries"] == queries.sum() == 20
+  assert result["accuracy"] == pytest.approx((predictions == targets)[queries].mean())
+
+
+def test_suite_evaluates_saved_checkpoint(workdir, capsys):
+  result = SUITES["mqar"]({"checkpoint": [str(workdir)], "num_examples": 64,
+                           "batch_size": 32, "mqar_settings": "24:3"})
+  (evaluation,) = result["evaluations"]
+  assert evaluation["step"] == 32
+  settings = [(r["seq_len"], r["num_kv_pairs"], r["trained_setting"])
+              for r in evaluation["results"]]
+  assert settings == [(16, 2, True), (24, 3, False)]
+  trained = evaluation["results"][0]
+  assert trained["num_queries"] == 128 and 0 <= trained["accuracy"] <= 1
+  assert "accuracy" in capsys.readouterr().out
+
+
+def test_eval_main_writes_default_json(workdir):
+  spec = importlib.util.spec_from_file_location("eval_main", REPO / "eval.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  module.flags.FLAGS(["eval.py", "--suite=mqar", f"--workdir={workdir}",
+                      "--num_examples=32", "--batch_size=32"])
+  module.main(["eval.py"])
+  saved = json.loads((workdir / "eval_mqar.json").read_text())
+  assert saved["suite"] == "mqar" and saved["evaluations"][0]["step"] == 32
+  assert module.default_output("mqar", str(workdir / "checkpoints" / "32")) == str(
+      workdir / "eval_mqar.json")
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="SEQ_LEN:NUM_KV_PAIRS"):
+    mqar_eval.parse_settings("128-16")
+  with pytest.raises(ValueError, match="--workdir or --checkpoint"):
+    mqar_eval.run({})
+  with pytest.raises(KeyError, match="unknown suite"):
+    SUITES["nope"]  # pylint: disable=pointless-statement
+  assert set(SUITES) == {"mqar", "lm", "long_context", "commonsense"}

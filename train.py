@@ -1,0 +1,68 @@
+"""Trains a model from an ml_collections config; all logic is in palimpsa_jax.training.
+
+  python train.py --config configs/mqar.py --workdir runs/mqar
+  python train.py --config configs/mqar.py:mixer=mamba2,seq_len=128,kv=16 --workdir runs/m2
+  python train.py --config configs/lm.py:model=palimpsa_d,size=170m \
+      --config.data.train_files='data/*.jsonl' --config.total_steps=1000 --workdir runs/lm
+  python train.py --config configs/mqar.py --dry_run   # parameter table, then exit
+
+A restarted command resumes from the latest checkpoint in --workdir. Multi-host:
+pass --coordinator_address, --num_processes and --process_id (or rely on the
+cluster's auto-detection with --distributed).
+"""
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:args]).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and config go here.")
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Print the parameter table and `params: <count>`, then exit.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() (auto-detected cluster).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def dry_run(config) -> None:
+  """Prints the model's parameter table and, as the last line, `params: <count>`."""
+  # pylint: disable=g-import-not-at-top
+  from flax import nnx
+  from palimpsa_jax.models.summary import parameter_table
+  from palimpsa_jax.training import trainer
+  # pylint: enable=g-import-not-at-top
+  build = trainer.model_fn(config)
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: build(nnx.Rngs(config.seed)))
+  table, count = parameter_table(model)
+  print(table)
+  print(f"params: {count}")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _COORDINATOR.value or _DISTRIBUTED.value:
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  # Orbax logs every checkpoint step at INFO; keep the terminal for progress.
+  if logging.get_verbosity() == logging.INFO:
+    logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  if _DRY_RUN.value:
+    dry_run(config)
+    return
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required (except with --dry_run).")
+  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  trainer.train_and_evaluate(config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
