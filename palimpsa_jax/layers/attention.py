@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.checks import check_mixer_input
 from palimpsa_jax.layers.diagnostics import rms
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.rope import apply_rope
@@ -21,11 +22,16 @@ class KVCache(NamedTuple):
 
 
 class Attention(nnx.Module):
-  """Multi-head causal softmax attention, optional RoPE, no biases."""
+  """Multi-head causal softmax attention, optional RoPE, no biases.
+
+  implementation is passed to jax.nn.dot_product_attention: None or "xla"
+  (portable), "cudnn" (fused GPU kernel, bf16/fp16).
+  """
 
   def __init__(
       self, d_model: int, *, num_heads: int, head_dim: int, rngs: nnx.Rngs,
       rope: bool = True, rope_theta: float = 10000.0,
+      implementation: str | None = None,
       init_std: float = params_lib.INIT_STD, dtype=jnp.float32):
     init = params_lib.normal_init(init_std)
     dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
@@ -36,7 +42,9 @@ class Attention(nnx.Module):
     self.v_proj = dense(d_model, hd, ("embed", "heads"))
     self.out_proj = dense(hd, d_model, ("heads", "embed"))
     self.num_heads, self.head_dim = num_heads, head_dim
+    self.d_model = d_model
     self.rope, self.rope_theta = rope, rope_theta
+    self.implementation = implementation
     self.dtype = dtype
 
   def init_cache(self, batch_size: int, max_length: int,
@@ -47,6 +55,7 @@ class Attention(nnx.Module):
                    jnp.zeros((), jnp.int32))
 
   def _qkv(self, x, positions):
+    check_mixer_input(x, self.d_model)
     batch, length, _ = x.shape
     shape = (batch, length, self.num_heads, self.head_dim)
     q = self.q_proj(x).reshape(shape)
@@ -70,11 +79,14 @@ class Attention(nnx.Module):
     length = x.shape[1]
     q, k, v = self._qkv(x, jnp.arange(length))
     if segment_ids is None:
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      o = jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation=self.implementation)
     else:
       same = segment_ids[:, :, None] == segment_ids[:, None, :]
       causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-      o = jax.nn.dot_product_attention(q, k, v, mask=(same & causal)[:, None])
+      o = jax.nn.dot_product_attention(
+          q, k, v, mask=(same & causal)[:, None],
+          implementation=self.implementation)
     y = self._out(o)
     if return_diagnostics:
       return y, {"output_rms": rms(y)}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.checks import check_mixer_input
 from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
 from palimpsa_jax.layers.linear import Dense
@@ -63,6 +64,7 @@ class GatedDeltaNet(nnx.Module):
     self.out_proj = Dense(h * vd, d_model, names=("heads", "embed"),
                           rngs=rngs, kernel_init=init, dtype=dtype)
     self.num_heads, self.head_k_dim, self.head_v_dim = h, kd, vd
+    self.d_model = d_model
     self.implementation = implementation
     self.chunk_size = chunk_size
     self.dtype = dtype
@@ -95,6 +97,7 @@ class GatedDeltaNet(nnx.Module):
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
+    check_mixer_input(x, self.d_model)
     batch, length, _ = x.shape
     h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
     conv_states = (None,) * 3 if cache is None else cache[:3]

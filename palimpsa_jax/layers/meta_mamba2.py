@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.checks import check_mixer_input
 from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
 from palimpsa_jax.layers.linear import Dense
@@ -83,6 +84,7 @@ class MetaMamba2(nnx.Module):
     self.d_inner, self.num_heads, self.head_dim = d_inner, h, head_dim
     self.state_dim, self.num_groups = state_dim, num_groups
     self.metaplasticity = metaplasticity
+    self.d_model = d_model
     self.implementation = implementation
     self.chunk_size = chunk_size
     self.dtype = dtype
@@ -123,6 +125,7 @@ class MetaMamba2(nnx.Module):
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
+    check_mixer_input(x, self.d_model)
     batch, length, _ = x.shape
     h, p, n, g = self.num_heads, self.head_dim, self.state_dim, self.num_groups
     d_inner = self.d_inner

@@ -11,7 +11,8 @@ Mixer fields:
     palimpsa_d);
   meta_mamba2: expand, head_dim, state_dim, num_groups, beta_rank, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor;
-  attention: num_heads, head_dim, rope, rope_theta.
+  attention: num_heads, head_dim, rope, rope_theta, attention_implementation
+    (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
 """
 
 import ml_collections
@@ -113,7 +114,8 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
   if mixer == "meta_mamba2":
     fields.update(_MAMBA_SIZES[size], mlp_hidden_dim=0, **_gates(mixer))
   elif mixer == "attention":
-    fields.update(_ATTENTION_SIZES[size], rope=True, rope_theta=10000.0)
+    fields.update(_ATTENTION_SIZES[size], rope=True, rope_theta=10000.0,
+                  attention_implementation=None)
   else:
     fields.update(_DELTA_SIZES[size], **_gates(mixer))
     if mixer == "gated_deltanet":
@@ -137,7 +139,7 @@ def mqar_model_config(mixer: str, d_model: int = 128, vocab_size: int = 8192,
                 mlp_hidden_dim=0, size="mqar")
   if kind == "attention":
     fields.update(num_heads=8, head_dim=d_model // 8, rope=False,
-                  rope_theta=10000.0)
+                  rope_theta=10000.0, attention_implementation=None)
   else:
     fields.update(_gates(kind))
     fields.update(A_init="linspace", A_init_range=(0.01, 0.16))

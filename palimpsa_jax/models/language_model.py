@@ -21,7 +21,9 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> Mixer:
   if config.mixer == "attention":
     return Attention(config.d_model, num_heads=config.num_heads,
                      head_dim=config.head_dim, rope=config.rope,
-                     rope_theta=config.rope_theta, **common)
+                     rope_theta=config.rope_theta,
+                     implementation=config.get("attention_implementation"),
+                     **common)
   recurrent = dict(
       conv_kernel=config.conv_kernel, A_init=config.A_init,
       A_init_range=tuple(config.A_init_range), dt_min=config.dt_min,

@@ -201,3 +201,12 @@ def test_mamba2_equals_minimal_mamba2():
       params, np.asarray(x, np.float64), mixer.num_heads, config.head_dim,
       config.state_dim, config.num_groups, config.norm_eps)
   _assert_close(nnx.jit(lambda m, x: m(x))(mixer, x), expected, 1e-5)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_bad_input_raises(model):
+  mixer = nnx.eval_shape(lambda: _mixer(model))
+  with pytest.raises(ValueError, match=r"x must be \[B, T, 64\]"):
+    nnx.eval_shape(lambda m: m(jnp.zeros((2, 3, 32))), mixer)
+  with pytest.raises(TypeError, match="floating point"):
+    nnx.eval_shape(lambda m: m(jnp.zeros((2, 3, 64), jnp.int32)), mixer)
