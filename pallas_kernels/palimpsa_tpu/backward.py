@@ -43,7 +43,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
   k_t = k_ref[0].astype(jnp.float32)
 
   def advance(t, m, ibar):
-    k_col = walk.column(k_t, t)
+    k_col = walk.column(k_t, walk.lane_mask(k_t.shape, t))
     return walk.advance(m, ibar, walk.row(gate_ref, t), k_col, walk.row(v_ref, t),
                         walk.row(beta_ref, t))
 
@@ -78,8 +78,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
       s = sub - 1 - ss
       t = j * sub + s
       m, ibar = st_m[s + 1], st_i[s + 1]
-      q_col = walk.column(q_t, t)
-      k_col = walk.column(k_t, t)
+      mask = walk.lane_mask(k_t.shape, t)
+      q_col = walk.column(q_t, mask)
+      k_col = walk.column(k_t, mask)
       v_row = walk.row(v_ref, t)
       beta_row = walk.row(beta_ref, t)
       a = walk.row(gate_ref, t)
@@ -102,8 +103,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
       dk_col = (jnp.sum(lm * v_row, axis=1, keepdims=True)
                 + 2.0 * k_col * jnp.sum(li * beta_row, axis=1, keepdims=True))
       dq_col = jnp.sum(mu * do_row, axis=1, keepdims=True) + dq_var
-      dk_acc[...] = walk.put_column(dk_acc[...], dk_col, t)
-      dq_acc[...] = walk.put_column(dq_acc[...], dq_col, t)
+      dk_acc[...] = walk.put_column(dk_acc[...], dk_col, mask)
+      dq_acc[...] = walk.put_column(dq_acc[...], dq_col, mask)
       da = jnp.sum(jnp.sum(lm * st_m[s] + li * st_i[s], axis=0, keepdims=True), axis=1,
                    keepdims=True)
       dgate_ref[0, 0, pl.ds(t, 1), :] = a * da

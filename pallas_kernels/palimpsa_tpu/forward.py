@@ -85,8 +85,9 @@ def _walk_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_ref, ibar_re
 
   def step(t, carry):
     m, ibar = carry
-    k_col = walk.column(k_ref[0].astype(jnp.float32), t)
-    q_col = walk.column(q_ref[0].astype(jnp.float32), t)
+    mask = walk.lane_mask(k_ref.shape[1:], t)
+    k_col = walk.column(k_ref[0].astype(jnp.float32), mask)
+    q_col = walk.column(q_ref[0].astype(jnp.float32), mask)
     m, ibar = walk.advance(m, ibar, walk.row(gate_ref, t), k_col, walk.row(v_ref, t),
                            walk.row(beta_ref, t))
     r = 1.0 / (ibar + ip)

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.palimpsa_tpu import layout
 from pallas_kernels.palimpsa_tpu.backward import backward
@@ -113,7 +114,8 @@ _palimpsa_tpu.defvjp(_fwd, _bwd)
 
 
 def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                 segment_ids, *, return_variance: bool, chunk_size: int, interpret: bool):
+                 segment_ids, *, return_variance: bool, chunk_size: int,
+                 interpret: bool | pltpu.InterpretParams):
   """Exact Palimpsa on TPU (Pallas Mosaic); differentiable w.r.t. every float input.
 
   Args:
@@ -122,7 +124,9 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
     segment_ids: [B, T] int32 or None (restart from the prior where the id changes).
     return_variance: also return sum_k q^2 / I_t.
     chunk_size: time block, rounded up to the 128-lane width (the whole sequence if shorter).
-    interpret: run the kernels in the Pallas interpreter (any backend, for tests).
+    interpret: True runs the kernels in the Pallas interpreter (any backend, for tests); a
+      `pltpu.InterpretParams` selects the TPU interpret mode (simulated VMEM, cores and grid
+      order).
 
   Returns:
     (out [B,T,H,V] dtype of v, variance [B,T,H,V] float32 or None, mu [B,H,V,K] float32,

@@ -10,16 +10,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
-def column(x_t: jax.Array, t: jax.Array) -> jax.Array:
-  """Column t of a [Kp, C] block as [Kp, 1]: a one-hot lane select and a lane reduction."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, x_t.shape, 1)
-  return jnp.sum(jnp.where(lane == t, x_t, 0.0), axis=1, keepdims=True)
+def lane_mask(shape: tuple[int, int], t: jax.Array) -> jax.Array:
+  """[Kp, C] boolean mask of lane (time step) t, shared by every column access of a step."""
+  return jax.lax.broadcasted_iota(jnp.int32, shape, 1) == t
 
 
-def put_column(acc: jax.Array, col: jax.Array, t: jax.Array) -> jax.Array:
-  """acc [Kp, C] with its column t replaced by col [Kp, 1]."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1)
-  return jnp.where(lane == t, col, acc)
+def column(x_t: jax.Array, mask: jax.Array) -> jax.Array:
+  """The masked column of a [Kp, C] block as [Kp, 1]: a lane select and a lane reduction."""
+  return jnp.sum(jnp.where(mask, x_t, 0.0), axis=1, keepdims=True)
+
+
+def put_column(acc: jax.Array, col: jax.Array, mask: jax.Array) -> jax.Array:
+  """acc [Kp, C] with its masked column replaced by col [Kp, 1]."""
+  return jnp.where(mask, col, acc)
 
 
 def row(ref, t: jax.Array) -> jax.Array:

@@ -5,14 +5,19 @@ machine: block-shape rules, supported primitives and the Mosaic MLIR verifier. I
 Mosaic's own compiler (that lives in libtpu), so a TPU compile is not verified here: docs/tpu.md.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 from pallas_kernels.palimpsa_tpu import palimpsa_tpu
 from pallas_kernels.palimpsa_tpu.layout import geometry
-from tests.ops.palimpsa_suite import PalimpsaSuite
+from tests.ops.palimpsa_suite import (DIFF_ARGS, PalimpsaSuite, make_inputs, random_cotangents,
+                                     reference_with_grads, rel_error)
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128, 192, 256)
 
@@ -25,6 +30,36 @@ class TestPallasTpuInterpret(PalimpsaSuite):
       # Two 128-step chunks, two value tiles; resets inside a chunk and at a chunk start.
       ((2, 140, 1, 16, 130), 64, ((50, 60, 30), (128, 12))),
   )
+
+
+def _check_tpu_interpret_mode(shape, lengths, params):
+  """Kernel result and grads under TPU interpret mode against the float64 reference."""
+  x = make_inputs(5, shape, segment_lengths=lengths)
+  cts = random_cotangents(6, shape)
+  seg = jnp.asarray(x["segment_ids"])
+  kernel = functools.partial(palimpsa_tpu, segment_ids=seg, return_variance=True, chunk_size=64,
+                             interpret=params)
+  res, vjp = jax.vjp(kernel, *(jnp.asarray(x[n]) for n in DIFF_ARGS))
+  grads = vjp(tuple(jnp.asarray(c, jnp.float32) for c in cts))
+  ref_res, ref_grads = reference_with_grads(x, cts)
+  for name, got, want in zip(("out", "variance", "mu", "precision") + DIFF_ARGS,
+                             res + grads, ref_res + ref_grads):
+    assert rel_error(got, want) < 1e-5, f"{name}: rel. error {rel_error(got, want):.2e}"
+
+
+def test_tpu_interpret_mode_two_cores_shuffled_grid():
+  """Simulated VMEM (scratch starts as NaN), two TensorCores, parallel grid axes shuffled."""
+  params = pltpu.InterpretParams(random_seed=0, num_cores_or_threads=2)
+  _check_tpu_interpret_mode((1, 20, 2, 16, 8), ((7, 13),), params)
+
+
+@pytest.mark.slow
+def test_tpu_interpret_mode_race_detector_several_chunks():
+  """Two chunks and two value tiles under the race detector (about 5 CPU minutes)."""
+  params = pltpu.InterpretParams(random_seed=1, num_cores_or_threads=2, detect_races=True)
+  _check_tpu_interpret_mode((1, 150, 2, 16, 130), ((60, 90),), params)
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # pylint: disable=g-import-not-at-top
+  assert not interpret_pallas_call.races.races_found
 
 
 def _abstract_args(kd, vd, dtype, t):
