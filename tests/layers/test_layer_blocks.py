@@ -11,6 +11,8 @@ from flax import nnx
 from palimpsa_jax.layers import (GatedRMSNorm, RMSNorm, ShortConv, SwiGLU,
                                  apply_rope, swiglu_hidden_dim)
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.layers.diagnostics import palimpsa_diagnostics
+from palimpsa_jax.ops import PalimpsaResult, PalimpsaState
 
 
 def _conv_reference(x, w, b, seg):
@@ -136,3 +138,20 @@ def test_make_param_checks_names():
     params_lib.make_param(jnp.zeros((2, 3)), ("embed",))
   with pytest.raises(ValueError, match="not in"):
     params_lib.make_param(jnp.zeros((2,)), ("batch",))
+
+
+def test_palimpsa_diagnostics_summaries():
+  precision = jnp.array([1.0, 1.5, 2.5, 4.0]).reshape(1, 1, 2, 2)
+  variance = jnp.array([0.5, 1.5]).reshape(1, 1, 1, 2)
+  result = PalimpsaResult(jnp.zeros((1, 1, 1, 2)), variance,
+                          PalimpsaState(jnp.zeros_like(precision), precision))
+  q = jnp.ones((1, 1, 1, 2))
+  stats = palimpsa_diagnostics(result, q, jnp.ones((1,)), jnp.full((2,), 3.0))
+  np.testing.assert_allclose(stats["metaplastic_fraction"], 0.5)
+  np.testing.assert_allclose(stats["precision_mean"], 2.25)
+  np.testing.assert_allclose(stats["variance_mean"], 1.0)
+  np.testing.assert_allclose(stats["output_rms"], 3.0)
+  no_variance = result._replace(variance=None)
+  stats = palimpsa_diagnostics(no_variance, q, jnp.full((1,), 2.0),
+                               jnp.zeros(2))
+  np.testing.assert_allclose(stats["variance_mean"], 1.0)  # sum q^2 / Ip

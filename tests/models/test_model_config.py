@@ -1,5 +1,6 @@
 """Model configs: parameter budgets, MQAR settings, inits, masks, sharding names."""
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +73,22 @@ def test_weight_decay_mask_exclusions(model):
     assert {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"} <= seen
   if model == "meta_mamba2":
     assert {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"} <= seen
+
+
+def test_logical_names_map_to_mesh_axes_and_plain_dict_masks():
+  state = nnx.state(_abstract(model_config("palimpsa_d", "tiny")), nnx.Param)
+  rules = [("embed", "fsdp"), ("heads", "tensor"), ("vocab", "tensor"),
+           ("mlp", "tensor")]
+  with flax.linen.logical_axis_rules(rules):
+    specs = nnx.get_partition_spec(state)
+  assert specs["embed"].get_value() == jax.sharding.PartitionSpec("tensor", "fsdp")
+  q_spec = specs["blocks"][0]["mixer"]["q_proj"]["kernel"].get_value()
+  assert q_spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  plain = {"blocks": {0: {"mixer": {"A_log": np.zeros(2),
+                                    "q_proj": {"kernel": np.zeros((2, 2))}}}}}
+  mask = weight_decay_mask(plain)
+  assert mask["blocks"][0]["mixer"]["A_log"] is False
+  assert mask["blocks"][0]["mixer"]["q_proj"]["kernel"] is True
 
 
 def test_mqar_settings():
