@@ -124,8 +124,16 @@ class LmTask(Task):
     # pylint: enable=g-import-not-at-top
     data = config.data
     shard_index, shard_count = pipeline.host_shard()
+    if not data.train_files:
+      raise ValueError("config.data.train_files must name the training text files "
+                       "(a glob, or comma-separated globs).")
     tokenizer = tokenizer_lib.load_or_train_tokenizer(
         data.tokenizer, data.train_files, workdir)
+    if tokenizer.vocab_size > config.model.vocab_size:
+      raise ValueError(
+          f"the tokenizer has {tokenizer.vocab_size} tokens but "
+          f"config.model.vocab_size={config.model.vocab_size}; raise the model's "
+          "vocabulary or use a smaller tokenizer.")
 
     self.train_dataset = text_lib.make_text_dataset(
         data.train_files, tokenizer, config.seq_len,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ml_collections
 import tiny_lm
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
@@ -164,3 +165,33 @@ def test_lm_targets_stop_at_document_boundaries_and_padding():
   out = trainer.with_lm_targets(batch)
   assert sorted(out) == ["segment_ids", "targets", "tokens"]
   np.testing.assert_array_equal(out["targets"], [[6, -100, 8, -100, -100]])
+
+
+def test_lm_task_trains_on_text_files(tmp_path):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("lm_config", REPO / "configs" / "lm.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("model=palimpsa_d,size=tiny,seq_len=32,batch=4,steps=6,warmup=2")
+  config.model = ml_collections.ConfigDict({"vocab_size": 300, "width": 16})
+  words = ["memory", "plastic", "prior", "state", "forget", "learn", "token"]
+  for split in ("train", "valid"):
+    (tmp_path / split).mkdir()
+    for i in range(12):
+      text = " ".join(words[(i * j) % len(words)] for j in range(60))
+      (tmp_path / split / f"doc{i}.txt").write_text(text)
+  config.data.train_files = str(tmp_path / "train" / "*.txt")
+  config.data.eval_files = str(tmp_path / "valid" / "*.txt")
+  config.data.tokenizer = "bpe:300"
+  config.data.eval_batches = 2
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 3
+  config.async_checkpointing = False
+  workdir = tmp_path / "run"
+  summary = trainer.train_and_evaluate(config, str(workdir))
+  assert summary["final_step"] == 6 and (workdir / "tokenizer_bpe300.json").exists()
+  records = metrics_lib.read_metrics(str(workdir))
+  assert [r["step"] for r in records] == [3, 6]
+  assert all(np.isfinite(r["eval/loss"]) for r in records)
+  config.model.vocab_size = 100
+  with pytest.raises(ValueError, match="vocab_size=100"):
+    trainer.train_and_evaluate(config, str(tmp_path / "run2"))
