@@ -40,3 +40,9 @@ def parse_config_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigD
           f"unknown config argument {key!r}; known: {sorted(defaults)}.")
     args[key] = _convert(key, text, defaults[key])
   return ml_collections.ConfigDict(args)
+
+
+def given_keys(arg: str | None) -> set[str]:
+  """The keys set explicitly in "k=v,k=v" (to let presets fill in the rest)."""
+  return {item.split("=", 1)[0].strip() for item in (arg or "").split(",")
+          if "=" in item}

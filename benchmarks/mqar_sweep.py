@@ -1,0 +1,224 @@
+"""The paper's MQAR sweep: run a shard of the grid, collect results, plot accuracy.
+
+Grid (SPEC.md section 6): 5 mixers (Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2,
+Gated DeltaNet; --with_transformer adds Transformer++) x (seq_len, kv) in
+{(512, 128), (1024, 256)} x lr in {1e-3, 2.15e-3, 4.64e-3, 1e-2} x seeds, each a
+`train.py --config configs/mqar.py:preset=paper,...` run in ROOT/<run name>.
+
+  # one worker per GPU (each runs its shard of the grid, finished runs skipped)
+  python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --gpus 0,1
+  # or one shard by hand
+  python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --shard 0/2
+  # shortened: fewer examples / epochs, one seed, two settings' subset
+  python benchmarks/mqar_sweep.py run --root R --seeds 0 --examples 20000 --epochs 8
+  # results.json and accuracy.png under ROOT
+  python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
+
+The plot shows, per mixer and setting, mean +- std over seeds of each seed's
+best accuracy over learning rates.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet")
+LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",
+          "meta_mamba2": "MetaMamba2", "mamba2": "Mamba2",
+          "gated_deltanet": "Gated DeltaNet", "transformer": "Transformer++"}
+SETTINGS = ((512, 128), (1024, 256))
+LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
+SEEDS = (0, 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  mixer: str
+  seq_len: int
+  kv: int
+  lr: float
+  seed: int
+
+  @property
+  def name(self) -> str:
+    return f"{self.mixer}_L{self.seq_len}_kv{self.kv}_lr{self.lr:g}_s{self.seed}"
+
+  def config_arg(self, extra: dict[str, object]) -> str:
+    args = {"preset": "paper", "mixer": self.mixer, "seq_len": self.seq_len,
+            "kv": self.kv, "lr": self.lr, "seed": self.seed, **extra}
+    return ",".join(f"{k}={v}" for k, v in args.items())
+
+
+def grid(mixers=MIXERS, settings=SETTINGS, lrs=LEARNING_RATES, seeds=SEEDS) -> list[Run]:
+  """Every run of the sweep, in a fixed order."""
+  return [Run(m, s[0], s[1], lr, seed) for m, s, lr, seed in
+          itertools.product(mixers, settings, lrs, seeds)]
+
+
+def shard(runs: list[Run], spec: str) -> list[Run]:
+  """Runs of shard "i/n" (every n-th run from the i-th)."""
+  try:
+    index, count = (int(x) for x in spec.split("/"))
+  except ValueError:
+    raise ValueError(f"--shard must look like i/n, got {spec!r}.") from None
+  if not 0 <= index < count:
+    raise ValueError(f"--shard {spec}: need 0 <= i < n.")
+  return runs[index::count]
+
+
+def is_finished(root: pathlib.Path, run: Run) -> bool:
+  return (root / run.name / "summary.json").exists()
+
+
+def run_shard(root: pathlib.Path, runs: list[Run], extra: dict[str, object]) -> None:
+  """Trains every unfinished run in `runs`, one after another."""
+  for i, run in enumerate(runs):
+    if is_finished(root, run):
+      print(f"[{i + 1}/{len(runs)}] {run.name}: finished, skipped", flush=True)
+      continue
+    print(f"[{i + 1}/{len(runs)}] {run.name}", flush=True)
+    command = [sys.executable, str(REPO / "train.py"),
+               f"--config={REPO / 'configs' / 'mqar.py'}:{run.config_arg(extra)}",
+               f"--workdir={root / run.name}"]
+    subprocess.run(command, check=True, cwd=REPO)
+
+
+def collect(root: pathlib.Path) -> list[dict[str, object]]:
+  """One record per finished run: its grid point and summary."""
+  records = []
+  for summary_path in sorted(root.glob("*/summary.json")):
+    config = json.loads((summary_path.parent / "config.json").read_text())
+    summary = json.loads(summary_path.read_text())
+    args = config["args"]
+    records.append({
+        "name": summary_path.parent.name, "mixer": args["mixer"],
+        "seq_len": args["seq_len"], "kv": args["kv"], "lr": args["lr"],
+        "seed": args["seed"], "epochs": args["epochs"],
+        "examples": args["examples"], "best_accuracy": summary["best_accuracy"],
+        "best_step": summary["best_step"], "final_step": summary["final_step"],
+        "stopped_early": summary["stopped_early"],
+        "wall_time_s": summary["wall_time_s"]})
+  return records
+
+
+def best_lr_statistics(records: list[dict[str, object]]) -> list[dict[str, object]]:
+  """Per (mixer, seq_len, kv): mean and std over seeds of the best-lr accuracy."""
+  best: dict[tuple, dict[int, dict]] = {}
+  for r in records:
+    key = (r["mixer"], r["seq_len"], r["kv"])
+    per_seed = best.setdefault(key, {})
+    accuracy = r["best_accuracy"] if r["best_accuracy"] is not None else 0.0
+    if r["seed"] not in per_seed or accuracy > per_seed[r["seed"]]["accuracy"]:
+      per_seed[r["seed"]] = {"accuracy": accuracy, "lr": r["lr"]}
+  rows = []
+  for (mixer, seq_len, kv), per_seed in sorted(best.items()):
+    values = [v["accuracy"] for v in per_seed.values()]
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+    rows.append({"mixer": mixer, "seq_len": seq_len, "kv": kv, "mean": mean,
+                 "std": std, "seeds": len(values),
+                 "best_lrs": {str(s): v["lr"] for s, v in sorted(per_seed.items())}})
+  return rows
+
+
+def plot(rows: list[dict[str, object]], path: pathlib.Path) -> None:
+  """Accuracy vs sequence length, one line per mixer, error bars over seeds."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for mixer in dict.fromkeys(r["mixer"] for r in rows):
+    points = sorted((r["seq_len"], r["mean"], r["std"]) for r in rows
+                    if r["mixer"] == mixer)
+    xs, means, stds = zip(*points)
+    ax.errorbar(xs, [100 * m for m in means], yerr=[100 * s for s in stds],
+                marker="o", capsize=3, label=LABELS.get(mixer, mixer))
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(sorted({r["seq_len"] for r in rows}))
+  ax.set_xticklabels([f"{r['seq_len']}\n({r['kv']} kv)" for r in
+                      sorted({(r["seq_len"], r["kv"]): r for r in rows}.values(),
+                             key=lambda r: r["seq_len"])])
+  ax.set_xlabel("sequence length (key-value pairs)")
+  ax.set_ylabel("MQAR accuracy (%), best lr per seed")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+  lines = ["| mixer | seq_len | kv | accuracy (mean +- std) | seeds | best lr per seed |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    lrs = ", ".join(f"{lr:g}" for lr in r["best_lrs"].values())
+    lines.append(f"| {LABELS.get(r['mixer'], r['mixer'])} | {r['seq_len']} | {r['kv']} | "
+                 f"{100 * r['mean']:.2f} +- {100 * r['std']:.2f} | {r['seeds']} | {lrs} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("command", choices=("run", "collect", "list"))
+  parser.add_argument("--root", required=True, type=pathlib.Path)
+  parser.add_argument("--shard", default="0/1", help="i/n: run every n-th grid point from i.")
+  parser.add_argument("--gpus", default=None,
+                      help="comma-separated GPU ids: one worker (shard) per GPU.")
+  parser.add_argument("--mixers", default=",".join(MIXERS))
+  parser.add_argument("--with_transformer", action="store_true")
+  parser.add_argument("--settings", default="512:128,1024:256")
+  parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES))
+  parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+  parser.add_argument("--examples", type=int, default=None, help="shorten: training examples.")
+  parser.add_argument("--epochs", type=int, default=None, help="shorten: epochs.")
+  args = parser.parse_args(argv)
+
+  mixers = [m for m in args.mixers.split(",") if m]
+  if args.with_transformer:
+    mixers.append("transformer")
+  settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
+  runs = grid(mixers, settings, [float(x) for x in args.lrs.split(",")],
+              [int(x) for x in args.seeds.split(",")])
+  extra = {k: v for k, v in (("examples", args.examples), ("epochs", args.epochs))
+           if v is not None}
+  root = args.root.resolve()
+  if args.command == "list":
+    for run in shard(runs, args.shard):
+      print(run.name, "finished" if is_finished(root, run) else "")
+  elif args.command == "run":
+    root.mkdir(parents=True, exist_ok=True)
+    if args.gpus:
+      gpus = args.gpus.split(",")
+      workers = []
+      for i, gpu in enumerate(gpus):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
+        command = [sys.executable, __file__] + [
+            a for a in (argv if argv is not None else sys.argv[1:])
+            if not a.startswith("--gpus") and a != args.gpus] + [
+                f"--shard={i}/{len(gpus)}"]
+        workers.append(subprocess.Popen(command, env=env))
+      codes = [w.wait() for w in workers]
+      if any(codes):
+        raise SystemExit(f"worker exit codes: {codes}")
+    else:
+      run_shard(root, shard(runs, args.shard), extra)
+  else:
+    records = collect(root)
+    if not records:
+      raise SystemExit(f"no finished runs under {root}.")
+    rows = best_lr_statistics(records)
+    (root / "results.json").write_text(json.dumps(
+        {"runs": records, "best_lr": rows}, indent=2))
+    plot(rows, root / "accuracy.png")
+    print(format_table(rows))
+    print(f"wrote {root / 'results.json'} and {root / 'accuracy.png'}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,64 @@
+"""The MQAR sweep launcher: grid, shards, skipping, collection and the plot (fake runs)."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "mqar_sweep", REPO / "benchmarks" / "mqar_sweep.py")
+sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweep)
+
+
+def _fake_run(root, run, accuracy):
+  workdir = root / run.name
+  workdir.mkdir(parents=True)
+  args = {"mixer": run.mixer, "seq_len": run.seq_len, "kv": run.kv, "lr": run.lr,
+          "seed": run.seed, "epochs": 2, "examples": 1000}
+  (workdir / "config.json").write_text(json.dumps({"args": args}))
+  (workdir / "summary.json").write_text(json.dumps(
+      {"best_accuracy": accuracy, "best_step": 10, "final_step": 20,
+       "stopped_early": False, "wall_time_s": 1.0}))
+
+
+def test_grid_and_shards():
+  runs = sweep.grid()
+  assert len(runs) == 5 * 2 * 4 * 3 == len({r.name for r in runs})
+  shards = [sweep.shard(runs, f"{i}/3") for i in range(3)]
+  assert sorted(r.name for s in shards for r in s) == sorted(r.name for r in runs)
+  arg = runs[0].config_arg({"epochs": 4})
+  assert arg.startswith("preset=paper,mixer=palimpsa_d,seq_len=512,kv=128,lr=0.001")
+  assert arg.endswith("epochs=4")
+  with pytest.raises(ValueError, match="i/n"):
+    sweep.shard(runs, "3")
+
+
+def test_collect_best_lr_statistics_and_plot(tmp_path):
+  runs = sweep.grid(mixers=("palimpsa_d", "mamba2"), lrs=(1e-3, 1e-2), seeds=(0, 1))
+  for run in runs:
+    accuracy = {1e-3: 0.5, 1e-2: 0.9}[run.lr] if run.mixer == "palimpsa_d" else (
+        0.4 + 0.1 * run.seed)
+    if run.seq_len == 1024:
+      accuracy -= 0.2
+    _fake_run(tmp_path, run, accuracy)
+  assert sweep.is_finished(tmp_path, runs[0])
+  sweep.main(["collect", "--root", str(tmp_path)])
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert len(results["runs"]) == len(runs)
+  rows = {(r["mixer"], r["seq_len"]): r for r in results["best_lr"]}
+  assert rows[("palimpsa_d", 512)]["mean"] == pytest.approx(0.9)
+  assert rows[("palimpsa_d", 512)]["std"] == pytest.approx(0.0)
+  assert rows[("palimpsa_d", 512)]["best_lrs"] == {"0": 1e-2, "1": 1e-2}
+  assert rows[("mamba2", 1024)]["mean"] == pytest.approx(0.25)
+  assert rows[("mamba2", 1024)]["std"] == pytest.approx(0.05)
+  assert (tmp_path / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_skips_finished(tmp_path, capsys):
+  (run,) = sweep.grid(mixers=("mamba2",), settings=((512, 128),), lrs=(1e-3,), seeds=(0,))
+  _fake_run(tmp_path, run, 0.5)
+  sweep.run_shard(tmp_path, [run], {})
+  assert "finished, skipped" in capsys.readouterr().out
