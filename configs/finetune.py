@@ -1,0 +1,80 @@
+"""Fine-tuning a converted model (the output of `python -m palimpsa_jax.conversion`).
+
+  python -m palimpsa_jax.conversion --source runs/mamba2 --dest runs/conv \
+      --layers auto:1 --init paper
+  python train.py --config configs/finetune.py:source=runs/conv,steps=200,lr=3e-4,\
+new_params_only_steps=50 --workdir runs/conv
+
+The model config comes from <source>/conversion.json and the first run starts
+at step 0 from <source>/converted with a fresh optimizer (config.init_from);
+later runs in the same workdir resume from its own checkpoints. The data and
+the rest of the training setup come from configs/<task>.py: every argument not
+listed in DEFAULTS below is passed to it (e.g. seq_len=64,kv=8 for MQAR).
+Keep that file's seed to evaluate on the pretraining run's MQAR test set.
+"""
+
+import importlib.util
+import os
+import pathlib
+
+import ml_collections
+
+from palimpsa_jax.training import config_args
+
+TASKS = ("mqar", "lm")
+DEFAULTS = dict(
+    source="",                # conversion output directory (required)
+    task="mqar",              # base config: configs/<task>.py
+    steps=200,                # a short schedule
+    lr=3e-4,                  # lower than pretraining (configs/mqar.py: 3e-3)
+    warmup=0.05,              # fraction of steps
+    end_fraction=0.1,         # cosine to 10% of the peak
+    new_params_only_steps=0,  # first steps train only beta_down/up, b_scale
+    evals=4,                  # evaluations over the run
+)
+
+
+def _base_config(task: str, arg: str) -> ml_collections.ConfigDict:
+  path = pathlib.Path(__file__).parent / f"{task}.py"
+  if not path.exists():
+    raise ValueError(f"task={task!r} needs {path}, which does not exist.")
+  spec = importlib.util.spec_from_file_location(f"{task}_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  items = [item for item in (arg or "").split(",") if item.strip()]
+  own = [i for i in items if i.split("=", 1)[0].strip() in DEFAULTS]
+  rest = [i for i in items if i not in own]
+  args = config_args.parse_config_arg(",".join(own), **DEFAULTS)
+  if not args.source:
+    raise ValueError("configs/finetune.py needs source=<conversion output directory>.")
+  if args.task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {args.task!r}.")
+  for name in ("steps", "evals"):
+    if args[name] <= 0:
+      raise ValueError(f"{name} must be positive, got {args[name]}.")
+  if not 0 <= args.new_params_only_steps <= args.steps:
+    raise ValueError(
+        f"new_params_only_steps must be in [0, steps={args.steps}], got "
+        f"{args.new_params_only_steps}.")
+  from palimpsa_jax.conversion import checkpoint  # pylint: disable=g-import-not-at-top
+
+  config = _base_config(args.task, ",".join(rest))
+  config.model, _ = checkpoint.read_conversion(args.source)
+  config.init_from = os.path.abspath(args.source)
+  config.finetune = args
+  config.total_steps = args.steps
+  config.num_epochs = 0
+  config.early_stop_accuracy = None  # same number of steps for every model compared
+  config.log_every_steps = max(1, args.steps // 20)
+  config.eval_every_steps = max(1, args.steps // args.evals)
+  config.checkpoint_every_steps = args.steps
+  config.optimizer.learning_rate = args.lr
+  config.optimizer.warmup_steps = int(args.warmup * args.steps)
+  config.optimizer.decay_steps = 0
+  config.optimizer.end_fraction = args.end_fraction
+  config.optimizer.new_params_only_steps = args.new_params_only_steps
+  return config

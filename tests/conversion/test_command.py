@@ -1,0 +1,174 @@
+"""The conversion command end to end: sources on disk -> dest -> a fine-tuning start."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+import mamba2_fixtures as fx
+from palimpsa_jax import models
+from palimpsa_jax.conversion import checkpoint as conversion_lib
+from palimpsa_jax.conversion import command
+from palimpsa_jax.conversion import finetune
+from palimpsa_jax.conversion import surgery
+from palimpsa_jax.data import pipeline
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import optimizer as optimizer_lib
+from palimpsa_jax.training import sharding as sharding_lib
+from palimpsa_jax.training import state as state_lib
+
+pytest.importorskip("safetensors")
+
+REPO = pathlib.Path(__file__).parents[2]
+
+
+def _finetune_config(arg):
+  spec = importlib.util.spec_from_file_location("finetune_config", REPO / "configs" / "finetune.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def _logits(model, tokens):
+  return np.asarray(model(jnp.asarray(tokens)))
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory):
+  """A tiny mamba_ssm-layout checkpoint; (folder, config, params)."""
+  config = fx.tiny_config()
+  params = fx.random_params(config, seed=2)
+  folder = str(tmp_path_factory.mktemp("hf") / "mamba2")
+  fx.write_hf_checkpoint(folder, fx.to_hf_tensors(params, config, "mamba_ssm"),
+                         {"ssm_cfg": {"ngroups": fx.NUM_GROUPS}})
+  return folder, config, params
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return np.random.default_rng(1).integers(0, 32, (2, 16)).astype(np.int32)
+
+
+def test_cli_converts_hf_checkpoint_with_zero_init_to_the_same_function(
+    hf_source, tokens, tmp_path):
+  folder, config, params = hf_source
+  dest = tmp_path / "conv"
+  result = subprocess.run(
+      [sys.executable, "-m", "palimpsa_jax.conversion", f"--source={folder}",
+       f"--dest={dest}", "--layers=auto:2", "--init=zero"],
+      capture_output=True, text=True, cwd=REPO, check=False)
+  assert result.returncode == 0, result.stderr
+  assert "memory window" in result.stdout and "converted layers" in result.stdout
+  info = json.loads((dest / "conversion.json").read_text())
+  windows = np.asarray(info["windows"]).mean(axis=1)
+  assert info["layers"] == sorted(np.argsort(-windows)[:2].tolist())
+  assert info["source_kind"] == "mamba_ssm" and info["init"] == "zero"
+
+  model, model_config, _ = conversion_lib.load_converted(str(dest))
+  assert list(model_config.metaplastic_layers) == info["layers"]
+  graphdef, _, model_state = state_lib.split_model(models.build_model(config, nnx.Rngs(0)))
+  source_model = state_lib.merge_model(graphdef, params, model_state)
+  np.testing.assert_allclose(_logits(model, tokens), _logits(source_model, tokens),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(FileExistsError, match="already holds a conversion"):
+    command.run_conversion(folder, str(dest), "0", verbose=False)
+
+
+def _write_workdir(workdir: str, config: ml_collections.ConfigDict, params: dict) -> None:
+  """A train.py workdir holding `params` at step 7 (no optimizer state)."""
+  checkpoint_lib.save_config(ml_collections.ConfigDict({"model": config, "seed": 0}), workdir)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, every_steps=1, keep=1, async_save=False)
+  data = iter(pipeline.array_dataset({"x": np.zeros((4, 1))}, batch_size=2, seed=0))
+  checkpointer.save(7, {"step": jnp.asarray(7), "params": params, "model_state": {},
+                        "opt_state": {}}, data, force=True)
+  checkpointer.close()
+
+
+def test_orbax_not_palimpsa_source_calibration_and_control_copy(tokens, tmp_path):
+  config = fx.tiny_config("not_palimpsa")
+  params = fx.random_params(config, seed=4)
+  workdir = str(tmp_path / "run")
+  _write_workdir(workdir, config, params)
+  info = command.run_conversion(workdir, str(tmp_path / "conv"), "auto:1", "paper", seed=5,
+                                calibration_tokens=tokens, verbose=False)
+  assert info["source_kind"] == "orbax" and info["source_step"] == 7
+  assert info["dt_source"].startswith("calibration batch [2, 16]")
+  model, _, _ = conversion_lib.load_converted(str(tmp_path / "conv"))
+  _, converted, _ = state_lib.split_model(model)
+  layer = info["layers"][0]
+  np.testing.assert_array_equal(converted["blocks"][layer]["mixer"]["q_proj"]["kernel"],
+                                params["blocks"][layer]["mixer"]["q_proj"]["kernel"])
+  np.testing.assert_array_equal(converted["blocks"][layer]["mixer"]["b_scale"], np.ones(2))
+
+  control = command.run_conversion(workdir, str(tmp_path / "control"), "none", verbose=False)
+  assert control["layers"] == []
+  model, _, _ = conversion_lib.load_converted(str(tmp_path / "control"))
+  jax.tree.map(np.testing.assert_array_equal, state_lib.split_model(model)[1], params)
+
+  with pytest.raises(ValueError, match="mixer 'attention'"):
+    transformer = models.model_config("transformer", "tiny", num_layers=1, dtype="float32")
+    _, t_params, _ = state_lib.split_model(models.build_model(transformer, nnx.Rngs(0)))
+    _write_workdir(str(tmp_path / "tf"), transformer, t_params)
+    command.run_conversion(str(tmp_path / "tf"), str(tmp_path / "tf_conv"), "0", verbose=False)
+
+
+def test_calibration_batch_from_text_files(tmp_path):
+  from palimpsa_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  pytest.importorskip("tokenizers")
+  text = tmp_path / "docs.txt"
+  text.write_text("\n".join(f"document number {i} says hello" for i in range(40)))
+  tokenizer_lib.train_bpe_tokenizer(iter(["hello world document number says"]), 300,
+                                    str(tmp_path / "tokenizer.json"))
+  batch = command.calibration_batch(str(text), str(tmp_path / "tokenizer.json"), 8, 3)
+  assert batch.shape == (3, 8) and batch.dtype == np.int32 and batch.max() < 300
+  with pytest.raises(ValueError, match="fewer than"):
+    command.calibration_batch(str(text), str(tmp_path / "tokenizer.json"), 1000, 100)
+  with pytest.raises(ValueError, match="needs --tokenizer"):
+    command.default_tokenizer(str(tmp_path / "other" / "model.safetensors"))
+
+
+def test_written_checkpoint_starts_a_finetuning_run(hf_source, tokens, tmp_path):
+  """configs/finetune.py + the trainer's state spec restore the converted params."""
+  folder, _, _ = hf_source
+  dest = str(tmp_path / "conv")
+  command.run_conversion(folder, dest, "1", "paper", verbose=False)
+  config = _finetune_config(f"source={dest},steps=20,new_params_only_steps=5,"
+                            "seq_len=16,kv=2,vocab=32,batch=8")
+  assert config.init_from == str(tmp_path / "conv")
+  assert config.total_steps == 20 and config.early_stop_accuracy is None
+  assert config.optimizer.learning_rate == 3e-4
+  assert config.data.num_kv_pairs == 2 and list(config.model.metaplastic_layers) == [1]
+
+  mesh = sharding_lib.make_mesh(config.mesh)
+
+  def make_tx(abstract_params):
+    tx = optimizer_lib.make_optimizer(config.optimizer, config.total_steps,
+                                      models.weight_decay_mask)
+    return finetune.train_new_parameters_first(
+        tx, finetune.new_parameter_mask(abstract_params),
+        config.optimizer.new_params_only_steps)
+
+  spec = state_lib.make_train_state_spec(
+      lambda rngs: surgery.build_model(config.model, rngs), config.seed, make_tx, mesh,
+      sharding_lib.rules_from_config(config.mesh))
+  state = spec.init()
+  state["params"] = conversion_lib.restore_params(dest, spec.abstract["params"])
+  model, _, _ = conversion_lib.load_converted(dest)
+  jax.tree.map(np.testing.assert_array_equal, state["params"], state_lib.split_model(model)[1])
+  assert int(state["step"]) == 0 and int(state["opt_state"].count) == 0
+
+  for bad, match in (("steps=0", "steps must be positive"),
+                     ("steps=20,new_params_only_steps=30", "new_params_only_steps"),
+                     ("task=speech", "task must be")):
+    with pytest.raises(ValueError, match=match):
+      _finetune_config(f"source={dest},{bad}")
+  with pytest.raises(ValueError, match="needs source="):
+    _finetune_config("steps=5")
