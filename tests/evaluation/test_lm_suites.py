@@ -184,3 +184,33 @@ def test_checkpoint_tokenizer_not_found(tmp_path):
   config = ml_collections.ConfigDict({"data": {"tokenizer": "bpe:512"}})
   with pytest.raises(FileNotFoundError, match="tokenizer_bpe512.json"):
     lm_lib.checkpoint_tokenizer(str(tmp_path), config)
+
+
+def test_suites_on_a_trained_checkpoint(setup, tmp_path):
+  """train.py's LM task for 2 steps, then eval.py's lm and long_context suites on its workdir."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.evaluation import suites  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "lm.py"
+  spec = importlib.util.spec_from_file_location("lm_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("model=palimpsa_d,size=tiny,seq_len=16,batch=2,steps=2,warmup=1,"
+                             "dtype=float32")
+  config.model.vocab_size = VOCAB
+  config.data.train_files = setup.files
+  config.data.eval_files = ""
+  config.data.tokenizer = f"bpe:{VOCAB}"
+  config.log_every_steps = config.checkpoint_every_steps = 2
+  config.async_checkpointing = False
+  workdir = str(tmp_path / "run")
+  trainer.train_and_evaluate(config, workdir)
+  result = suites.SUITES["lm"]({"checkpoint": [workdir], "files": setup.files, "batch_size": 2})
+  assert result["step"] == 2 and result["seq_len"] == 16
+  assert result["tokens"] == len(_scored_pairs(setup.tok, 16))
+  assert 1 < result["perplexity"] < 2 * VOCAB and result["bits_per_byte"] > 0
+  curves = suites.SUITES["long_context"]({"checkpoint": [workdir + "/checkpoints/2"],
+                                          "files": setup.files, "max_length": 16})
+  assert curves["checkpoints"][workdir + "/checkpoints/2"]["step"] == 2
+  assert curves["plot"] == workdir + "/eval_long_context.png"
