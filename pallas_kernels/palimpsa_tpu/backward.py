@@ -28,7 +28,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
   if has_var:
     dvar_ref, *rest = rest
   (dq_ref, dk_ref, dv_ref, dbeta_ref, dgate_ref, lam_m0_ref, lam_i0_ref, dip_ref,
-   lam_m, lam_i, dip_acc, ck_m, ck_i, st_m, st_i, dq_acc, dk_acc) = rest
+   lam_m, lam_i, dip_acc, ck_m, ck_i, st_m, st_i, dq_acc, dk_acc, dgate_acc) = rest
   c = pl.program_id(2)
   n_sub = ck_m.shape[0]
 
@@ -41,11 +41,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
   ip = ip_ref[0]                                                 # [1, BV]
   q_t = q_ref[0].astype(jnp.float32)                             # [Kp, C]
   k_t = k_ref[0].astype(jnp.float32)
+  gates = gate_ref[0]                                            # [1, C]
 
   def advance(t, m, ibar):
-    k_col = walk.column(k_t, walk.lane_mask(k_t.shape, t))
-    return walk.advance(m, ibar, walk.row(gate_ref, t), k_col, walk.row(v_ref, t),
-                        walk.row(beta_ref, t))
+    mask = walk.lane_mask(k_t.shape, t)
+    a = walk.column(gates, walk.lane_mask(gates.shape, t))
+    return walk.advance(m, ibar, a, walk.column(k_t, mask),
+                        walk.row(v_ref, t), walk.row(beta_ref, t))
 
   # 1. Checkpoints: ck[j] = state before step j*S of the chunk.
   ck_m[0] = m_start_ref[0, 0]
@@ -79,11 +81,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
       t = j * sub + s
       m, ibar = st_m[s + 1], st_i[s + 1]
       mask = walk.lane_mask(k_t.shape, t)
+      gate_mask = walk.lane_mask(gates.shape, t)
       q_col = walk.column(q_t, mask)
       k_col = walk.column(k_t, mask)
       v_row = walk.row(v_ref, t)
       beta_row = walk.row(beta_ref, t)
-      a = walk.row(gate_ref, t)
+      a = walk.column(gates, gate_mask)
       do_row = walk.row(dout_ref, t)
       r = 1.0 / (ibar + ip)
       mu = m * r
@@ -107,7 +110,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
       dq_acc[...] = walk.put_column(dq_acc[...], dq_col, mask)
       da = jnp.sum(jnp.sum(lm * st_m[s] + li * st_i[s], axis=0, keepdims=True), axis=1,
                    keepdims=True)
-      dgate_ref[0, 0, pl.ds(t, 1), :] = a * da
+      dgate_acc[...] = walk.put_column(dgate_acc[...], a * da, gate_mask)
       lam_m[...] = a * lm
       lam_i[...] = a * li
       return 0
@@ -118,6 +121,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_start_re
   jax.lax.fori_loop(0, n_sub, block, 0)
   dq_ref[0, 0] = dq_acc[...]
   dk_ref[0, 0] = dk_acc[...]
+  dgate_ref[0, 0] = dgate_acc[...]
 
   @pl.when(c == pl.num_programs(2) - 1)
   def _():
@@ -133,19 +137,19 @@ def backward(q_t, k_t, v, beta, gate, ip, m_start, ibar_start, lam_m_end, lam_i_
   Inputs as in forward.py, plus lam_m_end, lam_i_end [N,Kp,Vp] (adjoints of the final M, Ibar)
   and dout, dvar [N,Tp,Vp] float32 (dvar None without variance). Returns
   dq_t, dk_t [N, Vtiles, Kp, Tp] (partial over value tiles), dv, dbeta [N,Tp,Vp],
-  dlog_alpha [N, Vtiles, Tp, 1] (partial), lam_m0, lam_i0 [N,Kp,Vp] (adjoints of the initial
+  dlog_alpha [N, Vtiles, 1, Tp] (partial), lam_m0, lam_i0 [N,Kp,Vp] (adjoints of the initial
   M, Ibar) and dip [N,Kp,Vp] (elementwise terms of dL/dIp), all float32.
   """
   nc = g.num_chunks
   rev = lambda c: nc - 1 - c
   keys = pl.BlockSpec((1, g.kp, g.chunk), lambda n, j, c: (n, 0, rev(c)))
   values = pl.BlockSpec((1, g.chunk, LANES), lambda n, j, c: (n, rev(c), j))
-  steps = pl.BlockSpec((1, g.chunk, 1), lambda n, j, c: (n, rev(c), 0))
+  steps = pl.BlockSpec((1, 1, g.chunk), lambda n, j, c: (n, 0, rev(c)))
   state = pl.BlockSpec((1, g.kp, LANES), lambda n, j, c: (n, 0, j))
   chunk_state = pl.BlockSpec((1, 1, g.kp, LANES), lambda n, j, c: (n, rev(c), 0, j))
   prior = pl.BlockSpec((1, 1, LANES), lambda n, j, c: (n, 0, j))
   key_grads = pl.BlockSpec((1, 1, g.kp, g.chunk), lambda n, j, c: (n, j, 0, rev(c)))
-  step_grads = pl.BlockSpec((1, 1, g.chunk, 1), lambda n, j, c: (n, j, rev(c), 0))
+  step_grads = pl.BlockSpec((1, 1, 1, g.chunk), lambda n, j, c: (n, j, 0, rev(c)))
   has_var = dvar is not None
   f32 = jnp.float32
   tile = (g.kp, LANES)
@@ -160,12 +164,13 @@ def backward(q_t, k_t, v, beta, gate, ip, m_start, ibar_start, lam_m_end, lam_i_
       out_specs=[key_grads, key_grads, values, values, step_grads, state, state, state],
       out_shape=[jax.ShapeDtypeStruct((g.n, g.num_vtiles, g.kp, g.tp), f32)] * 2
       + [jax.ShapeDtypeStruct((g.n, g.tp, g.vp), f32)] * 2
-      + [jax.ShapeDtypeStruct((g.n, g.num_vtiles, g.tp, 1), f32)]
+      + [jax.ShapeDtypeStruct((g.n, g.num_vtiles, 1, g.tp), f32)]
       + [state_shape] * 3,
       scratch_shapes=[pltpu.VMEM(tile, f32)] * 3
       + [pltpu.VMEM((n_sub,) + tile, f32)] * 2
       + [pltpu.VMEM((g.sub + 1,) + tile, f32)] * 2
-      + [pltpu.VMEM((g.kp, g.chunk), f32)] * 2,
+      + [pltpu.VMEM((g.kp, g.chunk), f32)] * 2
+      + [pltpu.VMEM((1, g.chunk), f32)],
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,

@@ -2,7 +2,7 @@
 
 1. `boundary_states`: grid (N, V tiles, chunks), chunk axis sequential ("arbitrary"). The state
    at the start of every chunk is carried in VMEM scratch and advanced by two MXU matmuls per
-   chunk: M_end = A M_start + K^T (V w), Ibar_end = A Ibar_start + (K^2)^T (Beta w), with
+   chunk: M_end = A M_start + (K^T w) V, Ibar_end = A Ibar_start + (K^2 w)^T Beta, with
    w_t = prod_{s>t in chunk} alpha_s and A = prod_{s in chunk} alpha_s.
 2. `walk`: grid (N, V tiles, chunks), all parallel. Each program starts from its chunk's boundary
    state and walks the C steps in VMEM: update, one reciprocal per state entry, readout.
@@ -23,7 +23,7 @@ def _specs(g: Geometry):
   """BlockSpecs indexed by grid (n, j, c): j a 128-lane value tile, c a chunk."""
   keys = pl.BlockSpec((1, g.kp, g.chunk), lambda n, j, c: (n, 0, c))
   values = pl.BlockSpec((1, g.chunk, LANES), lambda n, j, c: (n, c, j))
-  steps = pl.BlockSpec((1, g.chunk, 1), lambda n, j, c: (n, c, 0))
+  steps = pl.BlockSpec((1, 1, g.chunk), lambda n, j, c: (n, 0, c))
   state = pl.BlockSpec((1, g.kp, LANES), lambda n, j, c: (n, 0, j))
   chunk_state = pl.BlockSpec((1, 1, g.kp, LANES), lambda n, j, c: (n, c, 0, j))
   prior = pl.BlockSpec((1, 1, LANES), lambda n, j, c: (n, 0, j))
@@ -42,12 +42,14 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, gate_ref, m0_ref, ibar0_ref,
   m_start_ref[0, 0] = m_scr[...]
   ibar_start_ref[0, 0] = ibar_scr[...]
   k_t = k_ref[0].astype(jnp.float32)                             # [Kp, C]
-  w = w_ref[0]                                                   # [C, 1]
-  decay = w[0:1, :] * gate_ref[0, 0:1, :]                        # [1, 1]
+  w = w_ref[0]                                                   # [1, C]
+  first = walk.lane_mask(w.shape, 0)
+  decay = walk.column(w * gate_ref[0], first)                    # [1, 1]
   dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
-  m = decay * m_scr[...] + dot(k_t, v_ref[0].astype(jnp.float32) * w)
-  ibar = decay * ibar_scr[...] + dot(k_t * k_t, beta_ref[0].astype(jnp.float32) * w)
+  k_w = k_t * w
+  m = decay * m_scr[...] + dot(k_w, v_ref[0])
+  ibar = decay * ibar_scr[...] + dot(k_t * k_w, beta_ref[0])
   m_scr[...] = m
   ibar_scr[...] = ibar
 
@@ -60,7 +62,7 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, gate_ref, m0_ref, ibar0_ref,
 def boundary_states(k_t, v, beta, w, gate, m0, ibar0, g: Geometry, interpret):
   """Chunk-start states and final state.
 
-  k_t [N,Kp,Tp]; v, beta [N,Tp,Vp]; w, gate [N,Tp,1] f32; m0, ibar0 [N,Kp,Vp] f32.
+  k_t [N,Kp,Tp]; v, beta [N,Tp,Vp] f32; w, gate [N,1,Tp] f32; m0, ibar0 [N,Kp,Vp] f32.
   Returns m_start, ibar_start [N, n_chunks, Kp, Vp] and m_end, ibar_end [N, Kp, Vp], float32.
   """
   keys, values, steps, state, chunk_state, _ = _specs(g)
@@ -82,14 +84,15 @@ def boundary_states(k_t, v, beta, w, gate, m0, ibar0, g: Geometry, interpret):
 def _walk_kernel(q_ref, k_ref, v_ref, beta_ref, gate_ref, ip_ref, m_ref, ibar_ref, out_ref,
                  *var_ref):
   ip = ip_ref[0]                                                 # [1, BV]
+  gates = gate_ref[0]                                            # [1, C]
 
   def step(t, carry):
     m, ibar = carry
     mask = walk.lane_mask(k_ref.shape[1:], t)
     k_col = walk.column(k_ref[0].astype(jnp.float32), mask)
     q_col = walk.column(q_ref[0].astype(jnp.float32), mask)
-    m, ibar = walk.advance(m, ibar, walk.row(gate_ref, t), k_col, walk.row(v_ref, t),
-                           walk.row(beta_ref, t))
+    a = walk.column(gates, walk.lane_mask(gates.shape, t))
+    m, ibar = walk.advance(m, ibar, a, k_col, walk.row(v_ref, t), walk.row(beta_ref, t))
     r = 1.0 / (ibar + ip)
     out_ref[0, pl.ds(t, 1), :] = jnp.sum(m * r * q_col, axis=0, keepdims=True)
     if var_ref:

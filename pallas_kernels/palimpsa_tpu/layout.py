@@ -2,9 +2,9 @@
 
 The kernels keep each state tile as [K, 128]: the key dimension on sublanes (padded to a multiple
 of 16, legal for float32 and bfloat16 tiles) and a 128-lane tile of the value dimension on lanes.
-Time runs on lanes for q and k ([N, Kp, Tp], N = B*H) so that a chunk's q^T and k^T arrive as
-ready-made [Kp, C] blocks, and on sublanes for v, beta and the outputs ([N, Tp, Vp]) so that every
-step reads and writes one row.
+Time runs on lanes for q, k ([N, Kp, Tp], N = B*H) and the per-step gates ([N, 1, Tp]), so that a
+chunk's q^T and k^T arrive as ready-made [Kp, C] blocks, and on sublanes for v, beta and the
+outputs ([N, Tp, Vp], float32) so that every step reads and writes one row.
 """
 
 import dataclasses
@@ -95,8 +95,8 @@ def keys_from_kernel(x: jax.Array, g: Geometry) -> jax.Array:
 
 
 def values_to_kernel(x: jax.Array, g: Geometry) -> jax.Array:
-  """[B,T,H,V] -> [N, Tp, Vp] (time on sublanes), zero padded, dtype kept."""
-  x = jnp.transpose(x, (0, 2, 1, 3)).reshape(g.n, g.t, g.vd)
+  """[B,T,H,V] -> [N, Tp, Vp] float32 (time on sublanes: one-row loads need unpacked rows)."""
+  x = jnp.transpose(x.astype(jnp.float32), (0, 2, 1, 3)).reshape(g.n, g.t, g.vd)
   return jnp.pad(x, ((0, 0), (0, g.tp - g.t), (0, g.vp - g.vd)))
 
 
@@ -107,14 +107,14 @@ def values_from_kernel(x: jax.Array, g: Geometry) -> jax.Array:
 
 
 def steps_to_kernel(x: jax.Array, g: Geometry, fill: float) -> jax.Array:
-  """Per-step scalars [B,T,H] -> [N, Tp, 1] float32, padded with `fill`."""
-  x = jnp.transpose(x, (0, 2, 1)).reshape(g.n, g.t, 1).astype(jnp.float32)
-  return jnp.pad(x, ((0, 0), (0, g.tp - g.t), (0, 0)), constant_values=fill)
+  """Per-step scalars [B,T,H] -> [N, 1, Tp] float32 (time on lanes), padded with `fill`."""
+  x = jnp.transpose(x, (0, 2, 1)).reshape(g.n, 1, g.t).astype(jnp.float32)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, g.tp - g.t)), constant_values=fill)
 
 
 def steps_from_kernel(x: jax.Array, g: Geometry) -> jax.Array:
-  """[N, Tp, 1] -> [B,T,H]."""
-  return jnp.transpose(x[:, :g.t, 0].reshape(g.batch, g.heads, g.t), (0, 2, 1))
+  """[N, 1, Tp] -> [B,T,H]."""
+  return jnp.transpose(x[:, 0, :g.t].reshape(g.batch, g.heads, g.t), (0, 2, 1))
 
 
 def state_to_kernel(x: jax.Array, g: Geometry) -> jax.Array:

@@ -12,12 +12,12 @@ from pallas_kernels.palimpsa_tpu.forward import boundary_states, walk_outputs
 
 
 def _gates(log_alpha, segment_ids, g: layout.Geometry):
-  """Per-step gate alpha_t and in-chunk write weight w_t, both [N, Tp, 1] float32.
+  """Per-step gate alpha_t and in-chunk write weight w_t, both [N, 1, Tp] float32.
 
   alpha_t is 0 where the segment id changes (restart from the prior: M = 0, Ibar = 0) and 1 on
   padded steps; w_t = prod_{s > t in t's chunk} alpha_s.
   """
-  la = layout.steps_to_kernel(log_alpha, g, 0.0)                 # [N, Tp, 1]
+  la = layout.steps_to_kernel(log_alpha, g, 0.0)                 # [N, 1, Tp]
   if segment_ids is None:
     reset = jnp.zeros_like(la, dtype=bool)
   else:
@@ -31,7 +31,7 @@ def _gates(log_alpha, segment_ids, g: layout.Geometry):
   later = jnp.cumsum(la_c[..., ::-1], axis=-1)[..., ::-1] - la_c   # sum over s > t in chunk
   reset_later = jnp.cumsum(reset_c[..., ::-1].astype(jnp.int32), axis=-1)[..., ::-1] - reset_c
   w = jnp.where(reset_later > 0, 0.0, jnp.exp(later))
-  return gate, w.reshape(g.n, g.tp, 1)
+  return gate, w.reshape(g.n, 1, g.tp)
 
 
 def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size):
@@ -88,11 +88,11 @@ def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
   r_end = 1.0 / prec_end
   lam_m_end = d_mu_end * r_end
   lam_i_end = d_prec_end - d_mu_end * mu_end * r_end
-  dvar = None if not return_variance else layout.values_to_kernel(d_var.astype(jnp.float32), g)
+  dvar = None if not return_variance else layout.values_to_kernel(d_var, g)
   dq_t, dk_t, dv, dbeta, dgate, lam_m0, lam_i0, dip = backward(
       x["q_t"], x["k_t"], x["v"], x["beta"], x["gate"], x["ip"], m_start, ibar_start,
       layout.state_to_kernel(lam_m_end, g), layout.state_to_kernel(lam_i_end, g),
-      layout.values_to_kernel(d_out.astype(jnp.float32), g), dvar, g, interpret)
+      layout.values_to_kernel(d_out, g), dvar, g, interpret)
   lam_m0 = layout.state_from_kernel(lam_m0, g)
   lam_i0 = layout.state_from_kernel(lam_i0, g)
   # Initial state: M_0 = mu_0 I_0, Ibar_0 = I_0 - Ip.
