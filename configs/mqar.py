@@ -6,12 +6,14 @@
 
 The default (preset=cpu, no arguments) is a small CPU setting in which
 Palimpsa-D reaches >= 99% test accuracy within minutes on two CPU cores
-(docs/main_job.md gives the measured time): sequence 64 with 8 pairs, a 128-token
-vocabulary and 4 heads of 16 x 16 state. preset=paper selects SPEC.md section 6:
+(docs/main_job.md gives the measured time): sequence 32 with 4 pairs, a 64-token
+vocabulary, d_model 64 and 4 heads of 16 x 16 state, lr 1e-2. preset=paper selects SPEC.md section 6:
 vocabulary 8192, d_model 128, 8 heads (K=16, V=32), 100k/3k examples, batch 128
 (64 at length >= 1024), up to 60 epochs, early stop at 99%. Any argument given
 explicitly overrides the preset.
 """
+
+import math
 
 import ml_collections
 
@@ -25,9 +27,9 @@ _DELTA_MIXERS = ("palimpsa_d", "not_palimpsa", "gated_deltanet")
 DEFAULTS = dict(
     preset="cpu",
     mixer="palimpsa_d",
-    seq_len=64,
-    kv=8,
-    vocab=128,
+    seq_len=32,
+    kv=4,
+    vocab=64,
     d_model=64,
     heads=4,  # 0: the paper's layout (8 heads, K=16, V=32).
     head_v=16,
@@ -70,6 +72,9 @@ def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   overrides = dict(dtype=args.dtype, implementation=args.impl)
   if args.mixer in _DELTA_MIXERS and args.heads:
     overrides.update(num_heads=args.heads, head_v_dim=args.head_v or 32)
+  if args.mixer in ("meta_mamba2", "mamba2"):
+    # 2 * d_model / 32 heads of P=32; B/C groups must divide the heads.
+    overrides.update(num_groups=math.gcd(8, max(1, 2 * args.d_model // 32)))
   return models.mqar_model_config(args.mixer, d_model=args.d_model,
                                   vocab_size=args.vocab, **overrides)
 
