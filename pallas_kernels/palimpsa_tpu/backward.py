@@ -158,6 +158,7 @@ def backward(q_t, k_t, v, beta, gate, ip, m_start, ibar_start, lam_m_end, lam_i_
   state_shape = jax.ShapeDtypeStruct((g.n, g.kp, g.vp), f32)
   return pl.pallas_call(
       kernel,
+      name="palimpsa_tpu_backward",
       grid=(g.n, g.num_vtiles, nc),
       in_specs=[keys, keys, values, values, steps, prior, chunk_state, chunk_state, state, state,
                 values] + ([values] if has_var else []),

@@ -69,6 +69,7 @@ def boundary_states(k_t, v, beta, w, gate, m0, ibar0, g: Geometry, interpret):
   f32 = jnp.float32
   return pl.pallas_call(
       _boundary_kernel,
+      name="palimpsa_tpu_boundary_states",
       grid=(g.n, g.num_vtiles, g.num_chunks),
       in_specs=[keys, values, values, steps, steps, state, state],
       out_specs=[chunk_state, chunk_state, state, state],
@@ -109,6 +110,7 @@ def walk_outputs(q_t, k_t, v, beta, gate, ip, m_start, ibar_start, g: Geometry,
   n_out = 2 if return_variance else 1
   outs = pl.pallas_call(
       _walk_kernel,
+      name="palimpsa_tpu_walk",
       grid=(g.n, g.num_vtiles, g.num_chunks),
       in_specs=[keys, keys, values, values, steps, prior, chunk_state, chunk_state],
       out_specs=[values] * n_out,

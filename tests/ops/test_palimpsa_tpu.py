@@ -106,6 +106,22 @@ def test_kernels_lower_for_tpu_without_variance_and_several_chunks(kd, vd):
   assert text.count("tpu_custom_call") == 3
 
 
+def test_exports_for_tpu():
+  """jax.export with platforms=["tpu"] (value and grads): all three kernels, by name."""
+
+  def loss(*args):
+    out, _, mu, _ = palimpsa_tpu(*args, return_variance=False, chunk_size=128, interpret=False)
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(mu)
+
+  value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6, 7))
+  exported = jax.export.export(jax.jit(value_and_grad), platforms=["tpu"])(
+      *_abstract_args(96, 192, jnp.bfloat16, 260))
+  assert exported.platforms == ("tpu",)
+  text = exported.mlir_module()
+  for kernel in ("boundary_states", "walk", "backward"):
+    assert f'kernel_name = "palimpsa_tpu_{kernel}"' in text
+
+
 def test_blocks_are_tpu_legal():
   for kd in HEAD_DIMS:
     for t in (1, 37, 128, 300, 4096):
