@@ -87,12 +87,18 @@ def nll_by_position(scorer: lm_lib.ModelScorer, batches: Iterable[Mapping[str, n
 
 
 def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
-  """PNG of mean NLL against position bucket, one line per checkpoint."""
+  """PNG of mean NLL against position bucket, one line per checkpoint.
+
+  Args:
+    curves: checkpoint path -> {"bucket_end", "mean_nll", "step"}.
+    path: the PNG to write.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6, 4))
-  for label, curve in curves.items():
+  for checkpoint, curve in curves.items():
+    label = f"{os.path.basename(_workdir(checkpoint))} (step {curve['step']})"
     points = [(e, m) for e, m in zip(curve["bucket_end"], curve["mean_nll"]) if m is not None]
     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
   ax.set_xscale("log", base=2)
@@ -107,14 +113,19 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
   plt.close(fig)
 
 
+def _workdir(checkpoint: str) -> str:
+  """The train.py workdir of a workdir or of one of its checkpoints/<step> folders."""
+  path = os.path.abspath(checkpoint)
+  if os.path.basename(os.path.dirname(path)) == "checkpoints":
+    path = os.path.dirname(os.path.dirname(path))
+  return path
+
+
 def _plot_path(options: Mapping[str, Any], checkpoints: Sequence[str]) -> str:
   """Next to --output, else in the first checkpoint's workdir (beside eval.py's JSON)."""
   if options.get("output"):
     return os.path.splitext(options["output"])[0] + ".png"
-  path = os.path.abspath(checkpoints[0])
-  if os.path.basename(os.path.dirname(path)) == "checkpoints":
-    path = os.path.dirname(os.path.dirname(path))
-  return os.path.join(path, "eval_long_context.png")
+  return os.path.join(_workdir(checkpoints[0]), "eval_long_context.png")
 
 
 def run(options: Mapping[str, Any]) -> dict[str, Any]:
