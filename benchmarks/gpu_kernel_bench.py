@@ -83,30 +83,105 @@ def chunked_fns():
   return jax.jit(fwd), jax.jit(lambda *a: fb(a[:-1], a[-1]))
 
 
-def stage_times(cfg, args, log):
-  """Times each stage of the forward and backward alone."""
+def _stage_inputs(cfg, args):
   q, k, v, beta, la, ip, mu0, p0 = args
-  prep = jax.jit(lambda *a: gpu_op._prepare(cfg, *a, None))
-  qh, kh, vh, betah, gates, ipv, ip_row = prep(q, k, v, beta, la, ip)
+  qh, kh, vh, betah, gates, ipv, ip_row = jax.jit(
+      lambda *a: gpu_op._prepare(cfg, *a, None))(q, k, v, beta, la, ip)
   m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv)
-  bnd = jax.jit(functools.partial(
+  return qh, kh, vh, betah, gates, ip_row, m0, b0
+
+
+def _boundary_fn(cfg):
+  return jax.jit(functools.partial(
       boundary.boundary_states, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
       num_warps=cfg.num_warps_boundary, interpret=False))
+
+
+def _forward_walk_fn(cfg, dtype):
+  return jax.jit(functools.partial(
+      walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
+      with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
+
+
+def _backward_walk_fn(cfg):
+  fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
+                         block_v=cfg.block_v_bwd, sub=cfg.sub,
+                         num_warps=cfg.num_warps_bwd, interpret=False)
+  return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
+
+
+def stage_times(cfg, args):
+  """ms of (boundary, forward walk, backward walk), each jitted alone."""
+  qh, kh, vh, betah, gates, ip_row, m0, b0 = _stage_inputs(cfg, args)
+  bnd = _boundary_fn(cfg)
   ms, bs, _, _ = bnd(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
-  fw = jax.jit(functools.partial(
-      walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.sub,
-      with_var=False, out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=False))
   do = jnp.ones(vh.shape, jnp.float32)
-  bw = jax.jit(functools.partial(
-      walk.walk_backward, dvar=None, chunk=cfg.chunk, block_v=cfg.block_v_bwd,
-      sub=cfg.sub, num_warps=cfg.num_warps_bwd, interpret=False))
-  t_prep = time_ms(prep, [(q, k, v, beta, la, ip)])
-  t_bnd = time_ms(bnd, [(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)])
-  t_fw = time_ms(fw, [(qh, kh, vh, betah, gates.step, ip_row, ms, bs)])
-  t_bw = time_ms(lambda *a: bw(*a[:7], m_starts=a[7], b_starts=a[8]),
-                 [(qh, kh, vh, betah, gates.step, ip_row, do, ms, bs)])
-  log(f"    stages: prep {t_prep:.3f} ms, boundary {t_bnd:.3f} ms, walk fwd "
-      f"{t_fw:.3f} ms, walk bwd {t_bw:.3f} ms")
+  return (time_ms(bnd, [(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)]),
+          time_ms(_forward_walk_fn(cfg, args[2].dtype),
+                  [(qh, kh, vh, betah, gates.step, ip_row, ms, bs)]),
+          time_ms(_backward_walk_fn(cfg),
+                  [(qh, kh, vh, betah, gates.step, ip_row, do, ms, bs)]))
+
+
+def _tiles(cfg, elements, v_min=1):
+  kp = cfg.k + cfg.k_pad
+  return gpu_op._block_v(cfg.v + cfg.v_pad, kp, elements, v_min)
+
+
+def sweep(base, base_times, args, log):
+  """Times tile variants of each stage alone; returns the config of the fastest."""
+  qh, kh, vh, betah, gates, ip_row, m0, b0 = _stage_inputs(base, args)
+  ms, bs, _, _ = _boundary_fn(base)(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
+  do = jnp.ones(vh.shape, jnp.float32)
+  best = {stage: (t, base) for stage, t in zip(("boundary", "walk_fwd", "walk_bwd"),
+                                               base_times)}
+
+  def trial(stage, label, cfg, fn, fn_args):
+    try:
+      t = time_ms(fn, [fn_args], warmup=1, iters=5)
+    except Exception as e:  # A variant that does not compile is reported, not fatal.
+      log(f"    {stage} {label}: failed {type(e).__name__}: {str(e)[:200]}")
+      return
+    log(f"    {stage} {label}: {t:.3f} ms")
+    if stage not in best or t < best[stage][0]:
+      best[stage] = (t, cfg)
+
+  for elems, warps in ((2048, 4), (8192, 8)):
+    cfg = dataclasses.replace(base, block_v_boundary=_tiles(base, elems, 16),
+                              num_warps_boundary=warps)
+    trial("boundary", f"bv={cfg.block_v_boundary} w={warps}", cfg, _boundary_fn(cfg),
+          (kh, vh, betah, gates.to_end, gates.chunk, m0, b0))
+  for elems, warps, unroll in ((2048, 4, 1), (2048, 4, 2), (1024, 2, 2), (1024, 1, 2),
+                               (4096, 8, 2)):
+    cfg = dataclasses.replace(base, block_v=_tiles(base, elems), num_warps=warps,
+                              unroll=unroll)
+    trial("walk_fwd", f"bv={cfg.block_v} w={warps} u={unroll}", cfg,
+          _forward_walk_fn(cfg, args[2].dtype),
+          (qh, kh, vh, betah, gates.step, ip_row, ms, bs))
+  for elems, warps, sub in ((512, 1, 4), (256, 1, 8), (512, 2, 4), (1024, 2, 4),
+                            (256, 1, 4)):
+    cfg = dataclasses.replace(base, block_v_bwd=_tiles(base, elems), num_warps_bwd=warps,
+                              sub=sub)
+    trial("walk_bwd", f"bv={cfg.block_v_bwd} w={warps} sub={sub}", cfg,
+          _backward_walk_fn(cfg), (qh, kh, vh, betah, gates.step, ip_row, do, ms, bs))
+  b_cfg, f_cfg, w_cfg = (best[s][1] for s in ("boundary", "walk_fwd", "walk_bwd"))
+  return dataclasses.replace(
+      base, block_v_boundary=b_cfg.block_v_boundary,
+      num_warps_boundary=b_cfg.num_warps_boundary, block_v=f_cfg.block_v,
+      num_warps=f_cfg.num_warps, unroll=f_cfg.unroll, block_v_bwd=w_cfg.block_v_bwd,
+      num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub)
+
+
+def max_rel_diff(xs, ys):
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))
+                   / jnp.max(jnp.abs(y.astype(jnp.float32)))) for x, y in zip(xs, ys))
+
+
+def report(label, name, elem, tf, tfb, log):
+  ref_f, ref_fb = REFERENCE_MS[name]
+  log(f"  pallas_gpu[{label}]: fwd {tf:.3f} ms ({ref_f / tf:.1f}x ref, "
+      f"{elem / FWD_FLOOR_RATE * 1e3 / tf:.2f} of floor) | fwd+bwd {tfb:.3f} ms "
+      f"({ref_fb / tfb:.1f}x ref, {elem / FWD_BWD_FLOOR_RATE * 1e3 / tfb:.2f} of floor)")
 
 
 def main():
@@ -128,36 +203,26 @@ def main():
                               sets[0][0][5], return_variance=False, chunk_size=64,
                               interpret=False)
     log(f"{name} {shape}: {base}")
-    variants = {"base": base}
+    f, fb = pallas_fns(base)
+    tf, tfb = time_ms(f, fwd_sets), time_ms(fb, fb_sets)
+    report("base", name, elem, tf, tfb, log)
+    base_times = stage_times(base, sets[0][0])
+    log("    stages (boundary, walk fwd, walk bwd) ms: "
+        + ", ".join(f"{x:.3f}" for x in base_times))
     if args_ns.sweep:
-      variants.update({
-          "fwd_bv/2": dataclasses.replace(base, block_v=max(1, base.block_v // 2)),
-          "fwd_bv*2": dataclasses.replace(base, block_v=base.block_v * 2),
-          "bwd_bv*2": dataclasses.replace(base, block_v_bwd=base.block_v_bwd * 2),
-          "bwd_w2": dataclasses.replace(base, num_warps_bwd=2),
-          "sub4": dataclasses.replace(base, sub=4),
-          "chunk32": dataclasses.replace(base, chunk=32),
-      })
-    ref_f, ref_fb = REFERENCE_MS[name]
-    for label, cfg in variants.items():
-      if cfg.v_pad + cfg.v != gpu_op.round_up(cfg.v, gpu_op._V_MULTIPLE):
-        continue
-      try:
-        f, fb = pallas_fns(cfg)
-        tf = time_ms(f, fwd_sets)
-        tfb = time_ms(fb, fb_sets)
-      except Exception as e:  # A variant that does not compile is reported, not fatal.
-        log(f"  {label}: failed: {type(e).__name__}: {str(e)[:300]}")
-        continue
-      log(f"  pallas_gpu[{label}]: fwd {tf:.3f} ms ({ref_f / tf:.1f}x ref, "
-          f"{elem / FWD_FLOOR_RATE * 1e3 / tf:.2f} of floor) | fwd+bwd {tfb:.3f} ms "
-          f"({ref_fb / tfb:.1f}x ref, {elem / FWD_BWD_FLOOR_RATE * 1e3 / tfb:.2f} of floor)")
-      if label == "base":
-        stage_times(cfg, sets[0][0], log)
-        mem = fb.lower(*fb_sets[0]).compile().memory_analysis()
-        if mem is not None:
-          log(f"    fwd+bwd compiled temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, "
-              f"args {mem.argument_size_in_bytes / 2**20:.1f} MiB")
+      best = sweep(base, base_times, sets[0][0], log)
+      log(f"  best tiles: {best}")
+      f2, fb2 = pallas_fns(best)
+      tf, tfb = time_ms(f2, fwd_sets), time_ms(fb2, fb_sets)
+      report("best", name, elem, tf, tfb, log)
+      diff_out = max_rel_diff(f2(*fwd_sets[0]), f(*fwd_sets[0]))
+      diff_grad = max_rel_diff(fb2(*fb_sets[0]), fb(*fb_sets[0]))
+      log(f"    best vs base: out/state max rel diff {diff_out:.1e}, grads {diff_grad:.1e}")
+      fb = fb2
+    mem = fb.lower(*fb_sets[0]).compile().memory_analysis()
+    if mem is not None:
+      log(f"    fwd+bwd compiled temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, "
+          f"args {mem.argument_size_in_bytes / 2**20:.1f} MiB")
     if not args_ns.no_chunked:
       f, fb = chunked_fns()
       tf = time_ms(f, fwd_sets, warmup=1, iters=3)

@@ -14,29 +14,32 @@ from jax.experimental.pallas import triton as plgpu_triton
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def reverse_scan_chunks(end: jax.Array, chunk_gate: jax.Array,
-                        local: jax.Array) -> tuple[jax.Array, jax.Array]:
+def reverse_scan_chunks(end, chunk_gate: jax.Array, local):
   """Adjoint carries: the adjoint entering each chunk's last step from later steps.
 
-  carry_{NC-1} = end; carry_{c-1} = local_c + chunk_gate_c * carry_c.
+  carry_{NC-1} = end; carry_{c-1} = local_c + chunk_gate_c * carry_c, applied to
+  every array of the pytrees `end` and `local` (one scan for all of them).
 
   Args:
-    end: [BH, Vp, Kp] adjoint of the final state.
+    end: pytree of [BH, Vp, Kp] adjoints of the final state.
     chunk_gate: [BH, NC].
-    local: [BH, NC, Vp, Kp] each chunk's own adjoint of the state before it.
+    local: pytree (like end) of [BH, NC, Vp, Kp]: each chunk's own adjoint of the
+      state before it.
 
   Returns:
-    ([BH, NC, Vp, Kp] carries at chunk ends, [BH, Vp, Kp] adjoint of the initial state).
+    (pytree of [BH, NC, Vp, Kp] carries at chunk ends, pytree of [BH, Vp, Kp]
+    adjoints of the initial state).
   """
 
   def step(carry, inputs):
     g, a = inputs
-    return a + g[:, None, None] * carry, carry
+    new = jax.tree.map(lambda x, c: x + g[:, None, None] * c, a, carry)
+    return new, carry
 
+  local_t = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), local)
   initial, carries = jax.lax.scan(
-      step, end, (jnp.moveaxis(chunk_gate, 1, 0), jnp.moveaxis(local, 1, 0)),
-      reverse=True)
-  return jnp.moveaxis(carries, 0, 1), initial
+      step, end, (jnp.moveaxis(chunk_gate, 1, 0), local_t), reverse=True)
+  return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), carries), initial
 
 
 def _dot_precision(interpret: bool):

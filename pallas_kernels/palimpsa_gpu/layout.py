@@ -70,13 +70,15 @@ def make_gates(log_alpha: jax.Array, segment_ids: jax.Array | None, h: int,
   step = jnp.where(reset, 0.0, jnp.exp(la))
   bh, tp = la.shape
   nc = tp // chunk
-  la_c = la.reshape(bh, nc, chunk)
-  reset_c = reset.reshape(bh, nc, chunk)
-  cum = jnp.cumsum(la_c, axis=-1)
+  cum = jnp.cumsum(la.reshape(bh, nc, chunk), axis=-1)
   total = cum[..., -1:]
-  # A restart strictly after t (inside the chunk) cuts the decay from t to the end.
-  resets_from = jnp.flip(jnp.cumsum(jnp.flip(reset_c, -1).astype(jnp.int32), -1), -1)
-  cut_after = (resets_from - reset_c.astype(jnp.int32)) > 0
-  to_end = jnp.where(cut_after, 0.0, jnp.exp(total - cum)).reshape(bh, tp)
-  chunk_gate = jnp.where(resets_from[..., 0] > 0, 0.0, jnp.exp(total[..., 0]))
-  return Gates(step=step, to_end=to_end, chunk=chunk_gate, reset=reset)
+  to_end = jnp.exp(total - cum)
+  chunk_gate = jnp.exp(total[..., 0])
+  if segment_ids is not None:
+    # A restart strictly after t (inside the chunk) cuts the decay from t to the end.
+    reset_c = reset.reshape(bh, nc, chunk).astype(jnp.int32)
+    resets_from = jnp.flip(jnp.cumsum(jnp.flip(reset_c, -1), -1), -1)
+    to_end = jnp.where(resets_from - reset_c > 0, 0.0, to_end)
+    chunk_gate = jnp.where(resets_from[..., 0] > 0, 0.0, chunk_gate)
+  return Gates(step=step, to_end=to_end.reshape(bh, tp), chunk=chunk_gate,
+               reset=reset)

@@ -39,6 +39,7 @@ class Config:
   block_v: int
   block_v_bwd: int
   block_v_boundary: int
+  unroll: int
   sub: int
   return_variance: bool
   log_alpha_dtype: str
@@ -84,7 +85,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=_block_v(vp, kp, 2048),
                 block_v_bwd=_block_v(vp, kp, 512),
-                block_v_boundary=_block_v(vp, kp, 4096, minimum=16), sub=8,
+                block_v_boundary=_block_v(vp, kp, 4096, minimum=16), unroll=8, sub=8,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
@@ -126,7 +127,7 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
       interpret=cfg.interpret)
   outs = walk.walk_forward(
       qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
-      block_v=cfg.block_v, unroll=cfg.sub, with_var=cfg.return_variance,
+      block_v=cfg.block_v, unroll=cfg.unroll, with_var=cfg.return_variance,
       out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
   out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
   var_h = outs[1] if cfg.return_variance else None
@@ -188,8 +189,8 @@ def _backward(cfg: Config, residuals, cotangents):
                                        cfg.k_pad)
   dm_end = dmu_f * r_final
   db_end = dprec_f - dmu_f * mu_final * r_final
-  carry_m, dm0 = boundary.reverse_scan_chunks(dm_end, gates.chunk, adj_m)
-  carry_b, db0 = boundary.reverse_scan_chunks(db_end, gates.chunk, adj_b)
+  (carry_m, carry_b), (dm0, db0) = boundary.reverse_scan_chunks(
+      (dm_end, db_end), gates.chunk, (adj_m, adj_b))
 
   # Carries are constant inside a chunk: their contributions are matmuls.
   c = cfg.chunk

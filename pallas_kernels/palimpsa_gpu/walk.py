@@ -115,9 +115,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
       m, b = carry
       sm_ref[j] = m
       sb_ref[j] = b
-      rows = [load_rows(j * sub + s) for s in range(sub)]
-      for row in rows:
-        m, b = advance(m, b, row)
+      for s in range(sub):
+        m, b = advance(m, b, load_rows(j * sub + s))
       return m, b
 
     jax.lax.fori_loop(0, n_sub, forward, (m0_ref[cols, :], b0_ref[cols, :]))
@@ -126,15 +125,17 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
     def backward(i, carry):
       gm, gb = carry
       j = n_sub - 1 - i
+      t0 = j * sub
       m, b = sm_ref[j], sb_ref[j]
-      rows, states = [], []
+      states = []
       for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
-        t = j * sub + s
-        rows.append((t,) + load_rows(t))
-        m, b = advance(m, b, rows[-1][1:])
+        m, b = advance(m, b, load_rows(t0 + s))
         states.append((m, b))
+      # Earlier V-tiles' sums, loaded up front so their latency is paid once.
+      acc = [(dq_ref[t0 + s, :], dk_ref[t0 + s, :]) for s in range(sub)]
       for s in reversed(range(sub)):
-        t, k, v, beta, a = rows[s]
+        t = t0 + s
+        k, v, beta, a = load_rows(t)
         m, b = states[s]
         q = q_ref[t, :].astype(jnp.float32)
         do = do_ref[t, cols].astype(jnp.float32)
@@ -151,8 +152,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
         gb = gb + di
         dk = jnp.sum(gm * v[:, None], axis=0) + 2.0 * k * jnp.sum(
             gb * beta[:, None], axis=0)
-        dq_ref[t, :] = dq_ref[t, :] + dq
-        dk_ref[t, :] = dk_ref[t, :] + dk
+        dq_ref[t, :] = acc[s][0] + dq
+        dk_ref[t, :] = acc[s][1] + dk
         dv_ref[t, cols] = jnp.sum(gm * k[None, :], axis=1)
         dbeta_ref[t, cols] = jnp.sum(gb * (k * k)[None, :], axis=1)
         s_ref[t, cols] = jnp.sum(di, axis=1)
