@@ -49,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 3
   config.async_checkpointing = True
+  config.log_diagnostics = True  # Mixer statistics per layer at eval steps.
   config.early_stop_accuracy = 0.0  # 0: never stop early.
 
   config.data = ml_collections.ConfigDict()

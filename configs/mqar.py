@@ -115,6 +115,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = max(1, steps_per_epoch)
   config.keep_checkpoints = 2
   config.async_checkpointing = True
+  config.log_diagnostics = True  # Mixer statistics per layer at eval steps.
   config.early_stop_accuracy = args.early_stop
 
   config.data = ml_collections.ConfigDict()

@@ -51,6 +51,7 @@ def test_train_then_eval_palimpsa_d(tmp_path):
   assert out.strip().splitlines()[-1].startswith("final: best eval accuracy")
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   assert records[-1]["step"] == 8 and "eval/accuracy" in records[-1]
+  assert 0 <= records[-1]["diag/layer0/metaplastic_fraction"] <= 1
   out = _run("eval.py", "--suite=mqar", f"--workdir={workdir}", "--num_examples=32",
              "--mqar_settings=32:4").stdout
   assert "accuracy" in out

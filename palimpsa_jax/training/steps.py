@@ -114,3 +114,23 @@ def make_eval_step(graphdef: Any, metric_sharding: Any
   def eval_step(params, model_state, batch):
     return jnp.stack(_forward_sums(graphdef, params, model_state, batch))
   return jax.jit(eval_step, out_shardings=metric_sharding)
+
+
+def make_diagnostics_step(graphdef: Any, metric_sharding: Any
+                          ) -> Callable[[dict, dict, Batch], dict[str, jax.Array]]:
+  """Returns jitted `diagnostics(params, model_state, batch) -> {name: scalar}`.
+
+  Names are "diag/layer<i>/<statistic>" from the mixers' diagnostics (for
+  Palimpsa: precision mean/std, metaplastic fraction, ...); layers without
+  diagnostics are skipped.
+  """
+  def diagnostics_step(params, model_state, batch):
+    model = state_lib.merge_model(graphdef, params, model_state)
+    _, per_layer = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
+                         return_diagnostics=True)
+    out = {}
+    for index, layer in enumerate(per_layer):
+      for name, value in (layer or {}).items():
+        out[f"diag/layer{index}/{name}"] = jnp.mean(value).astype(jnp.float32)
+    return out
+  return jax.jit(diagnostics_step, out_shardings=metric_sharding)

@@ -45,6 +45,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first bad training field."""
   if config.task not in TASKS:
     raise ValueError(f"config.task must be one of {TASKS}, got {config.task!r}.")
+  if not isinstance(config.get("log_diagnostics"), bool):
+    raise ValueError("config.log_diagnostics must be True or False.")
   positive = ("seq_len", "batch_size", "eval_batch_size", "log_every_steps",
               "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
               "grad_accum_steps")
@@ -185,18 +187,28 @@ def make_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
 
 
 def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: Task,
-             mesh: jax.sharding.Mesh) -> dict[str, float]:
-  """Mean loss and accuracy over the task's evaluation batches (one host sync)."""
-  total = None
+             mesh: jax.sharding.Mesh,
+             diagnostics_step: Callable[..., dict] | None = None
+             ) -> dict[str, float]:
+  """Mean loss and accuracy over the task's evaluation batches (one host sync).
+
+  With `diagnostics_step`, also the mixers' per-layer diagnostics on the first
+  evaluation batch.
+  """
+  total, diagnostics = None, {}
   for batch in task.eval_batches():
-    sums = eval_step(state["params"], state["model_state"],
-                     sharding_lib.global_batch(batch, mesh))
+    batch = sharding_lib.global_batch(batch, mesh)
+    if diagnostics_step is not None and total is None:
+      diagnostics = diagnostics_step(state["params"], state["model_state"], batch)
+    sums = eval_step(state["params"], state["model_state"], batch)
     total = sums if total is None else total + sums
   if total is None:
     return {}
-  loss_sum, correct, count = (float(x) for x in jax.device_get(total))
+  total, diagnostics = jax.device_get((total, diagnostics))
+  loss_sum, correct, count = (float(x) for x in total)
   count = max(count, 1.0)
-  return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+  return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count,
+          **{k: float(v) for k, v in diagnostics.items()}}
 
 
 def _previous_best(workdir: str, up_to_step: int) -> tuple[float | None, int | None]:
@@ -265,6 +277,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated,
       config.grad_accum_steps)
   eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated)
+  diagnostics_step = (steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated)
+                      if config.log_diagnostics else None)
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
   early_stop = config.early_stop_accuracy
@@ -296,7 +310,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           record["perf/mfu"] = (6 * num_params * rate * task.tokens_per_step
                                 / (peak_flops * jax.device_count()))
       if step % config.eval_every_steps == 0 or last:
-        last_eval = evaluate(eval_step, state, task, mesh)
+        last_eval = evaluate(eval_step, state, task, mesh, diagnostics_step)
         record.update(last_eval)
         progress.restart_clock(step)
         accuracy = last_eval.get("eval/accuracy")

@@ -186,6 +186,7 @@ def test_lm_task_trains_on_text_files(tmp_path):
   config.data.eval_batches = 2
   config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 3
   config.async_checkpointing = False
+  config.log_diagnostics = False
   workdir = tmp_path / "run"
   summary = trainer.train_and_evaluate(config, str(workdir))
   assert summary["final_step"] == 6 and (workdir / "tokenizer_bpe300.json").exists()

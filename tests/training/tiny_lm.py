@@ -61,9 +61,10 @@ def tiny_mqar_config(**overrides) -> ml_collections.ConfigDict:
       {"vocab_size": args.vocab, "width": args.d_model})
   config = module.get_config(
       f"seq_len=16,kv=2,vocab={VOCAB},d_model=16,examples=256,test_examples=64,"
-      "batch=16,epochs=2,lr=1e-2")
+      "batch=16,epochs=2,lr=1e-2,evals_per_epoch=2")
   config.eval_batch_size = 32
   config.async_checkpointing = False
+  config.log_diagnostics = False
   for key, value in overrides.items():
     target = config
     *parents, leaf = key.split(".")
