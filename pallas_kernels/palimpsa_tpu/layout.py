@@ -55,8 +55,14 @@ class Geometry:
     return self.vp // LANES
 
 
-def geometry(q_shape: tuple[int, ...], vd: int, chunk_size: int) -> Geometry:
-  """Blocks for q [B,T,H,K] and value dim vd; raises NotImplementedError where unsupported."""
+def geometry(q_shape: tuple[int, ...], vd: int, chunk_size: int, *,
+             short_chunks: bool = False) -> Geometry:
+  """Blocks for q [B,T,H,K] and value dim vd; raises NotImplementedError where unsupported.
+
+  The time block is chunk_size rounded up to 128 lanes. short_chunks (used by the interpreter)
+  shrinks it to the sequence rounded up to 16 when that is shorter; compiled kernels keep every
+  lane dimension a multiple of 128, so Mosaic never sees a partial-lane matmul contraction.
+  """
   batch, t, heads, kd = q_shape
   if kd > MAX_KEY_DIM:
     raise NotImplementedError(f"palimpsa_tpu supports key dims up to {MAX_KEY_DIM}, got {kd}.")
@@ -65,7 +71,7 @@ def geometry(q_shape: tuple[int, ...], vd: int, chunk_size: int) -> Geometry:
   kp = _round_up(kd, 16)
   vp = _round_up(vd, LANES)
   chunk = _round_up(chunk_size, LANES)
-  if t <= chunk:
+  if short_chunks and t <= chunk:
     chunk = _round_up(t, 16)
   tp = _round_up(t, chunk)
   return Geometry(batch, heads, t, kd, vd, chunk, kp, vp, tp, _sub_block(chunk, kp))

@@ -34,8 +34,8 @@ def _gates(log_alpha, segment_ids, g: layout.Geometry):
   return gate, w.reshape(g.n, 1, g.tp)
 
 
-def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size):
-  g = layout.geometry(q.shape, v.shape[-1], chunk_size)
+def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size, interpret):
+  g = layout.geometry(q.shape, v.shape[-1], chunk_size, short_chunks=bool(interpret))
   gate, w = _gates(log_alpha, segment_ids, g)
   inputs = dict(q_t=layout.keys_to_kernel(q, g), k_t=layout.keys_to_kernel(k, g),
                 v=layout.values_to_kernel(v, g), beta=layout.values_to_kernel(beta, g),
@@ -53,7 +53,8 @@ def _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial
 
 def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
              segment_ids, return_variance, chunk_size, interpret):
-  g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size)
+  g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
+                     interpret)
   ip_state = prior_precision.astype(jnp.float32)[None, :, None, None]
   mu0 = initial_mu.astype(jnp.float32)
   prec0 = initial_precision.astype(jnp.float32)
@@ -83,7 +84,8 @@ def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
   (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_ids, m_start, ibar_start,
    mu_end, prec_end) = residuals
   d_out, d_var, d_mu_end, d_prec_end = cotangents
-  g, x, _ = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size)
+  g, x, _ = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
+                     interpret)
   # Final state: mu_T = M_T / (Ibar_T + Ip), I_T = Ibar_T + Ip.
   r_end = 1.0 / prec_end
   lam_m_end = d_mu_end * r_end
@@ -123,7 +125,8 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
     prior_precision: [H]; initial_mu, initial_precision: [B, H, V, K] float32;
     segment_ids: [B, T] int32 or None (restart from the prior where the id changes).
     return_variance: also return sum_k q^2 / I_t.
-    chunk_size: time block, rounded up to the 128-lane width (the whole sequence if shorter).
+    chunk_size: time block, rounded up to the 128-lane width (interpreted: the whole sequence
+      if shorter).
     interpret: True runs the kernels in the Pallas interpreter (any backend, for tests); a
       `pltpu.InterpretParams` selects the TPU interpret mode (simulated VMEM, cores and grid
       order).

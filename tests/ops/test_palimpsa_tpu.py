@@ -122,12 +122,16 @@ def test_exports_for_tpu():
     assert f'kernel_name = "palimpsa_tpu_{kernel}"' in text
 
 
-def test_blocks_are_tpu_legal():
+@pytest.mark.parametrize("short_chunks", [False, True])
+def test_blocks_are_tpu_legal(short_chunks):
   for kd in HEAD_DIMS:
     for t in (1, 37, 128, 300, 4096):
-      g = geometry((2, t, 3, kd), 192, chunk_size=64)
+      g = geometry((2, t, 3, kd), 192, chunk_size=64, short_chunks=short_chunks)
       assert g.kp % 16 == 0 and g.vp % 128 == 0 and g.chunk % 16 == 0
-      assert g.chunk % 128 == 0 or g.chunk == g.tp
+      if short_chunks:
+        assert g.chunk % 128 == 0 or g.chunk == g.tp
+      else:
+        assert g.chunk % 128 == 0
       assert g.tp % g.chunk == 0 and g.chunk % g.sub == 0 and g.sub % 8 == 0
 
 
