@@ -32,6 +32,12 @@ class TestPallasTpuInterpret(PalimpsaSuite):
   )
 
 
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="compiled Mosaic kernels need a TPU")
+class TestPallasTpuCompiled(PalimpsaSuite):
+  IMPLEMENTATION = "pallas_tpu"
+  SHAPES = TestPallasTpuInterpret.SHAPES
+
+
 def _check_kernel(shape, lengths, interpret, return_variance=True):
   """Kernel result and grads (called directly) against the float64 reference."""
   x = make_inputs(5, shape, segment_lengths=lengths)
