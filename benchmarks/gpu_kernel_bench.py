@@ -9,6 +9,7 @@ over rotating input sets. The official table is benchmarks/op_bench.py.
 import argparse
 import dataclasses
 import functools
+import math
 import statistics
 import time
 
@@ -105,7 +106,7 @@ def _forward_walk_fn(cfg, dtype):
 
 def _backward_walk_fn(cfg):
   fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
-                         block_v=cfg.block_v_bwd, sub=cfg.sub,
+                         block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
                          num_warps=cfg.num_warps_bwd, interpret=False)
   return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
 
@@ -158,18 +159,20 @@ def sweep(base, base_times, args, log):
     trial("walk_fwd", f"bv={cfg.block_v} w={warps} u={unroll}", cfg,
           _forward_walk_fn(cfg, args[2].dtype),
           (qh, kh, vh, betah, gates.step, ip_row, ms, bs))
-  for elems, warps, sub in ((512, 1, 4), (256, 1, 8), (512, 2, 4), (1024, 2, 4),
-                            (256, 1, 4)):
-    cfg = dataclasses.replace(base, block_v_bwd=_tiles(base, elems), num_warps_bwd=warps,
-                              sub=sub)
-    trial("walk_bwd", f"bv={cfg.block_v_bwd} w={warps} sub={sub}", cfg,
+  for elems, warps, sub, groups in ((512, 1, 4, 1), (512, 1, 4, 4), (256, 1, 8, 4),
+                                    (512, 2, 4, 2), (1024, 2, 4, 2), (1024, 4, 4, 1)):
+    bv = _tiles(base, elems)
+    groups = math.gcd(groups, (base.v + base.v_pad) // bv)
+    cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=warps, sub=sub,
+                              groups_bwd=groups)
+    trial("walk_bwd", f"bv={bv} w={warps} sub={sub} groups={groups}", cfg,
           _backward_walk_fn(cfg), (qh, kh, vh, betah, gates.step, ip_row, do, ms, bs))
   b_cfg, f_cfg, w_cfg = (best[s][1] for s in ("boundary", "walk_fwd", "walk_bwd"))
   return dataclasses.replace(
       base, block_v_boundary=b_cfg.block_v_boundary,
       num_warps_boundary=b_cfg.num_warps_boundary, block_v=f_cfg.block_v,
       num_warps=f_cfg.num_warps, unroll=f_cfg.unroll, block_v_bwd=w_cfg.block_v_bwd,
-      num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub)
+      num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd)
 
 
 def max_rel_diff(xs, ys):
@@ -204,25 +207,26 @@ def main():
                               interpret=False)
     log(f"{name} {shape}: {base}")
     f, fb = pallas_fns(base)
-    tf, tfb = time_ms(f, fwd_sets), time_ms(fb, fb_sets)
-    report("base", name, elem, tf, tfb, log)
     base_times = stage_times(base, sets[0][0])
     log("    stages (boundary, walk fwd, walk bwd) ms: "
         + ", ".join(f"{x:.3f}" for x in base_times))
+    best = base
     if args_ns.sweep:
       best = sweep(base, base_times, sets[0][0], log)
       log(f"  best tiles: {best}")
-      f2, fb2 = pallas_fns(best)
-      tf, tfb = time_ms(f2, fwd_sets), time_ms(fb2, fb_sets)
-      report("best", name, elem, tf, tfb, log)
-      diff_out = max_rel_diff(f2(*fwd_sets[0]), f(*fwd_sets[0]))
-      diff_grad = max_rel_diff(fb2(*fb_sets[0]), fb(*fb_sets[0]))
-      log(f"    best vs base: out/state max rel diff {diff_out:.1e}, grads {diff_grad:.1e}")
-      fb = fb2
-    mem = fb.lower(*fb_sets[0]).compile().memory_analysis()
+    f2, fb2 = pallas_fns(best)
+    fb2 = fb2.lower(*fb_sets[0]).compile()
+    tf, tfb = time_ms(f2, fwd_sets), time_ms(fb2, fb_sets)
+    report("best" if args_ns.sweep else "base", name, elem, tf, tfb, log)
+    mem = fb2.memory_analysis()
     if mem is not None:
       log(f"    fwd+bwd compiled temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, "
           f"args {mem.argument_size_in_bytes / 2**20:.1f} MiB")
+    if args_ns.sweep:
+      diff_out = max_rel_diff(f2(*fwd_sets[0]), f(*fwd_sets[0]))
+      diff_grad = max_rel_diff(fb2(*fb_sets[0]), fb(*fb_sets[0]))
+      log(f"    best vs base tiles: out/state max rel diff {diff_out:.1e}, grads "
+          f"{diff_grad:.1e}")
     if not args_ns.no_chunked:
       f, fb = chunked_fns()
       tf = time_ms(f, fwd_sets, warmup=1, iters=3)

@@ -41,6 +41,7 @@ class Config:
   block_v_boundary: int
   unroll: int
   sub: int
+  groups_bwd: int
   return_variance: bool
   log_alpha_dtype: str
   prior_dtype: str
@@ -86,6 +87,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
                 block_v=_block_v(vp, kp, 2048),
                 block_v_bwd=_block_v(vp, kp, 512),
                 block_v_boundary=_block_v(vp, kp, 4096, minimum=16), unroll=8, sub=8,
+                groups_bwd=1,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
@@ -176,8 +178,9 @@ def _backward(cfg: Config, residuals, cotangents):
            if cfg.return_variance else None)
   dq, dk, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
       qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
-      chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
+      chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
       num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
+  dq, dk = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0)
 
   # Adjoint of the final linear state.
   ipb = ip[:, None, None]

@@ -2,9 +2,10 @@
 
 Forward: grid (B*H, chunk, V-tile); each program starts from its chunk-boundary state
 [BV, Kp] (float32, in registers) and steps through the chunk one token at a time.
-Backward: grid (B*H, chunk); each program loops over V-tiles, recomputes the states of
-its chunk sub-chunk by sub-chunk (sub-chunk start states go through a per-program
-scratch output), and walks them in reverse, accumulating dq and dk over V-tiles.
+Backward: grid (B*H, chunk, V-tile group); each program loops over its V-tiles,
+recomputes the states of its chunk sub-chunk by sub-chunk (sub-chunk start states go
+through a per-program scratch output), and walks them in reverse, accumulating dq and
+dk over its V-tiles.
 """
 
 import functools
@@ -94,13 +95,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
                      m0_ref, b0_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, s_ref,
                      am_ref, ab_ref, sm_ref, sb_ref, *, chunk, sub, block_v,
                      num_tiles, with_var, interpret):
-  """Reverse walk of one chunk (all V-tiles) with zero adjoint from later chunks."""
+  """Reverse walk of one chunk (one group of V-tiles), zero adjoint from later chunks."""
   ip = ip_ref[...].astype(jnp.float32)[None, :]
   n_sub = chunk // sub
   dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
   dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
 
-  def tile(vt, _):
+  first_tile = pl.program_id(2) * num_tiles
+
+  def tile(i, _):
+    vt = first_tile + i
     cols = pl.ds(pl.multiple_of(vt * block_v, block_v), block_v)
 
     def load_rows(t):
@@ -173,48 +177,55 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
 
 
 def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
-                  chunk: int, block_v: int, sub: int, num_warps: int,
+                  chunk: int, block_v: int, sub: int, groups: int, num_warps: int,
                   interpret: bool):
   """Reverse walk over all chunks, each with zero adjoint from later chunks.
+
+  Grid (B*H, chunk, group): each program walks `Vp / block_v / groups` V-tiles in turn.
 
   Args:
     q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
     a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
 
   Returns:
-    dq, dk [BH, Tp, Kp] (dk without the later chunks' part); dv, dbeta, s
+    dq, dk [groups, BH, Tp, Kp] (to be summed over groups; dk without the later
+    chunks' part); dv, dbeta, s
     [BH, Tp, Vp] (chunk-local parts; s = sum_k dL/dI_t); adj_m, adj_b
     [BH, NC, Vp, Kp]: each chunk's adjoint of the state before its first step.
   """
   bh, tp, kp = q.shape
   vp = v.shape[-1]
   nc = tp // chunk
+  num_tiles = vp // block_v
+  if num_tiles % groups:
+    raise ValueError(f"groups={groups} must divide the {num_tiles} V-tiles")
   with_var = dvar is not None
-  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c: (n, c, 0))
-  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c: (n, c, 0))
-  state = pl.BlockSpec((None, None, vp, kp), lambda n, c: (n, c, 0, 0))
-  scratch = pl.BlockSpec((None, None, chunk // sub, block_v, kp),
-                         lambda n, c: (n, c, 0, 0, 0))
+  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, g: (n, c, 0))
+  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g: (n, c, 0))
+  part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, g: (g, n, c, 0))
+  state = pl.BlockSpec((None, None, vp, kp), lambda n, c, g: (n, c, 0, 0))
+  scratch = pl.BlockSpec((None, None, None, chunk // sub, block_v, kp),
+                         lambda n, c, g: (n, c, g, 0, 0, 0))
   f32 = jnp.float32
   kernel = functools.partial(_backward_kernel, chunk=chunk, sub=sub, block_v=block_v,
-                             num_tiles=vp // block_v, with_var=with_var,
+                             num_tiles=num_tiles // groups, with_var=with_var,
                              interpret=interpret)
   if with_var:
     dvar_spec = row_v
   else:
     dvar = jnp.zeros((1, chunk, vp), f32)  # Never read.
-    dvar_spec = pl.BlockSpec((None, chunk, vp), lambda n, c: (0, 0, 0))
+    dvar_spec = pl.BlockSpec((None, chunk, vp), lambda n, c, g: (0, 0, 0))
   outs = pl.pallas_call(
-      kernel, grid=(bh, nc),
+      kernel, grid=(bh, nc, groups),
       in_specs=[row_k, row_k, row_v, row_v,
-                pl.BlockSpec((None, chunk), lambda n, c: (n, c)),
-                pl.BlockSpec((None, kp), lambda n, c: (n, 0)),
+                pl.BlockSpec((None, chunk), lambda n, c, g: (n, c)),
+                pl.BlockSpec((None, kp), lambda n, c, g: (n, 0)),
                 row_v, dvar_spec, state, state],
-      out_specs=[row_k, row_k, row_v, row_v, row_v, state, state, scratch, scratch],
-      out_shape=[jax.ShapeDtypeStruct((bh, tp, kp), f32)] * 2
+      out_specs=[part_k, part_k, row_v, row_v, row_v, state, state, scratch, scratch],
+      out_shape=[jax.ShapeDtypeStruct((groups, bh, tp, kp), f32)] * 2
       + [jax.ShapeDtypeStruct((bh, tp, vp), f32)] * 3
       + [jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
-      + [jax.ShapeDtypeStruct((bh, nc, chunk // sub, block_v, kp), f32)] * 2,
+      + [jax.ShapeDtypeStruct((bh, nc, groups, chunk // sub, block_v, kp), f32)] * 2,
       compiler_params=_params(num_warps, interpret), interpret=interpret,
       name="palimpsa_walk_backward",
   )(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts)
