@@ -53,6 +53,7 @@ def _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial
 
 def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
              segment_ids, return_variance, chunk_size, interpret):
+  """Kernel outputs and the residuals of the backward (inputs, chunk-start and final states)."""
   g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
                      interpret)
   ip_state = prior_precision.astype(jnp.float32)[None, :, None, None]
@@ -72,12 +73,6 @@ def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_prec
   residuals = (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_ids, m_start,
                ibar_start, mu_end, prec_end)
   return (out, var, mu_end, prec_end), residuals
-
-
-def _fwd(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision, segment_ids,
-         return_variance, chunk_size, interpret):
-  return _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                  segment_ids, return_variance, chunk_size, interpret)
 
 
 def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
@@ -112,7 +107,7 @@ def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
           d_mu0, d_prec0, seg_ct)
 
 
-_palimpsa_tpu.defvjp(_fwd, _bwd)
+_palimpsa_tpu.defvjp(_forward, _bwd)
 
 
 def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
