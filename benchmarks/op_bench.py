@@ -18,6 +18,7 @@ import argparse
 import datetime
 import functools
 import pathlib
+import shlex
 import statistics
 import sys
 import time
@@ -235,6 +236,7 @@ def main():
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="check grads against the float64 reference only below this")
   parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+  parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
   impls = args.impls or default_implementations()
@@ -249,13 +251,14 @@ def main():
   table = format_table(rows, args.memory)
   print(table)
   if not args.no_record:
-    command = "python " + " ".join(["benchmarks/op_bench.py"] + sys.argv[1:])
+    command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = (f"\n## op_bench {args.shapes} shapes, {args.dtype} inputs: {now}\n\n"
                f"- device: {device.device_kind} ({jax.default_backend()}), "
                f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size {args.chunk_size}, "
                f"{args.iters} timed iterations after {args.warmup} warm-up, {args.rotate} "
-               f"rotating input sets\n\n{table}\n")
+               f"rotating input sets\n" + (f"- note: {args.note}\n" if args.note else "")
+               + f"\n{table}\n")
     if not RESULTS.exists():
       RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")
     with RESULTS.open("a") as f:
