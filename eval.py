@@ -13,6 +13,7 @@ import os
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from palimpsa_jax.evaluation.suites import SUITES
 
@@ -53,6 +54,9 @@ def default_output(suite: str, checkpoint: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # Orbax logs every restore at INFO; keep the terminal for the results table.
+  if logging.get_verbosity() == logging.INFO:
+    logging.set_verbosity(logging.WARNING)
   checkpoints = _checkpoints()
   options = {
       "suite": _SUITE.value, "checkpoint": checkpoints, "output": _OUTPUT.value,
