@@ -146,16 +146,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
         r = fast_reciprocal(b + ip, interpret=interpret)
         dmu = do[:, None] * q[None, :]
         dr = dmu * m
-        dq = jnp.sum(do[:, None] * (m * r), axis=0)
+        dq_terms = do[:, None] * (m * r)
         if with_var:
           dvar = dvar_ref[t, cols].astype(jnp.float32)
           dr = dr + dvar[:, None] * (q * q)[None, :]
-          dq = dq + 2.0 * q * jnp.sum(dvar[:, None] * r, axis=0)
+          dq_terms = dq_terms + (2.0 * dvar)[:, None] * (r * q[None, :])
+        dq = jnp.sum(dq_terms, axis=0)
         di = -(r * r) * dr
         gm = gm + dmu * r
         gb = gb + di
-        dk = jnp.sum(gm * v[:, None], axis=0) + 2.0 * k * jnp.sum(
-            gb * beta[:, None], axis=0)
+        dk = jnp.sum(gm * v[:, None] + (gb * (2.0 * beta)[:, None]) * k[None, :], axis=0)
         dq_ref[t, :] = acc[s][0] + dq
         dk_ref[t, :] = acc[s][1] + dk
         dv_ref[t, cols] = jnp.sum(gm * k[None, :], axis=1)
