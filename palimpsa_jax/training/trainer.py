@@ -286,7 +286,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = metrics_lib.Progress(total_steps, start_step)
   best, best_step = _previous_best(workdir, start_step)
   last_eval: dict[str, float] = {}
-  stopped_early = False
+  # A resumed run that had already reached the early-stop accuracy is done.
+  stopped_early = best is not None and early_stop is not None and 0 < early_stop <= best
   finite = jnp.array(True)
   step = start_step
   try:

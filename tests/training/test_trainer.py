@@ -196,3 +196,19 @@ def test_lm_task_trains_on_text_files(tmp_path):
   config.model.vocab_size = 100
   with pytest.raises(ValueError, match="vocab_size=100"):
     trainer.train_and_evaluate(config, str(tmp_path / "run2"))
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path, uninterrupted):
+  config = _resumable_config(4, grad_accum_steps=2)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  reference = _losses(uninterrupted[0])
+  for step, loss in _losses(str(tmp_path)).items():
+    assert loss == pytest.approx(reference[step], abs=1e-6)
+
+
+def test_early_stop_and_no_retraining_on_rerun(tmp_path):
+  config = tiny_lm.tiny_mqar_config(early_stop_accuracy=0.01, eval_every_steps=2)
+  summary = trainer.train_and_evaluate(config, str(tmp_path))
+  assert summary["stopped_early"] and summary["final_step"] < 32
+  again = trainer.train_and_evaluate(config, str(tmp_path))
+  assert again["stopped_early"] and again["final_step"] == summary["final_step"]
