@@ -9,6 +9,7 @@
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from palimpsa_jax.conversion import command
 
@@ -38,6 +39,7 @@ _DTYPE = flags.DEFINE_string("dtype", None, "Compute dtype of the converted mode
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every read and write at INFO.
   tokens = None
   if _CALIBRATION_FILES.value:
     tokens = command.calibration_batch(
