@@ -105,9 +105,10 @@ def _chunked_bwd(return_variance, group, residuals, cotangents):
   A. Every chunk walks forward from its start state and sums the cotangents its readouts put on
      its start state, sum_t (prod_{s<=t} a_s) * dS_t (the adjoint is linear in the state).
   B. A reverse scan over chunks adds the carry from later chunks: the cotangent of each chunk's
-     end state and of the initial state.
+     end state and, at last, of the initial state.
   C. Chunks, `group` at a time, recompute their C states and walk the adjoint back from their
      end-state cotangent, giving the input gradients. Memory: group * C states.
+  B and C run together, in one reverse scan over groups of chunks.
   """
   q, k, v, beta, gate, prior_precision, m_starts, ibar_starts = residuals
   d_out, d_var, d_m_end, d_ibar_end = cotangents
@@ -129,19 +130,20 @@ def _chunked_bwd(return_variance, group, residuals, cotangents):
   (_, _, own_m, own_b, decay), _ = jax.lax.scan(
       own_cotangents, init, (q, k, v, beta, gate, d_out, d_var))
 
-  def carry_back(lam, x):  # pass B
-    p, own_m_c, own_b_c = x
-    p = p[..., None, None]
-    return (p * lam[0] + own_m_c, p * lam[1] + own_b_c), lam
-
-  (d_m0, d_ibar0), (end_m, end_b) = jax.lax.scan(
-      carry_back, (d_m_end, d_ibar_end), (decay, own_m, own_b), reverse=True)
-
-  def group_gradients(i):  # pass C, chunks [i * group, (i + 1) * group)
+  def group_gradients(carry, i):  # passes B and C for chunks [i * group, (i + 1) * group)
     take = lambda z, axis: jax.lax.dynamic_slice_in_dim(z, i * group, group, axis)
     xs = tuple(None if z is None else take(z, 1)
                for z in (q, k, v, beta, gate, d_out, d_var))
-    m_g, ibar_g, lam_m, lam_b = (take(z, 0) for z in (m_starts, ibar_starts, end_m, end_b))
+    m_g, ibar_g, own_m_g, own_b_g, decay_g = (
+        take(z, 0) for z in (m_starts, ibar_starts, own_m, own_b, decay))
+
+    def carry_back(lam, x):  # end-state cotangent of each chunk, last chunk first
+      p, own_m_c, own_b_c = x
+      p = p[..., None, None]
+      return (p * lam[0] + own_m_c, p * lam[1] + own_b_c), lam
+
+    carry, (lam_m, lam_b) = jax.lax.scan(carry_back, carry, (decay_g, own_m_g, own_b_g),
+                                         reverse=True)
 
     def recompute(s, y):
       return _step(*s, *y), s
@@ -165,10 +167,11 @@ def _chunked_bwd(return_variance, group, residuals, cotangents):
       return (a * lam_m, a * lam_b), (dq, dk, dv, dbeta, da, dip)
 
     _, grads = jax.lax.scan(adjoint, (lam_m, lam_b), xs + (m_prev, ibar_prev), reverse=True)
-    return grads
+    return carry, grads
 
   n = q.shape[1]
-  grads = jax.lax.map(group_gradients, jnp.arange(n // group))
+  (d_m0, d_ibar0), grads = jax.lax.scan(group_gradients, (d_m_end, d_ibar_end),
+                                        jnp.arange(n // group), reverse=True)
 
   def ungroup(z):  # [N/G, C, G, ...] -> [C, N, ...]
     z = jnp.moveaxis(z, 0, 1)
