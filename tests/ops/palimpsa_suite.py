@@ -157,12 +157,10 @@ class PalimpsaSuite:
     x = make_inputs(30, shape)
     t1 = shape[1] // 2 - 3
     run = lambda y: _call(self.op, y, jnp.float32, chunk_size=chunk, return_variance=True)
+    sequences = ("q", "k", "v", "beta", "log_alpha")
     whole = run(x)
-    first = run({n: (a[:, :t1] if a.ndim >= 3 and n not in ("mu0", "precision0") else a)
-                 for n, a in x.items()})
-    second = run({**{n: a[:, t1:] for n, a in x.items() if n not in ("mu0", "precision0",
-                                                                       "prior_precision")},
-                  "prior_precision": x["prior_precision"],
+    first = run({**x, **{n: x[n][:, :t1] for n in sequences}})
+    second = run({**x, **{n: x[n][:, t1:] for n in sequences},
                   "mu0": first.state.mu, "precision0": first.state.precision})
     np.testing.assert_allclose(np.concatenate([first.out, second.out], 1), whole.out,
                                rtol=1e-5, atol=1e-5)

@@ -30,7 +30,8 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
   Args:
     q, k: [B, T, H, K] float.
     v: [B, T, H, V] float; the output has its dtype.
-    beta: [B, T, H, V] float, >= 0; None means beta == 0 (the cheaper SimpleGLA path).
+    beta: [B, T, H, V] float, >= 0; None means beta == 0: the cheaper SimpleGLA path when
+      starting from the prior, the general path with beta = 0 from a given initial_state.
     log_alpha: [B, T, H] float, <= 0.
     prior_precision: [H] float, > 0.
     initial_state: PalimpsaState (mu, precision [B, H, V, K] f32) or None for the prior.
