@@ -23,13 +23,19 @@ CONVERSION_FILE = "conversion.json"
 PARAMS_DIR = "converted"
 
 
+def check_dest_free(dest: str) -> None:
+  """Raises FileExistsError when `dest` already holds a conversion."""
+  dest_path = epath.Path(os.path.abspath(dest))
+  if (dest_path / PARAMS_DIR).exists() or (dest_path / CONVERSION_FILE).exists():
+    raise FileExistsError(f"{dest} already holds a conversion; choose another --dest")
+
+
 def write_conversion(dest: str, model: nnx.Module, config: ml_collections.ConfigDict,
                      info: dict[str, Any]) -> None:
   """Saves the model's parameters and `info` (+ the model config) into `dest`."""
   from palimpsa_jax.training import state as state_lib  # pylint: disable=g-import-not-at-top
+  check_dest_free(dest)
   dest_path = epath.Path(os.path.abspath(dest))
-  if (dest_path / PARAMS_DIR).exists() or (dest_path / CONVERSION_FILE).exists():
-    raise FileExistsError(f"{dest} already holds a conversion; choose another --dest")
   dest_path.mkdir(parents=True, exist_ok=True)
   _, params, _ = state_lib.split_model(model)
   with ocp.StandardCheckpointer() as checkpointer:

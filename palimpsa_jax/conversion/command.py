@@ -63,6 +63,7 @@ def run_conversion(source: str, dest: str, layers: str, init: str = "paper", *,
   Returns:
     {"layers": chosen layers, "windows": [L, H] list, "dt_source", "source_kind"}.
   """
+  checkpoint_lib.check_dest_free(dest)
   src = sources.load_source(source, num_groups=num_groups, dtype=dtype)
   if calibration_tokens is None:
     dt = windows_lib.bias_dt(src.params, src.config.num_layers)

@@ -56,7 +56,7 @@ def test_loaded_model_matches_float64_reference_of_the_checkpoint(
   model = state_lib.merge_model(graphdef, jax.tree.map(np.asarray, loaded), model_state)
   ours = np.asarray(model(tokens))
   expected = fx.reference_logits(tensors, layout, tokens, fx.NUM_GROUPS, fx.STATE_DIM)
-  np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_tensors_and_missing_config_json(source, tmp_path):
