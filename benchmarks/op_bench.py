@@ -76,11 +76,12 @@ def make_inputs(seed, shape, dtype):
   return tuple(x.astype(dtype) for x in (q, k, v, beta, log_alpha, ip))
 
 
-def fwd_fn(impl, chunk_size):
+def fwd_fn(impl, chunk_size, variance):
+  """(out, [variance,] mu, precision)."""
   @jax.jit
   def f(*args):
-    r = palimpsa(*args, return_variance=True, implementation=impl, chunk_size=chunk_size)
-    return r.out, r.variance, r.state.mu, r.state.precision
+    r = palimpsa(*args, return_variance=variance, implementation=impl, chunk_size=chunk_size)
+    return (r.out,) + ((r.variance,) if variance else ()) + (r.state.mu, r.state.precision)
   return f
 
 
@@ -158,6 +159,8 @@ def bench_shape(name, shape, impls, args, log):
   trunc = tuple(x[:, :ref_t] if x.ndim >= 3 else x for x in arg_sets[0])
   log(f"[{name}] float64 reference (gradients on the first {ref_t} steps)")
   ref_res, _ = reference(arg_sets[0], cot, with_grads=False)
+  if not args.variance:
+    ref_res = ref_res[:1] + ref_res[2:]
   _, ref_grads = reference(trunc, cot[:, :ref_t], with_grads=True)
   rows = []
   for impl in impls:
@@ -166,7 +169,8 @@ def bench_shape(name, shape, impls, args, log):
       if materialises and 6 * state_gib(shape) > args.max_state_gib:
         rows.append((name, shape, impl, mode, None, "skipped: stores all T states", None))
         continue
-      fn = fwd_fn(impl, args.chunk_size) if mode == "fwd" else fwd_bwd_fn(impl, args.chunk_size)
+      fn = (fwd_fn(impl, args.chunk_size, args.variance) if mode == "fwd"
+            else fwd_bwd_fn(impl, args.chunk_size))
       call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
       poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
       if mode == "fwd":
@@ -233,6 +237,8 @@ def main():
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--rotate", type=int, default=3, help="distinct input sets cycled through")
   parser.add_argument("--memory", action="store_true", help="also report compiled temp memory")
+  parser.add_argument("--variance", action="store_true",
+                      help="forward also returns the variance (checked and timed)")
   parser.add_argument("--max-state-gib", type=float, default=16.0,
                       help="skip implementations that store every state beyond this")
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
@@ -259,7 +265,8 @@ def main():
                f"- device: {device.device_kind} ({jax.default_backend()}), "
                f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size {args.chunk_size}, "
                f"{args.iters} timed iterations after {args.warmup} warm-up, {args.rotate} "
-               f"rotating input sets\n" + (f"- note: {args.note}\n" if args.note else "")
+               f"rotating input sets, forward {'with' if args.variance else 'without'} "
+               f"variance\n" + (f"- note: {args.note}\n" if args.note else "")
                + f"\n{table}\n")
     if not RESULTS.exists():
       RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")

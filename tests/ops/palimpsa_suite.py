@@ -231,22 +231,28 @@ class PalimpsaSuite:
     np.testing.assert_allclose(res[3][0, 0], expected, rtol=2e-2)
 
   def test_jit_vmap_grad_compose(self):
+    """jit(vmap(grad)) == per-example grads == float64 grads; also covers no variance."""
     shape = (1, 9, 1, 4, 3)
     xs = [make_inputs(80 + i, shape) for i in range(2)]
 
-    def loss(q, k, v, beta, la, ip):
-      r = self.op(q, k, v, beta, la, ip, chunk_size=4, return_variance=True)
-      return jnp.sum(r.out * r.out) + jnp.sum(r.variance) + jnp.sum(r.state.mu)
+    def loss(fn, q, k, v, beta, la, ip):
+      r = fn(q, k, v, beta, la, ip)
+      return jnp.sum(r.out * r.out) + jnp.sum(r.state.mu) + jnp.sum(jnp.log(r.state.precision))
 
     names = DIFF_ARGS[:6]
+    argnums = tuple(range(6))
+    grad = jax.grad(functools.partial(loss, functools.partial(self.op, chunk_size=4)), argnums)
     stacked = [jnp.stack([jnp.asarray(x[n]) for x in xs]) for n in names]
-    grad = jax.grad(loss, argnums=(0, 3, 4, 5))
     batched = jax.jit(jax.vmap(grad))(*stacked)
     single_grad = jax.jit(grad)
+    ref_grad = jax.jit(jax.grad(functools.partial(loss, reference_palimpsa), argnums))
     for i, x in enumerate(xs):
       single = single_grad(*(jnp.asarray(x[n]) for n in names))
-      for got, want in zip(batched, single):
+      with jax.enable_x64(True):
+        ref = jax.tree.map(np.asarray, ref_grad(*(jnp.asarray(x[n], jnp.float64) for n in names)))
+      for name, got, want, w64 in zip(names, batched, single, ref):
         np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
+        assert rel_error(want, w64) < 1e-4, f"d{name}: rel. error {rel_error(want, w64):.2e}"
 
   def test_no_recompilation(self):
     shape = (1, 11, 2, 4, 4)
