@@ -12,8 +12,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from palimpsa_jax import models
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
+from palimpsa_jax.data import text as text_lib
+from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
@@ -31,13 +34,11 @@ class NonFiniteError(FloatingPointError):
 
 def model_fn(config: ml_collections.ConfigDict) -> state_lib.ModelFn:
   """rngs -> the configured NNX language model."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   return lambda rngs: models.build_model(config.model, rngs)
 
 
 def weight_decay_mask(params: Any) -> Any:
   """True for parameters that take weight decay (the models' rule)."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   return models.weight_decay_mask(params)
 
 
@@ -120,10 +121,6 @@ class LmTask(Task):
   """Packed text from data/text.py, tokenised with data/tokenizer.py."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-    # pylint: disable=g-import-not-at-top
-    from palimpsa_jax.data import text as text_lib
-    from palimpsa_jax.data import tokenizer as tokenizer_lib
-    # pylint: enable=g-import-not-at-top
     data = config.data
     shard_index, shard_count = pipeline.host_shard()
     if not data.train_files:
@@ -170,7 +167,6 @@ def with_lm_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """
   if "targets" in batch:
     return batch
-  from palimpsa_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
   batch = dict(batch)
   mask = batch.pop("mask", None)
   targets, weights = text_lib.next_token_targets(
