@@ -94,7 +94,7 @@ def test_load_model_restores_trained_parameters(uninterrupted):
     checkpoint_lib.load_model(os.path.join(workdir, "nowhere"))
 
 
-_FOUR_DEVICE_RUN = """
+_MULTI_DEVICE_RUN = """
 import sys
 sys.path.insert(0, {tests!r})
 import jax, tiny_lm, test_trainer
@@ -103,21 +103,27 @@ class Patcher:
   def setattr(self, obj, name, value):
     setattr(obj, name, value)
 tiny_lm.use_tiny_model(Patcher())
-assert jax.device_count() == 4
+assert jax.device_count() == {devices}
 config = test_trainer._resumable_config(8)
-config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 2, 2
+config.mesh.data, config.mesh.fsdp, config.mesh.tensor = {mesh}
 trainer.train_and_evaluate(config, {workdir!r})
 """
 
 
+def _run_on_fake_devices(workdir, devices, mesh):
+  """8 training steps in a subprocess with `devices` CPU devices and `mesh`."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  script = _MULTI_DEVICE_RUN.format(tests=str(pathlib.Path(__file__).parent),
+                                    workdir=str(workdir), devices=devices, mesh=mesh)
+  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted):
   """Run 8 steps on a 2x2 (fsdp x tensor) mesh of 4 CPU devices, resume on 1."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  script = _FOUR_DEVICE_RUN.format(tests=str(pathlib.Path(__file__).parent),
-                                   workdir=str(tmp_path))
-  subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO,
-                 capture_output=True, timeout=300)
+  _run_on_fake_devices(tmp_path, 4, (1, 2, 2))
   four_device = _losses(str(tmp_path))
   reference = _losses(uninterrupted[0])
   assert sorted(four_device) == [2, 4, 6, 8]
@@ -127,6 +133,16 @@ def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted):
   resumed = _losses(str(tmp_path))
   for step in range(10, 17, 2):
     assert resumed[step] == pytest.approx(reference[step], abs=1e-5)
+
+
+def test_eight_fake_devices_match_one(tmp_path, uninterrupted):
+  """data x fsdp x tensor = 2 x 2 x 2 over 8 CPU devices."""
+  _run_on_fake_devices(tmp_path, 8, (2, 2, 2))
+  reference = _losses(uninterrupted[0])
+  eight_device = _losses(str(tmp_path))
+  assert sorted(eight_device) == [2, 4, 6, 8]
+  for step, loss in eight_device.items():
+    assert loss == pytest.approx(reference[step], abs=1e-5)
 
 
 class _NanLM(tiny_lm.TinyLM):
