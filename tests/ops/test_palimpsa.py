@@ -4,15 +4,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.test_util import check_grads
 import numpy as np
 import pytest
 
-from jax.test_util import check_grads
-
 from palimpsa_jax.ops import PalimpsaState, palimpsa
-from palimpsa_jax.ops.palimpsa import reference_palimpsa
+from palimpsa_jax.ops.palimpsa import api, reference_palimpsa
 from palimpsa_jax.ops.palimpsa.chunked import palimpsa_chunked
 from palimpsa_jax.ops.ssd import ssd_quadratic
+import pallas_kernels.palimpsa_gpu as gpu_module
 from tests.ops.palimpsa_suite import PalimpsaSuite, rel_error
 
 
@@ -188,3 +188,21 @@ def test_chunked_backward_memory_is_sublinear_in_states():
   temp = compiled.memory_analysis().temp_size_in_bytes
   all_states = t * vd * kd * 4 * b * h
   assert temp < 0.25 * all_states, f"temp {temp / 2**20:.1f} MiB vs states {all_states / 2**20} MiB"
+
+
+def test_dispatch_falls_back_to_chunked(monkeypatch):
+  """A kernel that declines (NotImplementedError) or is missing under "auto" -> "chunked"."""
+  def decline(*args, **kwargs):
+    raise NotImplementedError("test: declined")
+
+  x = _f32(_small_inputs(7))
+  args = [x[n] for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
+  want = palimpsa(*args, implementation="chunked").out
+  monkeypatch.setattr(api, "_auto_implementation", lambda: "pallas_gpu")
+  monkeypatch.setattr(gpu_module, "palimpsa_gpu", decline)
+  np.testing.assert_array_equal(palimpsa(*args).out, want)
+  np.testing.assert_array_equal(palimpsa(*args, implementation="pallas_gpu").out, want)
+  monkeypatch.setitem(api._KERNEL_MODULES, "pallas_gpu", "pallas_kernels.no_such_kernel")
+  np.testing.assert_array_equal(palimpsa(*args).out, want)
+  with pytest.raises(ImportError):
+    palimpsa(*args, implementation="pallas_gpu")
