@@ -47,7 +47,7 @@ class Config:
   prior_dtype: str
   interpret: bool
   num_warps: int = 4
-  num_warps_bwd: int = 4
+  num_warps_bwd: int = 1
   num_warps_boundary: int = 4
 
   @property
@@ -83,11 +83,16 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, _V_MULTIPLE)
+  # Tiles from the H200 sweep (benchmarks/RESULTS.md, run 2): single-warp programs
+  # walking ~1024 (forward) / ~512 (backward) state entries won for K >= 32; tiny
+  # heads (MQAR, K=16) keep 4-warp forward programs over 2048 entries.
+  wide = kp >= 32
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
-                block_v=_block_v(vp, kp, 2048),
+                block_v=_block_v(vp, kp, 1024 if wide else 2048),
                 block_v_bwd=_block_v(vp, kp, 512),
-                block_v_boundary=_block_v(vp, kp, 4096, minimum=16), unroll=8, sub=8,
-                groups_bwd=1,
+                block_v_boundary=_block_v(vp, kp, 2048, minimum=16),
+                unroll=2 if wide else 8, sub=4, groups_bwd=1,
+                num_warps=1 if wide else 4, num_warps_bwd=1,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,

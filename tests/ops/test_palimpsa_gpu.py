@@ -1,10 +1,13 @@
 """The op suite for implementation="pallas_gpu": interpreted on CPU, compiled on a GPU."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import palimpsa_gpu
 from tests.ops.palimpsa_suite import PalimpsaSuite
 
@@ -34,3 +37,33 @@ def test_declines_too_large_heads():
     palimpsa_gpu(x, x, v, v, jnp.zeros((1, 4, 1)), jnp.ones((1,)),
                  jnp.zeros((1, 1, 16, 512)), jnp.ones((1, 1, 16, 512)), None,
                  return_variance=False, chunk_size=64, interpret=True)
+
+
+def test_tile_variants_agree():
+  """Other tilings (V-tile groups, sub-chunks, unrolling) give the same results."""
+  shape = (1, 40, 1, 16, 48)
+  keys = jax.random.split(jax.random.PRNGKey(0), 8)
+  b, t, h, kd, vd = shape
+  args = (jax.random.normal(keys[0], (b, t, h, kd)) / 4,
+          jax.random.normal(keys[1], (b, t, h, kd)) / 4,
+          jax.random.normal(keys[2], (b, t, h, vd)),
+          jax.random.uniform(keys[3], (b, t, h, vd)),
+          -jax.random.uniform(keys[4], (b, t, h)) * 0.3,
+          jnp.ones((h,)) * 0.7,
+          jax.random.normal(keys[5], (b, h, vd, kd)),
+          1.0 + jax.random.uniform(keys[6], (b, h, vd, kd)))
+  base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
+                            chunk_size=16, interpret=True)
+  variant = dataclasses.replace(base, block_v=16, unroll=1, block_v_bwd=16, sub=8,
+                                groups_bwd=3)
+
+  def grads(cfg):
+    def loss(*a):
+      out, var, mu, prec = gpu_op._palimpsa(cfg, *a, None)
+      return jnp.sum(out * out) + jnp.sum(var) + jnp.sum(mu) + jnp.sum(prec)
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))(*args)
+
+  (v0, g0), (v1, g1) = grads(base), grads(variant)
+  np.testing.assert_allclose(v1, v0, rtol=1e-6)
+  for a, b_ in zip(g1, g0):
+    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b_))))
