@@ -1,4 +1,4 @@
-"""Metrics: DIR/metrics.jsonl (process 0 only) and a terminal progress line."""
+"""Metrics: DIR/metrics.jsonl and TensorBoard events (process 0 only), terminal progress."""
 
 import json
 import math
@@ -8,6 +8,8 @@ import time
 from typing import Any, TextIO
 
 import jax
+
+from palimpsa_jax.training import tensorboard
 
 # Peak dense bf16 FLOP/s per device, for MFU; devices not listed get no MFU.
 _PEAK_FLOPS = {
@@ -36,13 +38,16 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricWriter:
-  """Appends one JSON object per logged step to DIR/metrics.jsonl (process 0)."""
+  """One JSON object per logged step in DIR/metrics.jsonl, and the same scalars
+  as TensorBoard events in DIR/tensorboard/ (process 0 only)."""
 
   def __init__(self, workdir: str):
     self._file: TextIO | None = None
+    self._events: tensorboard.EventFileWriter | None = None
     if jax.process_index() == 0:
       os.makedirs(workdir, exist_ok=True)
       self._file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self._events = tensorboard.EventFileWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if self._file is None:
@@ -51,11 +56,13 @@ class MetricWriter:
     record.update({k: _jsonable(v) for k, v in sorted(metrics.items())})
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
+    self._events.scalars(int(step), {k: float(v) for k, v in sorted(metrics.items())})
 
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
-      self._file = None
+      self._events.close()
+      self._file = self._events = None
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

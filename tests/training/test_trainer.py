@@ -68,6 +68,8 @@ def test_smoke_loss_falls_and_metrics_written(tmp_path, capsys):
   assert "steps/s" in out and "ETA" in out
   assert out.strip().splitlines()[-1].startswith("final: best eval accuracy")
   assert checkpoint_lib.load_config(str(tmp_path)).data.num_kv_pairs == 2
+  (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+  assert events.stat().st_size > 100
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, uninterrupted):
