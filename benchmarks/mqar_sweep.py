@@ -197,11 +197,12 @@ def main(argv=None) -> None:
       gpus = args.gpus.split(",")
       workers = []
       for i, gpu in enumerate(gpus):
+        command = [sys.executable, __file__, "run", f"--root={root}",
+                   f"--mixers={','.join(mixers)}", f"--settings={args.settings}",
+                   f"--lrs={args.lrs}", f"--seeds={args.seeds}",
+                   f"--shard={i}/{len(gpus)}"]
+        command += [f"--{k}={v}" for k, v in extra.items()]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
-        command = [sys.executable, __file__] + [
-            a for a in (argv if argv is not None else sys.argv[1:])
-            if not a.startswith("--gpus") and a != args.gpus] + [
-                f"--shard={i}/{len(gpus)}"]
         workers.append(subprocess.Popen(command, env=env))
       codes = [w.wait() for w in workers]
       if any(codes):
