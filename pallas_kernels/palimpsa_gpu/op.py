@@ -269,6 +269,15 @@ def _palimpsa_bwd(cfg, residuals, cotangents):
 _palimpsa.defvjp(_palimpsa_fwd, _palimpsa_bwd)
 
 
+def _check_nvidia_gpu() -> None:
+  """The compiled kernels use Triton with inline PTX: NVIDIA GPUs only."""
+  device = jax.devices()[0]
+  if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
+    raise NotImplementedError(
+        "palimpsa_gpu needs an NVIDIA GPU as the default device (or interpret=True); "
+        f"got {device.platform!r} ({device.client.platform_version})")
+
+
 def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
                  initial_precision, segment_ids, *, return_variance: bool,
                  chunk_size: int, interpret: bool):
@@ -287,8 +296,11 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
      mu_final [B, H, V, K] f32, precision_final [B, H, V, K] f32).
 
   Raises:
-    NotImplementedError: K or V larger than 256.
+    NotImplementedError: K or V larger than 256, or a compiled call (interpret=False)
+      without an NVIDIA GPU as the default backend.
   """
+  if not interpret:
+    _check_nvidia_gpu()
   cfg = make_config(q, v, log_alpha, prior_precision,
                     return_variance=return_variance, chunk_size=chunk_size,
                     interpret=interpret)

@@ -39,6 +39,16 @@ def test_declines_too_large_heads():
                  return_variance=False, chunk_size=64, interpret=True)
 
 
+def test_declines_compiled_call_without_nvidia_gpu():
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("a GPU is present")
+  x = jnp.zeros((1, 4, 1, 16))
+  with pytest.raises(NotImplementedError, match="NVIDIA GPU"):
+    palimpsa_gpu(x, x, x, x, jnp.zeros((1, 4, 1)), jnp.ones((1,)),
+                 jnp.zeros((1, 1, 16, 16)), jnp.ones((1, 1, 16, 16)), None,
+                 return_variance=False, chunk_size=64, interpret=False)
+
+
 def test_tile_variants_agree():
   """Other tilings (V-tile groups, sub-chunks, unrolling) give the same results."""
   shape = (1, 40, 1, 16, 48)
