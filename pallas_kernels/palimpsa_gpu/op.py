@@ -1,12 +1,12 @@
 """Exact Palimpsa on NVIDIA GPUs: chunk-boundary matmuls + Pallas chunk walks.
 
-Forward: (1) each chunk's write to the linear state (M = mu*I, Ibar = I - Ip) as
-matmuls, (2) a scan over chunks for the boundary states (saved for the backward),
-(3) a Pallas kernel over (batch*head, chunk, V-tile) that walks the chunk's steps,
+Forward: (1) one Pallas kernel per (batch*head, V-tile) adds each chunk's write to the
+linear state (M = mu*I, Ibar = I - Ip) as tensor-core matmuls, sequentially over
+chunks, giving the boundary states (saved for the backward); (2) a Pallas kernel over (batch*head, chunk, V-tile) that walks the chunk's steps,
 dividing and reading out at every step.
-Backward: recompute sub-chunk states, walk each chunk in reverse with zero adjoint
-from later chunks, scan the adjoint carries over chunks, add the carries'
-contributions as matmuls; dlog_alpha from the identity
+Backward: recompute sub-chunk states, walk each chunk in reverse (Pallas) with zero adjoint
+from later chunks, scan the adjoint carries over chunks (XLA), add the carries'
+contributions as matmuls (XLA); dlog_alpha from the identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
 """
