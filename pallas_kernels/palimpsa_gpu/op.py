@@ -2,11 +2,12 @@
 
 Forward: (1) one Pallas kernel per (batch*head, V-tile) adds each chunk's write to the
 linear state (M = mu*I, Ibar = I - Ip) as tensor-core matmuls, sequentially over
-chunks, giving the boundary states (saved for the backward); (2) a Pallas kernel over (batch*head, chunk, V-tile) that walks the chunk's steps,
-dividing and reading out at every step.
-Backward: recompute sub-chunk states, walk each chunk in reverse (Pallas) with zero adjoint
-from later chunks, scan the adjoint carries over chunks (XLA), add the carries'
-contributions as matmuls (XLA); dlog_alpha from the identity
+chunks, giving the boundary states (saved for the backward); (2) a Pallas kernel
+over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out
+at every step.
+Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas) with
+zero adjoint from later chunks, scan the adjoint carries over chunks (XLA), add the
+carries' contributions as matmuls (XLA); dlog_alpha from the identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
 """
