@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -73,12 +74,21 @@ def test_smoke_loss_falls_and_metrics_written(tmp_path, capsys):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, uninterrupted):
+  """8 steps, then the same command with total_steps=16 == 16 uninterrupted steps."""
   workdir, _ = uninterrupted
-  trainer.train_and_evaluate(_resumable_config(8), str(tmp_path))
-  summary = trainer.train_and_evaluate(_resumable_config(16), str(tmp_path))
+  trainer.train_and_evaluate(_resumable_config(8, async_checkpointing=True), str(tmp_path))
+  summary = trainer.train_and_evaluate(
+      _resumable_config(16, async_checkpointing=True), str(tmp_path))
   assert summary["final_step"] == 16
   assert _losses(str(tmp_path)) == _losses(workdir)
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "16"]
+
+  # Preempted after the (async) checkpoint at step 12: the rerun resumes there.
+  shutil.rmtree(tmp_path / "checkpoints" / "16")
+  records = [r for r in metrics_lib.read_metrics(str(tmp_path)) if r["step"] <= 12]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  trainer.train_and_evaluate(_resumable_config(16, async_checkpointing=True), str(tmp_path))
+  assert _losses(str(tmp_path)) == _losses(workdir)
 
 
 def test_load_model_restores_trained_parameters(uninterrupted):
