@@ -1,0 +1,103 @@
+"""Optimizer schedule and masks, mesh shapes, logical-axis rules, train-state shardings."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import tiny_lm
+from palimpsa_jax import models
+from palimpsa_jax.training import optimizer as optimizer_lib
+from palimpsa_jax.training import sharding as sharding_lib
+from palimpsa_jax.training import state as state_lib
+
+
+def _optimizer_config(**overrides):
+  config = ml_collections.ConfigDict(dict(
+      learning_rate=1e-2, warmup_steps=10, decay_steps=0, end_fraction=0.1,
+      b1=0.9, b2=0.95, eps=1e-15, weight_decay=0.1, clip_norm=1.0))
+  config.update(overrides)
+  return config
+
+
+def test_schedule_warmup_then_cosine_to_end_fraction():
+  schedule = optimizer_lib.learning_rate_schedule(_optimizer_config(), 110)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(5)) == pytest.approx(5e-3)
+  assert float(schedule(10)) == pytest.approx(1e-2)
+  assert float(schedule(60)) == pytest.approx(0.55e-2, rel=1e-5)
+  assert float(schedule(110)) == pytest.approx(1e-3)
+  extended = optimizer_lib.learning_rate_schedule(_optimizer_config(decay_steps=220), 110)
+  assert float(extended(110)) > 5e-3
+
+
+def test_weight_decay_mask_and_clipping():
+  params = {"kernel": jnp.ones((2, 2)), "A_log": jnp.ones((2,))}
+  tx = optimizer_lib.make_optimizer(
+      _optimizer_config(warmup_steps=0, learning_rate=1.0, end_fraction=1.0), 10,
+      models.weight_decay_mask)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero, tx.init(params), params)
+  np.testing.assert_allclose(updates["kernel"], -0.1)  # Decayed: -lr * wd * p.
+  np.testing.assert_allclose(updates["A_log"], 0.0)  # Excluded from decay.
+  big = jax.tree.map(lambda p: 1e6 * jnp.ones_like(p), params)
+  clip = optimizer_lib.make_optimizer(_optimizer_config(), 10, None)
+  state = clip.init(params)
+  clipped, _ = clip.update(big, state, params)
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(clipped))
+
+
+@pytest.mark.parametrize("field, value", [("learning_rate", 0.0), ("b2", 1.0),
+                                          ("end_fraction", 2.0), ("decay_steps", -1)])
+def test_bad_optimizer_values(field, value):
+  with pytest.raises(ValueError, match=f"config.optimizer.{field}"):
+    optimizer_lib.make_optimizer(_optimizer_config(**{field: value}), 10, None)
+
+
+def test_mesh_shape_rest_axis_and_errors():
+  mesh = lambda **kw: ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1, **kw})
+  assert sharding_lib.mesh_shape(mesh(data=-1, tensor=2), 8) == (4, 1, 2)
+  assert sharding_lib.mesh_shape(mesh(fsdp=-1), 1) == (1, 1, 1)
+  with pytest.raises(ValueError, match="at most one"):
+    sharding_lib.mesh_shape(mesh(data=-1, fsdp=-1), 4)
+  with pytest.raises(ValueError, match="not a multiple"):
+    sharding_lib.mesh_shape(mesh(data=-1, tensor=3), 4)
+  with pytest.raises(ValueError, match="needs 2 devices"):
+    sharding_lib.mesh_shape(mesh(data=2), 1)
+  with pytest.raises(ValueError, match="mesh axes"):
+    sharding_lib.rules_from_config(ml_collections.ConfigDict({"rules": (("embed", "x"),)}))
+
+
+def test_logical_to_spec_uses_divisible_axes_once():
+  mesh = jax.sharding.AbstractMesh((1, 2, 2), sharding_lib.MESH_AXES)
+  rules = sharding_lib.DEFAULT_RULES
+  assert sharding_lib.logical_to_spec(("vocab", "embed"), (64, 16), mesh, rules) == P(
+      "tensor", "fsdp")
+  assert sharding_lib.logical_to_spec(("vocab", "embed"), (63, 16), mesh, rules) == P(
+      None, "fsdp")
+  assert sharding_lib.logical_to_spec(("heads", "mlp"), (4, 4), mesh, rules) == P(
+      "tensor", None)
+  assert sharding_lib.logical_to_spec(None, (3,), mesh, rules) == P()
+  with pytest.raises(ValueError, match="do not match"):
+    sharding_lib.logical_to_spec(("embed",), (2, 2), mesh, rules)
+
+
+def test_optimizer_moments_follow_parameter_shardings():
+  mesh_config = ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1})
+  mesh = sharding_lib.make_mesh(mesh_config)
+  spec = state_lib.make_train_state_spec(
+      lambda rngs: tiny_lm.TinyLM(tiny_lm.VOCAB, 8, rngs), 0,
+      lambda _: optimizer_lib.make_optimizer(_optimizer_config(), 10, tiny_lm.decay_mask),
+      mesh, sharding_lib.DEFAULT_RULES)
+  state = spec.init()
+  param_leaves = jax.tree.leaves(state["params"])
+  moment_shapes = [x.shape for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
+  assert sorted(moment_shapes) == sorted([p.shape for p in param_leaves] * 2)
+  assert jax.tree.structure(spec.abstract) == jax.tree.structure(state)
+  assert int(state["step"]) == 0
+  with nnx.use_eager_sharding(False):
+    model = state_lib.merge_model(spec.parts.graphdef, state["params"], state["model_state"])
+  assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, tiny_lm.VOCAB)
