@@ -1,5 +1,6 @@
 """train_and_evaluate: the training loop behind train.py (MQAR and language modelling)."""
 
+import abc
 from collections.abc import Callable, Iterator
 import json
 import os
@@ -65,15 +66,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   optimizer_lib.validate_optimizer_config(config.optimizer)
 
 
-class Task:
+class Task(abc.ABC):
   """Training batches (checkpointable iterator), evaluation batches, sizes."""
 
   train_iterator: Any
   total_steps: int
   tokens_per_step: int
 
+  @abc.abstractmethod
   def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-    raise NotImplementedError
+    """This host's evaluation batches (the same number on every host)."""
 
 
 class MqarTask(Task):
