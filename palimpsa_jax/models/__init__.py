@@ -3,7 +3,8 @@
 from palimpsa_jax.models.config import model_config, mqar_model_config
 from palimpsa_jax.models.decoding import generate
 from palimpsa_jax.models.language_model import (Block, LanguageModel,
-                                                build_model, make_mixer)
+                                                build_model, make_mixer,
+                                                metaplastic_layers)
 from palimpsa_jax.models.summary import (abstract_parameter_count,
                                          count_parameters, parameter_table)
 from palimpsa_jax.models.weight_decay import weight_decay_mask
@@ -16,6 +17,7 @@ __all__ = [
     "count_parameters",
     "generate",
     "make_mixer",
+    "metaplastic_layers",
     "model_config",
     "mqar_model_config",
     "parameter_table",

@@ -2,7 +2,7 @@
 
 A model config is a flat ml_collections.ConfigDict. Shared fields:
   model, mixer ("palimpsa_d" | "meta_mamba2" | "gated_deltanet" | "attention"),
-  metaplasticity, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
+  metaplasticity, metaplastic_layers, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
   norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
   implementation, chunk_size.
 Mixer fields:
@@ -13,6 +13,10 @@ Mixer fields:
     A_init, A_init_range, dt_min, dt_max, dt_init_floor;
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
+metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
+  what config.metaplasticity says for every layer (a converted Mamba2 /
+  NotPalimpsa model, SPEC.md sec. 7); () (the default): none beyond it. Only
+  for the palimpsa_d and meta_mamba2 mixers.
 """
 
 import ml_collections
@@ -75,6 +79,7 @@ _ATTENTION_SIZES = {
 def _common(model: str) -> dict:
   mixer, metaplasticity = _MIXER[model]
   return dict(model=model, mixer=mixer, metaplasticity=metaplasticity,
+              metaplastic_layers=(),
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
               remat=False, implementation="auto", chunk_size=64)

@@ -12,10 +12,44 @@ from palimpsa_jax.layers import (Attention, GatedDeltaNet, MetaMamba2,
 from palimpsa_jax.layers import params as params_lib
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | Attention
+METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
 
 
-def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> Mixer:
-  """The mixer named by config.mixer, built from the config's fields."""
+def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+  """Sorted indices of the layers whose mixer is metaplastic under `config`.
+
+  Every layer when config.metaplasticity, else config.metaplastic_layers.
+
+  Raises:
+    ValueError: config.metaplastic_layers holds repeats or indices outside
+      [0, num_layers), or is set for a mixer without metaplasticity.
+  """
+  listed = [int(i) for i in (config.get("metaplastic_layers") or ())]
+  if listed and config.mixer not in METAPLASTIC_MIXERS:
+    raise ValueError(
+        f"config.metaplastic_layers={listed} needs a mixer in "
+        f"{METAPLASTIC_MIXERS}, got config.mixer={config.mixer!r}")
+  if len(set(listed)) != len(listed):
+    raise ValueError(f"config.metaplastic_layers={listed} contains repeats")
+  outside = [i for i in listed if not 0 <= i < config.num_layers]
+  if outside:
+    raise ValueError(
+        f"config.metaplastic_layers={listed}: indices {outside} are outside "
+        f"[0, num_layers={config.num_layers})")
+  if config.get("metaplasticity", False):
+    return tuple(range(config.num_layers))
+  return tuple(sorted(listed))
+
+
+def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
+               metaplasticity: bool | None = None) -> Mixer:
+  """The mixer named by config.mixer, built from the config's fields.
+
+  metaplasticity (palimpsa_d / meta_mamba2 only) overrides
+  config.metaplasticity, e.g. for one layer of a converted model.
+  """
+  if metaplasticity is None:
+    metaplasticity = config.metaplasticity
   dtype = jnp.dtype(config.dtype)
   common = dict(rngs=rngs, init_std=config.init_std, dtype=dtype)
   if config.mixer == "attention":
@@ -34,12 +68,12 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> Mixer:
     return PalimpsaD(config.d_model, num_heads=config.num_heads,
                      head_k_dim=config.head_k_dim,
                      head_v_dim=config.head_v_dim, beta_rank=config.beta_rank,
-                     metaplasticity=config.metaplasticity, **recurrent)
+                     metaplasticity=metaplasticity, **recurrent)
   if config.mixer == "meta_mamba2":
     return MetaMamba2(config.d_model, expand=config.expand,
                       head_dim=config.head_dim, state_dim=config.state_dim,
                       num_groups=config.num_groups, beta_rank=config.beta_rank,
-                      metaplasticity=config.metaplasticity, **recurrent)
+                      metaplasticity=metaplasticity, **recurrent)
   if config.mixer == "gated_deltanet":
     return GatedDeltaNet(config.d_model, num_heads=config.num_heads,
                          head_k_dim=config.head_k_dim,
@@ -52,10 +86,11 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> Mixer:
 class Block(nnx.Module):
   """h + mixer(norm(h)), then h + SwiGLU(norm(h)) when the block has an MLP."""
 
-  def __init__(self, config: ml_collections.ConfigDict, rngs: nnx.Rngs):
+  def __init__(self, config: ml_collections.ConfigDict, rngs: nnx.Rngs,
+               metaplasticity: bool | None = None):
     dtype = jnp.dtype(config.dtype)
     self.mixer_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
-    self.mixer = make_mixer(config, rngs)
+    self.mixer = make_mixer(config, rngs, metaplasticity)
     if config.mlp_hidden_dim:
       self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps,
                               dtype=dtype)
@@ -88,16 +123,20 @@ class LanguageModel(nnx.Module):
   """Decoder-only LM with a head tied to the token embedding.
 
   Parameters are float32; compute runs in config.dtype; the residual stream
-  is float32 when config.residual_in_fp32; logits are float32.
+  is float32 when config.residual_in_fp32; logits are float32. The mixers of
+  metaplastic_layers(config) are metaplastic, the others are not.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    metaplastic = metaplastic_layers(config)
     self.embed = params_lib.make_param(
         params_lib.normal_init(config.init_std)(
             rngs.params(), (config.vocab_size, config.d_model)),
         ("vocab", "embed"))
-    self.blocks = nnx.List(
-        [Block(config, rngs) for _ in range(config.num_layers)])
+    self.blocks = nnx.List([
+        Block(config, rngs, metaplasticity=(
+            i in metaplastic if config.mixer in METAPLASTIC_MIXERS else None))
+        for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps,
                               dtype=jnp.dtype(config.dtype))
     self.vocab_size = config.vocab_size

@@ -143,3 +143,35 @@ def test_config_errors():
   with pytest.raises(ValueError, match="unknown model config field 'heads'"):
     model_config("palimpsa_d", "tiny", heads=3)
   assert model_config("palimpsa_d", "tiny", dtype="float32").dtype == "float32"
+
+
+def _layers_with_beta(model) -> list[int]:
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return [i for i, block in sorted(params["blocks"].items())
+          if {"beta_down", "beta_up", "b_scale", "Ip_log"} <= set(block["mixer"])]
+
+
+@pytest.mark.parametrize("model", ["not_palimpsa", "mamba2"])
+def test_metaplastic_layers_field_makes_only_those_layers_metaplastic(model):
+  assert model_config(model, "tiny").metaplastic_layers == ()
+  config = model_config(model, "tiny", num_layers=3, metaplastic_layers=(2, 0))
+  lm = _abstract(config)
+  assert _layers_with_beta(lm) == [0, 2]
+  assert [b.mixer.metaplasticity for b in lm.blocks] == [True, False, True]
+  assert _layers_with_beta(_abstract(model_config(model, "tiny"))) == []
+  # metaplasticity=True already covers every layer.
+  full = model_config(model, "tiny", num_layers=3, metaplasticity=True,
+                      metaplastic_layers=(1,))
+  assert _layers_with_beta(_abstract(full)) == [0, 1, 2]
+
+
+def test_metaplastic_layers_errors():
+  for layers, match in (((2,), r"indices \[2\] are outside \[0, num_layers=2\)"),
+                        ((-1,), "outside"), ((1, 1), "repeats")):
+    with pytest.raises(ValueError, match=match):
+      build_model(model_config("mamba2", "tiny", metaplastic_layers=layers),
+                  nnx.Rngs(0))
+  for model in ("gated_deltanet", "transformer"):
+    with pytest.raises(ValueError, match="needs a mixer in"):
+      build_model(model_config(model, "tiny", metaplastic_layers=(0,)),
+                  nnx.Rngs(0))
