@@ -1,0 +1,308 @@
+"""End-to-end training throughput of the paper's models (issues 5 and 7).
+
+    python benchmarks/train_throughput.py                       # 4 models at 170m, 4 x 4096 tokens
+    python benchmarks/train_throughput.py --compare_implementations pallas_gpu,chunked
+    python benchmarks/train_throughput.py --mesh fsdp --num_devices 2
+
+Each model is built from `models.model_config` (bf16 compute, f32 parameters)
+and trained with the real LM recipe (configs/lm.py: AdamW, schedule, clipping,
+weight-decay mask) through the jitted, state-donating train step of
+palimpsa_jax/training, on one fixed batch of random tokens. Per model: the
+train step is compiled ahead of time (compile seconds), run for --warmup_steps,
+then --steps timed steps (block_until_ready after each). The table gives the
+median step time, tokens/s, MFU (6 * params * tokens/s over the devices' peak)
+and the step time relative to Mamba2's in the same run. A non-finite loss or
+gradient stops the run. The table (with date, device, JAX version and the exact
+command) is appended to benchmarks/RESULTS.md, and --output writes JSON.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from palimpsa_jax import models
+from palimpsa_jax.ops.gated_delta import op as gated_delta_op
+from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
+from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import optimizer as optimizer_lib
+from palimpsa_jax.training import sharding as sharding_lib
+from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import steps as steps_lib
+from palimpsa_jax.training import trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+LM_CONFIG = ROOT / "configs" / "lm.py"
+DEFAULT_MODELS = ("palimpsa_d", "not_palimpsa", "mamba2", "gated_deltanet")
+BASELINE = "mamba2"
+PAPER_TOKENS = 15e9  # The paper's 170M pretraining run (SPEC.md sec. 5).
+MESHES = {"data": dict(data=-1, fsdp=1, tensor=1),
+          "fsdp": dict(data=1, fsdp=-1, tensor=1)}
+
+
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                      help=f"comma-separated names from {models.config.MODELS}")
+  parser.add_argument("--meta_mamba2", action="store_true",
+                      help="also time meta_mamba2 (Palimpsa-M)")
+  parser.add_argument("--size", default="170m", choices=models.config.SIZES)
+  parser.add_argument("--seq_len", type=int, default=4096)
+  parser.add_argument("--batch_size", type=int, default=4,
+                      help="global batch in sequences")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps")
+  parser.add_argument("--warmup_steps", type=int, default=2)
+  parser.add_argument("--implementation", default="auto",
+                      help="op implementation of every model that accepts it "
+                           f"(Palimpsa family: {palimpsa_validation.IMPLEMENTATIONS})")
+  parser.add_argument("--compare_implementations", default="",
+                      help="comma-separated implementations: Palimpsa-D once with each")
+  parser.add_argument("--remat", action="store_true", help="rematerialise each block")
+  parser.add_argument("--mesh", default="data", choices=sorted(MESHES),
+                      help="batch split over the data axis, or parameters sharded (FSDP)")
+  parser.add_argument("--num_devices", type=int, default=0,
+                      help="use the first N devices (0: all)")
+  parser.add_argument("--output", default="", help="JSON file for the results")
+  parser.add_argument("--results", default=str(RESULTS),
+                      help="markdown file the table is appended to")
+  parser.add_argument("--no_record", action="store_true",
+                      help="do not append to the results file")
+  args = parser.parse_args(argv)
+  for name in ("seq_len", "batch_size", "steps"):
+    if getattr(args, name) <= 0:
+      parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+  if args.warmup_steps < 0:
+    parser.error(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+  return args
+
+
+def run_plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+  """(model, implementation) pairs in run order."""
+  names = [m.strip() for m in args.models.split(",") if m.strip()]
+  if args.meta_mamba2 and "meta_mamba2" not in names:
+    names.append("meta_mamba2")
+  compare = [i.strip() for i in args.compare_implementations.split(",") if i.strip()]
+  for impl in compare + [args.implementation]:
+    if impl not in palimpsa_validation.IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of "
+                       f"{palimpsa_validation.IMPLEMENTATIONS}, got {impl!r}")
+  plan = []
+  for name in names:
+    if name not in models.config.MODELS:
+      raise ValueError(f"--models: {name!r} is not one of {models.config.MODELS}")
+    if name == "palimpsa_d" and compare:
+      plan += [(name, impl) for impl in compare]
+    else:
+      plan.append((name, args.implementation))
+  if compare and "palimpsa_d" not in names:
+    plan += [("palimpsa_d", impl) for impl in compare]
+  return plan
+
+
+def load_lm_config(model: str, args: argparse.Namespace) -> ml_collections.ConfigDict:
+  """configs/lm.py for this model and size, with the benchmark's batch shape."""
+  spec = importlib.util.spec_from_file_location("lm_config", LM_CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(f"model={model},size={args.size},seq_len={args.seq_len},"
+                           f"batch={args.batch_size}")
+
+
+def model_implementation(model: str, requested: str) -> str:
+  """The implementation set in the model config; ops without it keep "auto"."""
+  if model == "transformer":
+    return "auto"
+  if model == "gated_deltanet" and requested not in gated_delta_op.IMPLEMENTATIONS:
+    return "auto"
+  return requested
+
+
+def random_batch(args: argparse.Namespace, vocab_size: int,
+                 mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+  """Random tokens and targets [B, T] int32, sharded over the batch axes."""
+  rng = np.random.default_rng(0)
+  shape = (args.batch_size, args.seq_len)
+  local = {"tokens": rng.integers(0, vocab_size, shape, dtype=np.int32),
+           "targets": rng.integers(0, vocab_size, shape, dtype=np.int32)}
+  return sharding_lib.global_batch(local, mesh)
+
+
+def bench_model(model: str, implementation: str, args: argparse.Namespace,
+                mesh: jax.sharding.Mesh, label: str) -> dict[str, Any]:
+  """Builds, compiles and times one model; returns its result row."""
+  config = load_lm_config(model, args)
+  config.model.implementation = model_implementation(model, implementation)
+  config.model.remat = args.remat
+  rules = sharding_lib.rules_from_config(config.mesh)
+  total_steps = config.total_steps
+  make_tx = lambda _: optimizer_lib.make_optimizer(
+      config.optimizer, total_steps, trainer.weight_decay_mask)
+  spec = state_lib.make_train_state_spec(
+      trainer.model_fn(config), config.seed, make_tx, mesh, rules)
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
+  train_step = steps_lib.make_train_step(
+      spec.parts.graphdef, spec.tx, schedule, spec.shardings,
+      sharding_lib.replicated(mesh), config.grad_accum_steps)
+  num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
+
+  start = time.perf_counter()
+  state = spec.init()
+  batch = random_batch(args, config.model.vocab_size, mesh)
+  jax.block_until_ready((state, batch))
+  init_s = time.perf_counter() - start
+  log(f"{label} {num_params / 1e6:.1f}M params, {config.model.num_layers} layers: "
+      f"initialised in {init_s:.1f} s, compiling the train step ...")
+  start = time.perf_counter()
+  compiled = train_step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  temp_gib = getattr(memory, "temp_size_in_bytes", 0) / 2**30 if memory else None
+  log(f"{label} compiled in {compile_s:.1f} s; {args.warmup_steps} warm-up + "
+      f"{args.steps} timed steps ...")
+
+  all_metrics, times = [], []
+  for index in range(args.warmup_steps + args.steps):
+    start = time.perf_counter()
+    state, step_metrics = compiled(state, batch)
+    jax.block_until_ready((state, step_metrics))
+    if index >= args.warmup_steps:
+      times.append(time.perf_counter() - start)
+    all_metrics.append(step_metrics)
+  all_metrics = jax.device_get(all_metrics)
+  del state
+  for index, step_metrics in enumerate(all_metrics):
+    if not step_metrics["train/finite"]:
+      raise trainer.NonFiniteError(
+          f"{label}: non-finite loss or gradient at step {index + 1} (loss "
+          f"{step_metrics['train/loss']}, grad norm {step_metrics['train/grad_norm']}).")
+
+  step_s = statistics.median(times)
+  tokens_per_s = args.batch_size * args.seq_len / step_s
+  peak = metrics_lib.peak_flops_per_device()
+  mfu = (6 * num_params * tokens_per_s / (peak * mesh.size)) if peak else None
+  row = {"model": model, "implementation": config.model.implementation,
+         "params": num_params, "layers": int(config.model.num_layers),
+         "init_s": init_s, "compile_s": compile_s, "temp_gib": temp_gib,
+         "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
+         "step_ms_max": 1e3 * max(times), "tokens_per_s": tokens_per_s,
+         "mfu": mfu, "final_loss": float(all_metrics[-1]["train/loss"]),
+         "paper_run_hours": PAPER_TOKENS / tokens_per_s / 3600}
+  log(f"{label} median step {row['step_ms_median']:.1f} ms, "
+      f"{tokens_per_s:,.0f} tokens/s, loss {row['final_loss']:.3f}")
+  return row
+
+
+def add_baseline_ratios(rows: list[dict[str, Any]]) -> None:
+  """row["x_mamba2"]: step time over Mamba2's (None when Mamba2 was not run)."""
+  baseline = next((r for r in rows if r["model"] == BASELINE), None)
+  for row in rows:
+    row["x_mamba2"] = (row["step_ms_median"] / baseline["step_ms_median"]
+                       if baseline else None)
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+  return "n/a" if value is None else format(value, pattern)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  header = ("| model | implementation | params (M) | layers | compile s | temp GiB "
+            "| step ms (median) | min / max ms | tokens/s | MFU | x Mamba2 step time "
+            "| final loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+  lines = [header]
+  for r in rows:
+    lines.append(
+        f"| {r['model']} | {r['implementation']} | {r['params'] / 1e6:.1f} "
+        f"| {r['layers']} | {r['compile_s']:.1f} | {_fmt(r['temp_gib'], '.2f')} "
+        f"| {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} / {r['step_ms_max']:.1f} "
+        f"| {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
+        f"| {_fmt(r['x_mamba2'], '.2f')} | {r['final_loss']:.3f} |")
+  return "\n".join(lines)
+
+
+def projection_lines(rows: list[dict[str, Any]], num_devices: int) -> list[str]:
+  """The paper's 15B-token run at each measured Palimpsa-D rate."""
+  return [f"- 15B tokens (paper's 170M run) at Palimpsa-D {r['implementation']}'s "
+          f"{r['tokens_per_s']:,.0f} tokens/s: {r['paper_run_hours']:.1f} h "
+          f"({r['paper_run_hours'] / 24:.2f} days) on {num_devices} device(s)"
+          for r in rows if r["model"] == "palimpsa_d"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  """Runs the benchmark; returns {"rows", "table", "device", "jax", ...}."""
+  args = parse_args(argv)
+  plan = run_plan(args)
+  devices = jax.devices()
+  if args.num_devices:
+    if args.num_devices > len(devices):
+      raise ValueError(f"--num_devices={args.num_devices} but only "
+                       f"{len(devices)} devices are available")
+    devices = devices[:args.num_devices]
+  if args.batch_size % len(devices):
+    raise ValueError(f"--batch_size={args.batch_size} must be a multiple of the "
+                     f"{len(devices)} devices")
+  mesh_config = ml_collections.ConfigDict(dict(MESHES[args.mesh], rules=()))
+  mesh = sharding_lib.make_mesh(mesh_config, devices)
+  device_kind = devices[0].device_kind
+  log(f"{device_kind} x{len(devices)} ({jax.default_backend()}), jax {jax.__version__}, "
+      f"mesh {dict(mesh.shape)}, batch {args.batch_size} x {args.seq_len} tokens")
+
+  rows = []
+  for index, (model, implementation) in enumerate(plan):
+    label = f"[{index + 1}/{len(plan)}] {model} ({implementation})"
+    rows.append(bench_model(model, implementation, args, mesh, label))
+  add_baseline_ratios(rows)
+
+  table = format_table(rows)
+  projections = projection_lines(rows, len(devices))
+  print(table)
+  print("\n".join(projections))
+  argv_used = sys.argv[1:] if argv is None else argv
+  command = "python " + shlex.join(["benchmarks/train_throughput.py"] + argv_used)
+  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  result = {"date": now, "device": device_kind, "num_devices": len(devices),
+            "backend": jax.default_backend(), "jax": jax.__version__,
+            "command": command, "mesh": dict(mesh.shape), "size": args.size,
+            "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "warmup_steps": args.warmup_steps, "steps": args.steps,
+            "remat": args.remat, "rows": rows, "table": table,
+            "projections": projections}
+  if not args.no_record:
+    results = pathlib.Path(args.results)
+    section = (
+        f"\n## train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens "
+        f"per step: {now}\n\n"
+        f"- device: {device_kind} x{len(devices)} ({jax.default_backend()}), "
+        f"jax {jax.__version__}, mesh {dict(mesh.shape)}\n"
+        f"- command: `{command}`\n"
+        f"- bf16 compute, f32 params, configs/lm.py optimizer, remat "
+        f"{'on' if args.remat else 'off'}; median of {args.steps} steps after "
+        f"{args.warmup_steps} warm-up, random tokens\n"
+        + "".join(line + "\n" for line in projections) + f"\n{table}\n")
+    if not results.exists():
+      results.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")
+    with results.open("a") as f:
+      f.write(section)
+    log(f"appended to {results}")
+  if args.output:
+    pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
+    log(f"wrote {args.output}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,56 @@
+"""benchmarks/train_throughput.py end to end on CPU with tiny models."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "train_throughput.py"
+_spec = importlib.util.spec_from_file_location("train_throughput", _SCRIPT)
+train_throughput = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_throughput)
+
+
+def test_run_plan_compares_palimpsa_d_implementations():
+  args = train_throughput.parse_args(
+      ["--models", "palimpsa_d,mamba2", "--meta_mamba2",
+       "--compare_implementations", "pallas_gpu,chunked"])
+  assert train_throughput.run_plan(args) == [
+      ("palimpsa_d", "pallas_gpu"), ("palimpsa_d", "chunked"),
+      ("mamba2", "auto"), ("meta_mamba2", "auto")]
+  assert train_throughput.model_implementation("gated_deltanet", "pallas_gpu") == "auto"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--implementation", "fast"], "implementation must be one of"),
+    (["--models", "mamba3"], "--models"),
+])
+def test_run_plan_rejects_unknown_names(flags, message):
+  with pytest.raises(ValueError, match=message):
+    train_throughput.run_plan(train_throughput.parse_args(flags))
+
+
+def test_main_writes_table_results_and_json(tmp_path, capsys):
+  results, output = tmp_path / "RESULTS.md", tmp_path / "out.json"
+  argv = ["--models", "mamba2", "--compare_implementations", "chunked",
+          "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
+          "--warmup_steps", "1", "--results", str(results), "--output", str(output)]
+  result = train_throughput.main(argv)
+
+  rows = result["rows"]
+  assert [(r["model"], r["implementation"]) for r in rows] == [
+      ("mamba2", "auto"), ("palimpsa_d", "chunked")]
+  assert rows[0]["x_mamba2"] == pytest.approx(1.0)
+  for row in rows:
+    assert row["tokens_per_s"] == pytest.approx(2 * 64 / row["step_ms_median"] * 1e3)
+    assert row["compile_s"] > 0 and row["final_loss"] > 0
+    assert row["paper_run_hours"] == pytest.approx(15e9 / row["tokens_per_s"] / 3600)
+  assert len(result["projections"]) == 1 and "Palimpsa-D chunked" in result["projections"][0]
+
+  printed = capsys.readouterr().out
+  assert "| mamba2 | auto |" in printed and "| palimpsa_d | chunked |" in printed
+  recorded = results.read_text()
+  assert "--compare_implementations chunked" in recorded
+  assert result["table"] in recorded and "15B tokens" in recorded
+  assert json.loads(output.read_text())["rows"][1]["model"] == "palimpsa_d"
