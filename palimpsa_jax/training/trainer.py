@@ -12,8 +12,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from palimpsa_jax import models
+from palimpsa_jax.conversion import checkpoint as conversion_lib
+from palimpsa_jax.conversion import finetune as finetune_lib
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
 from palimpsa_jax.data import text as text_lib
@@ -36,6 +39,52 @@ class NonFiniteError(FloatingPointError):
 def model_fn(config: ml_collections.ConfigDict) -> state_lib.ModelFn:
   """rngs -> the configured NNX language model."""
   return lambda rngs: models.build_model(config.model, rngs)
+
+
+def make_tx_fn(config: ml_collections.ConfigDict, total_steps: int
+               ) -> Callable[[Any], optax.GradientTransformation]:
+  """abstract params -> the run's optimizer.
+
+  With config.optimizer.new_params_only_steps > 0 (fine-tuning a converted
+  model), only the new metaplastic parameters change during those first steps.
+  """
+  def make_tx(abstract_params):
+    tx = optimizer_lib.make_optimizer(config.optimizer, total_steps,
+                                      weight_decay_mask)
+    new_first = config.optimizer.get("new_params_only_steps", 0)
+    if not new_first:
+      return tx
+    return finetune_lib.train_new_parameters_first(
+        tx, finetune_lib.new_parameter_mask(abstract_params), new_first)
+
+  return make_tx
+
+
+def initial_state(spec: state_lib.TrainStateSpec,
+                  config: ml_collections.ConfigDict) -> dict:
+  """The step-0 train state: freshly initialised, or config.init_from's parameters.
+
+  config.init_from names a conversion output (configs/finetune.py): its
+  parameters are restored directly onto the train state's shardings, with a
+  fresh optimizer state, and the model is not randomly initialised first.
+  """
+  init_from = config.get("init_from")
+  if not init_from:
+    return spec.init()
+  if jax.tree.leaves(spec.abstract["model_state"]):
+    raise ValueError(
+        f"config.init_from={init_from!r} holds parameters only, but this model "
+        "also has non-parameter variables.")
+  params = conversion_lib.restore_params(init_from, spec.abstract["params"])
+  fresh = jax.jit(
+      lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
+                 "model_state": spec.abstract["model_state"],
+                 "opt_state": spec.tx.init(p)},
+      out_shardings=spec.shardings, donate_argnums=0)
+  state = fresh(params)
+  if jax.process_index() == 0:
+    print(f"initialised parameters from {init_from}", flush=True)
+  return state
 
 
 def weight_decay_mask(params: Any) -> Any:
@@ -238,7 +287,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   Resumes from the latest checkpoint in `workdir` if there is one (the model,
   optimizer, step and data-iterator state are restored, so the continued run
-  reproduces an uninterrupted one exactly).
+  reproduces an uninterrupted one exactly). Without a checkpoint, the run
+  starts at step 0 from config.init_from's parameters when that is set
+  (fine-tuning a converted model, configs/finetune.py).
 
   Returns:
     The run summary (also written to workdir/summary.json): best_accuracy,
@@ -252,17 +303,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   rules = sharding_lib.rules_from_config(config.mesh)
   task = make_task(config, workdir)
   total_steps = task.total_steps
-  make_tx = lambda _: optimizer_lib.make_optimizer(
-      config.optimizer, total_steps, weight_decay_mask)
-  spec = state_lib.make_train_state_spec(model_fn(config), config.seed, make_tx,
-                                         mesh, rules)
+  spec = state_lib.make_train_state_spec(
+      model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh, rules)
   checkpointer = checkpoint_lib.Checkpointer(
       workdir, every_steps=config.checkpoint_every_steps,
       keep=config.keep_checkpoints, async_save=config.async_checkpointing)
   start_step = checkpointer.latest_step
-  if start_step is None:
+  if start_step is None:  # a fine-tuning run resumes from its own checkpoints
     start_step = 0
-    state = spec.init()
+    state = initial_state(spec, config)
   else:
     state = checkpointer.restore(start_step, spec.abstract, task.train_iterator)
     if jax.process_index() == 0:
