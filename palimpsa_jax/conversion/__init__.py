@@ -10,12 +10,11 @@ from palimpsa_jax.conversion.command import run_conversion
 from palimpsa_jax.conversion.finetune import new_parameter_mask, train_new_parameters_first
 from palimpsa_jax.conversion.hf_mamba2 import load_hf_mamba2
 from palimpsa_jax.conversion.sources import Source, load_source
-from palimpsa_jax.conversion.surgery import build_model, convert
+from palimpsa_jax.conversion.surgery import convert
 from palimpsa_jax.conversion.windows import choose_layers, head_windows, layer_windows
 
 __all__ = [
     "Source",
-    "build_model",
     "choose_layers",
     "convert",
     "head_windows",

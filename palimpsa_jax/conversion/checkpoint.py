@@ -70,11 +70,11 @@ def restore_params(dest: str, abstract_params: Any) -> Any:
 def load_converted(dest: str) -> tuple[nnx.Module, ml_collections.ConfigDict, dict[str, Any]]:
   """(NNX model on the first local device, model config, conversion info)."""
   # pylint: disable=g-import-not-at-top
-  from palimpsa_jax.conversion import surgery
+  from palimpsa_jax import models
   from palimpsa_jax.training import state as state_lib
   # pylint: enable=g-import-not-at-top
   config, info = read_conversion(dest)
-  parts = state_lib.abstract_model(lambda rngs: surgery.build_model(config, rngs))
+  parts = state_lib.abstract_model(lambda rngs: models.build_model(config, rngs))
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   abstract = jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),

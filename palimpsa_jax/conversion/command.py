@@ -5,6 +5,7 @@ from typing import Any
 
 import numpy as np
 
+from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import sources
 from palimpsa_jax.conversion import surgery
@@ -77,7 +78,7 @@ def run_conversion(source: str, dest: str, layers: str, init: str = "paper", *,
   chosen = list(choice.layers)
   if choice.count is not None:
     chosen = windows_lib.choose_layers(windows, choice.count,
-                                       exclude=surgery.metaplastic_layers(src.config))
+                                       exclude=models.metaplastic_layers(src.config))
   model, config = surgery.convert(src, chosen, init, seed)
   if verbose:
     print(windows_lib.window_table(windows, chosen, dt_source), flush=True)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from palimpsa_jax import models
 from palimpsa_jax.conversion.sources import Source
 
 INITS = ("paper", "zero")
@@ -26,36 +27,13 @@ NEW_PARAMETER_NAMES = ("beta_down", "beta_up", "b_scale", "Ip_log")
 ZERO_INIT_B_SCALE = -1e4
 
 
-def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
-  """Indices of the layers whose mixer is metaplastic under `config`."""
-  if config.get("metaplasticity", False):
-    return tuple(range(config.num_layers))
-  return tuple(int(i) for i in (config.get("metaplastic_layers") or ()))
-
-
 def converted_config(config: ml_collections.ConfigDict,
                      layers: Sequence[int]) -> ml_collections.ConfigDict:
   """The source model config with `layers` added to config.metaplastic_layers."""
   new = ml_collections.ConfigDict(config.to_dict())
-  new.metaplastic_layers = tuple(sorted(set(metaplastic_layers(config)) | set(layers)))
+  new.metaplastic_layers = tuple(
+      sorted(set(models.metaplastic_layers(config)) | set(layers)))
   return new
-
-
-def build_model(config: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
-  """models.build_model, with metaplastic mixers in config.metaplastic_layers.
-
-  A mixer that models.build_model already made metaplastic is kept.
-  """
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
-  model = models.build_model(config, rngs)
-  layers = metaplastic_layers(config)
-  if layers and not config.get("metaplasticity", False):
-    meta = ml_collections.ConfigDict(config.to_dict())
-    meta.metaplasticity = True
-    for i in layers:
-      if not model.blocks[i].mixer.metaplasticity:
-        model.blocks[i].mixer = models.make_mixer(meta, rngs)
-  return model
 
 
 def check_layers(layers: Sequence[int], config: ml_collections.ConfigDict) -> None:
@@ -65,7 +43,7 @@ def check_layers(layers: Sequence[int], config: ml_collections.ConfigDict) -> No
   bad = [i for i in layers if not 0 <= i < config.num_layers]
   if bad:
     raise ValueError(f"layers {bad} out of range [0, {config.num_layers})")
-  done = sorted(set(layers) & set(metaplastic_layers(config)))
+  done = sorted(set(layers) & set(models.metaplastic_layers(config)))
   if done:
     raise ValueError(f"layers {done} are already metaplastic in the source")
 
@@ -91,7 +69,7 @@ def convert(source: Source, layers: Sequence[int], init: str = "paper",
   from palimpsa_jax.training import state as state_lib
   # pylint: enable=g-import-not-at-top
   graphdef, params, model_state = state_lib.split_model(
-      build_model(config, nnx.Rngs(seed)))
+      models.build_model(config, nnx.Rngs(seed)))
   target = _leaves(params)
   given = _leaves(source.params)
   unknown = sorted(set(given) - set(target), key=str)

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -18,12 +19,10 @@ from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.conversion import command
 from palimpsa_jax.conversion import finetune
-from palimpsa_jax.conversion import surgery
 from palimpsa_jax.data import pipeline
 from palimpsa_jax.training import checkpoint as checkpoint_lib
-from palimpsa_jax.training import optimizer as optimizer_lib
-from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import trainer
 
 pytest.importorskip("safetensors")
 
@@ -135,36 +134,68 @@ def test_calibration_batch_from_text_files(tmp_path):
     command.default_tokenizer(str(tmp_path / "other" / "model.safetensors"))
 
 
-def test_written_checkpoint_starts_a_finetuning_run(hf_source, tokens, tmp_path):
-  """configs/finetune.py + the trainer's state spec restore the converted params."""
+def _new_and_old_leaves(params: dict) -> tuple[dict, dict]:
+  """(new metaplastic leaves, source leaves) of a parameter tree, by key path."""
+  mask = dict(jax.tree_util.tree_leaves_with_path(finetune.new_parameter_mask(params)))
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  return ({p: np.asarray(x) for p, x in leaves if mask[p]},
+          {p: np.asarray(x) for p, x in leaves if not mask[p]})
+
+
+def test_converted_model_finetunes_through_train_py_and_resumes(
+    hf_source, tokens, tmp_path, capsys):
+  """train.py on configs/finetune.py: converted start, new params first, own resume."""
   folder, _, _ = hf_source
   dest = str(tmp_path / "conv")
   command.run_conversion(folder, dest, "1", "paper", verbose=False)
-  config = _finetune_config(f"source={dest},steps=20,new_params_only_steps=5,"
-                            "seq_len=16,kv=2,vocab=32,batch=8")
-  assert config.init_from == str(tmp_path / "conv")
-  assert config.total_steps == 20 and config.early_stop_accuracy is None
-  assert config.optimizer.learning_rate == 3e-4
-  assert config.data.num_kv_pairs == 2 and list(config.model.metaplastic_layers) == [1]
+  arg = (f"source={dest},steps=4,new_params_only_steps=2,evals=2,seq_len=16,kv=2,"
+         "vocab=32,batch=8,examples=64,test_examples=16")
+  config = _finetune_config(arg)
+  assert config.init_from == dest and list(config.model.metaplastic_layers) == [1]
+  assert config.total_steps == 4 and config.early_stop_accuracy is None
+  assert config.optimizer.learning_rate == 3e-4 and config.data.num_kv_pairs == 2
+  workdir = tmp_path / "ft"
+  overrides = ["--config.checkpoint_every_steps=2", "--config.eval_batch_size=16"]
+  result = subprocess.run(
+      [sys.executable, "train.py", f"--config=configs/finetune.py:{arg}", *overrides,
+       f"--workdir={workdir}"],
+      capture_output=True, text=True, cwd=REPO, check=False, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert f"initialised parameters from {dest}" in result.stdout
 
-  mesh = sharding_lib.make_mesh(config.mesh)
+  converted, _, _ = conversion_lib.load_converted(dest)
+  new_start, old_start = _new_and_old_leaves(state_lib.split_model(converted)[1])
+  assert len(new_start) == 5  # beta_down kernel, beta_up kernel + bias, b_scale, Ip_log
+  assert all(p[1].key == 1 for p in new_start)
+  model, _, step = checkpoint_lib.load_model(str(workdir / "checkpoints" / "2"))
+  new, old = _new_and_old_leaves(state_lib.split_model(model)[1])
+  assert step == 2 and old.keys() == old_start.keys()
+  for path, value in old.items():  # the source's parameters wait two steps
+    np.testing.assert_array_equal(value, old_start[path], err_msg=str(path))
+  assert any(not np.array_equal(new[p], new_start[p]) for p in new)
+  model, run_config, step = checkpoint_lib.load_model(str(workdir))
+  assert step == 4 and list(run_config.model.metaplastic_layers) == [1]
+  assert model.blocks[1].mixer.metaplasticity and not model.blocks[0].mixer.metaplasticity
+  _, final_old = _new_and_old_leaves(state_lib.split_model(model)[1])
+  assert any(not np.array_equal(final_old[p], old_start[p]) for p in old_start)
+  assert np.all(np.isfinite(_logits(model, tokens)))
 
-  def make_tx(abstract_params):
-    tx = optimizer_lib.make_optimizer(config.optimizer, config.total_steps,
-                                      models.weight_decay_mask)
-    return finetune.train_new_parameters_first(
-        tx, finetune.new_parameter_mask(abstract_params),
-        config.optimizer.new_params_only_steps)
+  # Restarted after step 2, the run continues from its own checkpoint, not init_from.
+  shutil.rmtree(workdir / "checkpoints" / "4")
+  config.checkpoint_every_steps, config.eval_batch_size = 2, 16
+  capsys.readouterr()
+  assert trainer.train_and_evaluate(config, str(workdir))["final_step"] == 4
+  out = capsys.readouterr().out
+  assert "resumed from" in out and "initialised parameters" not in out
+  resumed, _, _ = checkpoint_lib.load_model(str(workdir))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               state_lib.split_model(resumed)[1], state_lib.split_model(model)[1])
 
-  spec = state_lib.make_train_state_spec(
-      lambda rngs: surgery.build_model(config.model, rngs), config.seed, make_tx, mesh,
-      sharding_lib.rules_from_config(config.mesh))
-  state = spec.init()
-  state["params"] = conversion_lib.restore_params(dest, spec.abstract["params"])
-  model, _, _ = conversion_lib.load_converted(dest)
-  jax.tree.map(np.testing.assert_array_equal, state["params"], state_lib.split_model(model)[1])
-  assert int(state["step"]) == 0 and int(state["opt_state"].count) == 0
 
+def test_finetune_config_errors(hf_source, tmp_path):
+  folder, _, _ = hf_source
+  dest = str(tmp_path / "conv")
+  command.run_conversion(folder, dest, "1", "paper", verbose=False)
   for bad, match in (("steps=0", "steps must be positive"),
                      ("steps=20,new_params_only_steps=30", "new_params_only_steps"),
                      ("task=speech", "task must be")):
