@@ -143,7 +143,7 @@ def _new_and_old_leaves(params: dict) -> tuple[dict, dict]:
 
 
 def test_converted_model_finetunes_through_train_py_and_resumes(
-    hf_source, tokens, tmp_path, capsys):
+    hf_source, tmp_path, capsys):
   """train.py on configs/finetune.py: converted start, new params first, own resume."""
   folder, _, _ = hf_source
   dest = str(tmp_path / "conv")
@@ -155,7 +155,8 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
   assert config.total_steps == 4 and config.early_stop_accuracy is None
   assert config.optimizer.learning_rate == 3e-4 and config.data.num_kv_pairs == 2
   workdir = tmp_path / "ft"
-  overrides = ["--config.checkpoint_every_steps=2", "--config.eval_batch_size=16"]
+  overrides = ["--config.checkpoint_every_steps=2", "--config.eval_batch_size=16",
+               "--config.log_diagnostics=False"]
   result = subprocess.run(
       [sys.executable, "train.py", f"--config=configs/finetune.py:{arg}", *overrides,
        f"--workdir={workdir}"],
@@ -178,11 +179,11 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
   assert model.blocks[1].mixer.metaplasticity and not model.blocks[0].mixer.metaplasticity
   _, final_old = _new_and_old_leaves(state_lib.split_model(model)[1])
   assert any(not np.array_equal(final_old[p], old_start[p]) for p in old_start)
-  assert np.all(np.isfinite(_logits(model, tokens)))
 
   # Restarted after step 2, the run continues from its own checkpoint, not init_from.
   shutil.rmtree(workdir / "checkpoints" / "4")
   config.checkpoint_every_steps, config.eval_batch_size = 2, 16
+  config.log_diagnostics = False
   capsys.readouterr()
   assert trainer.train_and_evaluate(config, str(workdir))["final_step"] == 4
   out = capsys.readouterr().out
