@@ -4,24 +4,35 @@ The NNX model is split once into a static graphdef and its variables; the
 parameters ("params") are trained, any other variables ("model_state") are
 carried unchanged. Both are pure nested dicts of arrays, so Orbax saves them
 as plain pytrees and `nnx.merge(graphdef, params, model_state)` rebuilds the
-module inside jitted steps. The state is created directly with its shardings:
-shapes come from `eval_shape`, and the initialiser is jitted with
-`out_shardings`, so no device ever holds an unsharded copy.
+module inside jitted steps. Shapes come from `eval_shape`. The state is
+created directly with its shardings, in one of two ways:
+
+* on device: the whole initialiser is jitted with `out_shardings`, so no device
+  ever holds an unsharded copy. Every parameter's random init becomes its own
+  kernels, which is fast to compile for CPU but very slow for GPUs (hundreds
+  of kernels, minutes for a 170M model).
+* on host: the parameters are computed by a CPU-compiled function (the same
+  PRNG, so the same values), then each process places its addressable shards
+  on its devices; only the optimizer state (zeros) is compiled for the
+  accelerator. Each host holds the full float parameters once, transiently:
+  fine up to a few billion parameters.
 """
 
 from collections.abc import Callable
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+import numpy as np
 import optax
 
 from palimpsa_jax.training import sharding as sharding_lib
 
 ModelFn = Callable[[nnx.Rngs], nnx.Module]
+InitOnHost = bool | Literal["auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +119,8 @@ class TrainStateSpec:
 
 def make_train_state_spec(model_fn: ModelFn, seed: int,
                           make_tx: Callable[[dict], optax.GradientTransformation],
-                          mesh: Mesh, rules: sharding_lib.Rules) -> TrainStateSpec:
+                          mesh: Mesh, rules: sharding_lib.Rules,
+                          init_on_host: InitOnHost = "auto") -> TrainStateSpec:
   """Shapes and shardings of the train state, and its sharded initialiser.
 
   Args:
@@ -117,20 +129,84 @@ def make_train_state_spec(model_fn: ModelFn, seed: int,
     make_tx: abstract params (pure dict) -> optimizer.
     mesh: device mesh.
     rules: logical-axis rules.
+    init_on_host: compute the initial parameters with a CPU-compiled function
+      and copy them onto their shardings (True), or initialise everything in
+      one function jitted for the mesh's devices (False). "auto": on host when
+      the default backend is not CPU (GPU/TPU compile the per-parameter random
+      init very slowly); on CPU the host path would only add a copy. Both give
+      the same values. The host path needs the full float parameters in each
+      host's memory.
   """
+  use_host = resolve_init_on_host(init_on_host)
   parts = abstract_model(model_fn, seed)
   tx = make_tx(nnx.to_pure_dict(parts.abstract_params))
   shardings = train_state_shardings(parts, tx, mesh, rules)
 
-  def init():
+  def build_variables():
     _, params, model_state = split_model(_build(model_fn, seed))
+    return params, model_state
+
+  def assemble(params, model_state):
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "model_state": model_state, "opt_state": tx.init(params)}
 
+  if use_host:
+    init = _host_initialiser(build_variables, assemble, shardings)
+  else:
+    init = jax.jit(lambda: assemble(*build_variables()), out_shardings=shardings)
   return TrainStateSpec(
       parts=parts, tx=tx, shardings=shardings,
-      abstract=abstract_train_state(parts, tx, shardings),
-      init=jax.jit(init, out_shardings=shardings))
+      abstract=abstract_train_state(parts, tx, shardings), init=init)
+
+
+def resolve_init_on_host(init_on_host: InitOnHost) -> bool:
+  """Whether to initialise parameters on the host ("auto": off the CPU backend)."""
+  if isinstance(init_on_host, bool):
+    return init_on_host
+  if init_on_host == "auto":
+    return jax.default_backend() != "cpu"
+  raise ValueError(
+      f"init_on_host must be 'auto', True or False, got {init_on_host!r}.")
+
+
+def _host_device() -> jax.Device:
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError as error:
+    raise ValueError(
+        "init_on_host=True needs JAX's CPU backend; add 'cpu' to JAX_PLATFORMS "
+        "or set init_on_host=False.") from error
+
+
+def place_on_shardings(host_tree: Any, shardings: Any) -> Any:
+  """Copies a host tree (full arrays, equal on every process) onto `shardings`.
+
+  Each process transfers only its addressable shards, so this also works
+  when the shardings span several processes.
+  """
+  def place(value, sharding):
+    value = np.asarray(value)
+    return jax.make_array_from_callback(
+        value.shape, sharding, lambda index: value[index], dtype=value.dtype)
+
+  return jax.tree.map(place, host_tree, shardings)
+
+
+def _host_initialiser(build_variables: Callable[[], tuple[dict, dict]],
+                      assemble: Callable[[dict, dict], dict],
+                      shardings: dict) -> Callable[[], dict]:
+  """() -> the train state: variables computed on the CPU, then sharded."""
+  on_host = SingleDeviceSharding(_host_device())
+  build_on_host = jax.jit(build_variables, out_shardings=on_host)
+  fill = jax.jit(assemble, out_shardings=shardings, donate_argnums=(0, 1))
+
+  def init():
+    params, model_state = build_on_host()
+    params, model_state = place_on_shardings(
+        (params, model_state), (shardings["params"], shardings["model_state"]))
+    return fill(params, model_state)
+
+  return init
 
 
 def train_state_shardings(parts: ModelParts, tx: optax.GradientTransformation,
