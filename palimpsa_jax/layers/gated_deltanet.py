@@ -12,6 +12,7 @@ from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm, l2_normalize
+from palimpsa_jax.layers.recurrent import RecurrentMixer
 from palimpsa_jax.ops import gated_delta_rule
 
 
@@ -24,7 +25,7 @@ class GatedDeltaNetCache(NamedTuple):
   state: jax.Array
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(RecurrentMixer):
   """Standard Gated DeltaNet mixer.
 
   q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5;
@@ -77,23 +78,6 @@ class GatedDeltaNet(nnx.Module):
     return GatedDeltaNetCache(
         self.q_conv.init_state(batch_size), self.k_conv.init_state(batch_size),
         self.v_conv.init_state(batch_size), jnp.zeros(shape, jnp.float32))
-
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               return_diagnostics: bool = False):
-    """x [B, T, d] -> y [B, T, d] (and a diagnostics dict when asked)."""
-    y, _, diagnostics = self._forward(
-        x, None, segment_ids, self.implementation, return_diagnostics)
-    return (y, diagnostics) if return_diagnostics else y
-
-  def prefill(self, x: jax.Array, cache: GatedDeltaNetCache):
-    """Runs x [B, T, d] from the cache; returns (y [B, T, d], new cache)."""
-    y, cache, _ = self._forward(x, cache, None, self.implementation, False)
-    return y, cache
-
-  def step(self, x: jax.Array, cache: GatedDeltaNetCache):
-    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
-    y, cache, _ = self._forward(x, cache, None, "sequential", False)
-    return y, cache
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):

@@ -12,6 +12,7 @@ from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm
+from palimpsa_jax.layers.recurrent import RecurrentMixer
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 
 
@@ -22,7 +23,7 @@ class MetaMamba2Cache(NamedTuple):
   state: PalimpsaState
 
 
-class MetaMamba2(nnx.Module):
+class MetaMamba2(RecurrentMixer):
   """Mamba2 mixer on the Palimpsa op (SPEC.md sec. 4, Palimpsa-M).
 
   in_proj(x) = [z (d_inner), xBC (d_inner + 2 G N), dt (H)]; xBC goes through a
@@ -105,23 +106,6 @@ class MetaMamba2(nnx.Module):
         self.conv.init_state(batch_size),
         PalimpsaState(jnp.zeros(shape, jnp.float32),
                       jnp.broadcast_to(ip, shape)))
-
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               return_diagnostics: bool = False):
-    """x [B, T, d] -> y [B, T, d] (and a diagnostics dict when asked)."""
-    y, _, diagnostics = self._forward(
-        x, None, segment_ids, self.implementation, return_diagnostics)
-    return (y, diagnostics) if return_diagnostics else y
-
-  def prefill(self, x: jax.Array, cache: MetaMamba2Cache):
-    """Runs x [B, T, d] from the cache; returns (y [B, T, d], new cache)."""
-    y, cache, _ = self._forward(x, cache, None, self.implementation, False)
-    return y, cache
-
-  def step(self, x: jax.Array, cache: MetaMamba2Cache):
-    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
-    y, cache, _ = self._forward(x, cache, None, "sequential", False)
-    return y, cache
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
