@@ -116,6 +116,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.keep_checkpoints = 2
   config.async_checkpointing = True
   config.log_diagnostics = True  # Mixer statistics per layer at eval steps.
+  # Initial parameters computed on the CPU, then sharded: "auto" (on GPU/TPU,
+  # whose compilers take minutes for the per-parameter random init), True, False.
+  config.init_on_host = ml_collections.FieldReference("auto", field_type=object)
   config.early_stop_accuracy = args.early_stop
 
   config.data = ml_collections.ConfigDict()

@@ -98,6 +98,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.task must be one of {TASKS}, got {config.task!r}.")
   if not isinstance(config.get("log_diagnostics"), bool):
     raise ValueError("config.log_diagnostics must be True or False.")
+  init_on_host = config.get("init_on_host", "auto")
+  if not (isinstance(init_on_host, bool) or init_on_host == "auto"):
+    raise ValueError(
+        f"config.init_on_host must be 'auto', True or False, got {init_on_host!r}.")
   positive = ("seq_len", "batch_size", "eval_batch_size", "log_every_steps",
               "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
               "grad_accum_steps")
@@ -304,7 +308,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   task = make_task(config, workdir)
   total_steps = task.total_steps
   spec = state_lib.make_train_state_spec(
-      model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh, rules)
+      model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh, rules,
+      init_on_host=config.get("init_on_host", "auto"))
   checkpointer = checkpoint_lib.Checkpointer(
       workdir, every_steps=config.checkpoint_every_steps,
       keep=config.keep_checkpoints, async_save=config.async_checkpointing)

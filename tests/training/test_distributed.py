@@ -1,4 +1,4 @@
-"""Two processes on localhost (jax.distributed, CPU): training completes and checkpoints."""
+"""Two processes on localhost (jax.distributed, CPU): host init, training, checkpoints."""
 
 import os
 import pathlib
@@ -22,7 +22,9 @@ class Patcher:
   def setattr(self, obj, name, value):
     setattr(obj, name, value)
 tiny_lm.use_tiny_model(Patcher())
-trainer.train_and_evaluate(test_trainer._resumable_config(8), {workdir!r})
+config = test_trainer._resumable_config(8)
+config.init_on_host = True  # Each process places its shards of the host copy.
+trainer.train_and_evaluate(config, {workdir!r})
 """
 
 

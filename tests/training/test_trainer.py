@@ -179,6 +179,7 @@ def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
     ("grad_accum_steps", 3, "multiple of grad_accum_steps"),
     ("optimizer.learning_rate", -1.0, "learning_rate"),
     ("mesh.data", 3, "devices"),
+    ("init_on_host", "yes", "config.init_on_host"),
 ])
 def test_bad_config_values(tmp_path, field, value, match):
   config = tiny_lm.tiny_mqar_config(**{field: value})
