@@ -11,11 +11,13 @@ created directly with its shardings, in one of two ways:
   ever holds an unsharded copy. Every parameter's random init becomes its own
   kernels, which is fast to compile for CPU but very slow for GPUs (hundreds
   of kernels, minutes for a 170M model).
-* on host: the parameters are computed by a CPU-compiled function (the same
-  PRNG, so the same values), then each process places its addressable shards
+* on host: the parameters are computed by a CPU-compiled function (about 1 s
+  of CPU compile per layer), then each process places its addressable shards
   on its devices; only the optimizer state (zeros) is compiled for the
   accelerator. Each host holds the full float parameters once, transiently:
-  fine up to a few billion parameters.
+  fine up to a few billion parameters. The PRNG bits are those of the device
+  path; float transforms of them (normal, truncated normal) may differ by an
+  ulp between CPU and GPU, and are identical when both run on the CPU.
 """
 
 from collections.abc import Callable
@@ -133,9 +135,9 @@ def make_train_state_spec(model_fn: ModelFn, seed: int,
       and copy them onto their shardings (True), or initialise everything in
       one function jitted for the mesh's devices (False). "auto": on host when
       the default backend is not CPU (GPU/TPU compile the per-parameter random
-      init very slowly); on CPU the host path would only add a copy. Both give
-      the same values. The host path needs the full float parameters in each
-      host's memory.
+      init very slowly); on CPU the host path would only add a copy. Both draw
+      the same random bits (see the module docstring). The host path needs the
+      full float parameters in each host's memory.
   """
   use_host = resolve_init_on_host(init_on_host)
   parts = abstract_model(model_fn, seed)

@@ -43,7 +43,8 @@ for device_leaf, host_leaf, expected in zip(
   assert host_leaf.sharding.is_equivalent_to(expected, host_leaf.ndim)
   assert host_leaf.sharding.is_equivalent_to(device_leaf.sharding, host_leaf.ndim)
 kernel = on_host["params"]["mix"]["kernel"]
-assert len(kernel.addressable_shards) == 4 and kernel.addressable_shards[0].data.shape == (8, 4)
+assert len(kernel.addressable_shards) == 4
+assert kernel.addressable_shards[0].data.shape == (8, 4)  # [16, 8] on fsdp x tensor.
 assert float(np.abs(np.asarray(kernel)).max()) > 0  # Random, not zeros.
 print("host init matches")
 """
