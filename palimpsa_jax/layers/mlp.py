@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.layers.linear import Dense
 
 
@@ -15,16 +16,17 @@ def swiglu_hidden_dim(d_model: int, hidden_ratio: float = 4.0,
 
 
 class SwiGLU(nnx.Module):
-  """down(silu(gate(x)) * up(x)), no biases."""
+  """down(silu(gate(x)) * up(x)), no biases; kernels ~ N(0, init_std^2)."""
 
   def __init__(self, d_model: int, hidden_dim: int, *, rngs: nnx.Rngs,
-               dtype=jnp.float32):
+               init_std: float = params_lib.INIT_STD, dtype=jnp.float32):
+    init = params_lib.normal_init(init_std)
     self.gate_proj = Dense(d_model, hidden_dim, names=("embed", "mlp"),
-                           rngs=rngs, dtype=dtype)
+                           rngs=rngs, kernel_init=init, dtype=dtype)
     self.up_proj = Dense(d_model, hidden_dim, names=("embed", "mlp"),
-                         rngs=rngs, dtype=dtype)
+                         rngs=rngs, kernel_init=init, dtype=dtype)
     self.down_proj = Dense(hidden_dim, d_model, names=("mlp", "embed"),
-                           rngs=rngs, dtype=dtype)
+                           rngs=rngs, kernel_init=init, dtype=dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, T, d] -> [B, T, d] in the compute dtype."""

@@ -95,7 +95,7 @@ class Block(nnx.Module):
       self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps,
                               dtype=dtype)
       self.mlp = SwiGLU(config.d_model, config.mlp_hidden_dim, rngs=rngs,
-                        dtype=dtype)
+                        init_std=config.init_std, dtype=dtype)
     else:
       self.mlp_norm = self.mlp = None
 

@@ -108,6 +108,12 @@ def test_swiglu_shape_and_hidden_rule():
   np.testing.assert_allclose(mlp(x), ref, rtol=1e-5, atol=1e-7)
 
 
+def test_swiglu_init_std():
+  mlp = SwiGLU(64, 128, rngs=nnx.Rngs(0), init_std=0.5)
+  for dense in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+    np.testing.assert_allclose(float(jnp.std(dense.kernel[...])), 0.5, rtol=0.05)
+
+
 def test_a_log_initialisers():
   key = jax.random.key(7)
   a = jnp.exp(params_lib.init_a_log(key, 64, "uniform", (0.0, 16.0)))
