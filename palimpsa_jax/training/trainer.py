@@ -112,6 +112,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         "set config.total_steps (> 0) or config.num_epochs (> 0); got "
         f"total_steps={config.total_steps}, num_epochs={config.get('num_epochs')}.")
+  if config.task == "lm" and config.total_steps <= 0:
+    raise ValueError(
+        "the lm task streams its data without epochs: config.total_steps must be "
+        f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
   if config.batch_size % (config.grad_accum_steps * jax.process_count()):
     raise ValueError(
         f"config.batch_size={config.batch_size} must be a multiple of "

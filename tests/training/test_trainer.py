@@ -187,6 +187,12 @@ def test_bad_config_values(tmp_path, field, value, match):
     trainer.train_and_evaluate(config, str(tmp_path))
 
 
+def test_lm_task_needs_total_steps(tmp_path):
+  config = tiny_lm.tiny_mqar_config(task="lm", total_steps=-1, num_epochs=2)
+  with pytest.raises(ValueError, match="config.total_steps must be > 0"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+
+
 def test_lm_targets_stop_at_document_boundaries_and_padding():
   batch = {"tokens": np.array([[5, 6, 7, 8, 9]]),
            "segment_ids": np.array([[0, 0, 1, 1, 1]]),
