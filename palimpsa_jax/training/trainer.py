@@ -367,6 +367,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           record["perf/mfu"] = (6 * num_params * rate * task.tokens_per_step
                                 / (peak_flops * jax.device_count()))
       if step % config.eval_every_steps == 0 or last:
+        _check_finite(finite, step)  # never score non-finite parameters
         last_eval = evaluate(eval_step, state, task, mesh, diagnostics_step)
         record.update(last_eval)
         progress.restart_clock(step)

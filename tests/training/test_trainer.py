@@ -173,6 +173,17 @@ def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
       tmp_path / "checkpoints")
 
 
+def test_non_finite_check_runs_before_evaluation(tmp_path, monkeypatch):
+  monkeypatch.setattr(trainer, "model_fn", lambda config: lambda rngs: _NanLM(
+      config.model.vocab_size, config.model.width, rngs))
+  config = tiny_lm.tiny_mqar_config(log_every_steps=1000, eval_every_steps=2,
+                                    checkpoint_every_steps=1000)
+  with pytest.raises(trainer.NonFiniteError, match="at or before step 2"):
+    trainer.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / "metrics.jsonl").exists() or not any(
+      "eval/loss" in record for record in metrics_lib.read_metrics(str(tmp_path)))
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("task", "vision", "config.task"),
     ("batch_size", 0, "config.batch_size"),
