@@ -5,6 +5,9 @@
   python train.py --config configs/finetune.py:source=runs/conv,steps=200,lr=3e-4,\
 new_params_only_steps=50 --workdir runs/conv
 
+<source> must be a "paper" init conversion: a "zero" init one is an equivalence
+check (it computes the source function exactly, and its new parameters have
+zero gradient, so it cannot learn metaplasticity) and is rejected.
 The model config comes from <source>/conversion.json and the first run starts
 at step 0 from <source>/converted with a fresh optimizer (config.init_from);
 later runs in the same workdir resume from its own checkpoints. The data and
@@ -63,7 +66,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   from palimpsa_jax.conversion import checkpoint  # pylint: disable=g-import-not-at-top
 
   config = _base_config(args.task, ",".join(rest))
-  config.model, _ = checkpoint.read_conversion(args.source)
+  config.model, info = checkpoint.read_conversion(args.source)
+  if info.get("init") == "zero":
+    raise ValueError(
+        f"source={args.source!r} is a --init zero conversion: an equivalence check "
+        "(beta == 0 and every new parameter has zero gradient), which fine-tuning "
+        "cannot make metaplastic; convert again with --init paper.")
   config.init_from = os.path.abspath(args.source)
   config.finetune = args
   config.total_steps = args.steps

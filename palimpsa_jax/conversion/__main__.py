@@ -20,8 +20,12 @@ _DEST = flags.DEFINE_string("dest", None, "Output directory (conversion.json + c
 _LAYERS = flags.DEFINE_string(
     "layers", None, "auto:N (the N layers with the largest memory window), i,j,k, or none "
     "(an unconverted copy, the fine-tuning control).")
-_INIT = flags.DEFINE_enum("init", "paper", ["paper", "zero"],
-                          "New parameters: paper init, or beta == 0 (source function).")
+_INIT = flags.DEFINE_enum(
+    "init", "paper", ["paper", "zero"],
+    "New parameters: paper (the fine-tuning starting point), or zero: beta == 0, an "
+    "equivalence check that computes the source function exactly and cannot learn "
+    "metaplasticity (every new parameter has zero gradient; configs/finetune.py "
+    "refuses it).")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation seed of the new parameters.")
 _CALIBRATION_FILES = flags.DEFINE_string(
     "calibration_files", None, "Text files (glob) on which dt is measured for auto:N.")

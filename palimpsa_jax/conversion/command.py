@@ -54,7 +54,8 @@ def run_conversion(source: str, dest: str, layers: str, init: str = "paper", *,
     source: train.py workdir (or checkpoints/<step>) or HF Mamba2 safetensors.
     dest: output directory (conversion.json + converted/).
     layers: "auto:N", "i,j,k" or "none" (an unconverted copy: the control).
-    init: "paper" or "zero" (see surgery.py).
+    init: "paper" (to fine-tune) or "zero" (an equivalence check: computes the
+      source function exactly and cannot be fine-tuned; see surgery.py).
     seed: initialisation seed of the new parameters.
     calibration_tokens: [B, T] tokens on which dt is measured; None: dt from dt_bias.
     num_groups: B/C groups of an HF checkpoint without them in config.json.

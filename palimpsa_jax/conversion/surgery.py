@@ -4,10 +4,11 @@ Every source weight is copied; the converted layers gain beta_down, beta_up,
 b_scale and Ip_log. init="paper" keeps the layers' own initialisers (SPEC.md
 sec. 4: beta_down ~ N(0, 0.02), beta_up ~ U(+-r^-1/2), b_scale 1, Ip_log 0);
 init="zero" sets b_scale so low that softplus(b_scale) is exactly 0 in float32,
-so beta == 0 and the model computes the source function (Ip = 1). The
-metaplastic branch then also has zero gradient: "zero" is a function-preserving
-starting point, to be followed by raising b_scale, while "paper" is the
-fine-tuning initialisation.
+so beta == 0 and the model computes the source function exactly (Ip = 1). The
+metaplastic branch then has zero gradient in every new parameter, so a "zero"
+conversion can never learn metaplasticity: it is an equivalence check of the
+conversion, not a starting point for fine-tuning (configs/finetune.py rejects
+it); "paper" is the fine-tuning initialisation.
 """
 
 from collections.abc import Sequence

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -204,3 +205,9 @@ def test_finetune_config_errors(hf_source, tmp_path):
       _finetune_config(f"source={dest},{bad}")
   with pytest.raises(ValueError, match="needs source="):
     _finetune_config("steps=5")
+  zero = tmp_path / "zero"
+  zero.mkdir()
+  record = json.loads((tmp_path / "conv" / "conversion.json").read_text())
+  (zero / "conversion.json").write_text(json.dumps({**record, "init": "zero"}))
+  with pytest.raises(ValueError, match=re.escape(f"source='{zero}' is a --init zero")):
+    _finetune_config(f"source={zero}")
