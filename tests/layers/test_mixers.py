@@ -210,3 +210,178 @@ def test_bad_input_raises(model):
     nnx.eval_shape(lambda m: m(jnp.zeros((2, 3, 32))), mixer)
   with pytest.raises(TypeError, match="floating point"):
     nnx.eval_shape(lambda m: m(jnp.zeros((2, 3, 64), jnp.int32)), mixer)
+
+
+def _silu(a):
+  return a / (1 + np.exp(-a))
+
+
+def _softplus(a):
+  return np.logaddexp(0.0, a)
+
+
+def _sigmoid(a):
+  return 1 / (1 + np.exp(-a))
+
+
+def _causal_silu_conv(x, kernel, bias=None):
+  """Depthwise causal conv + SiLU: x [B, T, C], kernel [W, C] -> [B, T, C].
+
+  y[t] = sum_i kernel[i] * x[t - (W - 1) + i] (+ bias), zeros before t = 0.
+  """
+  length, width = x.shape[1], kernel.shape[0]
+  y = np.zeros_like(x)
+  for t in range(length):
+    for i in range(width):
+      source = t - (width - 1) + i
+      if source >= 0:
+        y[:, t] += kernel[i] * x[:, source]
+  return _silu(y if bias is None else y + bias)
+
+
+def _palimpsa_steps(q, k, v, beta, log_alpha, ip):
+  """SPEC.md sec. 2 stepped token by token in the (mu, I) form.
+
+  q, k [B, T, H, K]; v, beta [B, T, H, V]; log_alpha [B, T, H]; ip [H].
+  Returns o [B, T, H, V] with o_t = mu_t q_t.
+  """
+  batch, length, heads, key_dim = k.shape
+  value_dim = v.shape[-1]
+  ip = ip[None, :, None, None]
+  mu = np.zeros((batch, heads, value_dim, key_dim))
+  precision = np.broadcast_to(ip, mu.shape)
+  out = np.zeros((batch, length, heads, value_dim))
+  for t in range(length):
+    alpha = np.exp(log_alpha[:, t])[:, :, None, None]
+    kt = k[:, t, :, None, :]
+    new_precision = (alpha * precision + (1 - alpha) * ip
+                     + beta[:, t, :, :, None] * kt ** 2)
+    mu = (alpha * (precision / new_precision) * mu
+          + v[:, t, :, :, None] * kt / new_precision)
+    precision = new_precision
+    out[:, t] = np.einsum("bhvk,bhk->bhv", mu, q[:, t])
+  return out
+
+
+def _rms(x, eps):
+  return x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + eps)
+
+
+def _palimpsa_d_reference(p, x, heads, key_dim, value_dim, eps):
+  """Palimpsa-D (SPEC.md sec. 4) in float64 numpy; x [B, T, d] -> [B, T, d]."""
+  batch, length, _ = x.shape
+  per_head = lambda a, dim: a.reshape(batch, length, heads, dim)
+  l2 = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
+  q = l2(per_head(_causal_silu_conv(x @ p["q_proj"], p["q_conv"]), key_dim))
+  q = q * key_dim ** -0.5
+  k = l2(per_head(_causal_silu_conv(x @ p["k_proj"], p["k_conv"]), key_dim))
+  v = per_head(_causal_silu_conv(x @ p["v_proj"], p["v_conv"]), value_dim)
+  dt = _softplus(x @ p["dt_proj"] + p["dt_bias"])
+  log_alpha = -np.exp(p["A_log"]) * dt
+  s = _sigmoid(x @ p["s_proj"])[..., None]
+  gate = _sigmoid((x @ p["beta_down"]) @ p["beta_up"] + p["beta_up_bias"])
+  beta = per_head(gate, value_dim) * _softplus(p["b_scale"])[:, None] * s
+  out = _palimpsa_steps(q, k, v * s, beta, log_alpha, np.exp(p["Ip_log"]))
+  out = out + p["D"][:, None] * v
+  out = _rms(out, eps) * p["norm"] * _silu(
+      per_head(x @ p["gate_proj"], value_dim))
+  return out.reshape(batch, length, heads * value_dim) @ p["out_proj"]
+
+
+def _meta_mamba2_reference(p, x, heads, head_dim, state_dim, groups, eps):
+  """MetaMamba2 (SPEC.md sec. 4, Palimpsa-M) in float64 numpy."""
+  batch, length, _ = x.shape
+  d_inner = heads * head_dim
+  zxbcdt = x @ p["in_proj"]
+  z = zxbcdt[..., :d_inner]
+  xbc = zxbcdt[..., d_inner:2 * d_inner + 2 * groups * state_dim]
+  dt = zxbcdt[..., 2 * d_inner + 2 * groups * state_dim:]
+  xbc = _causal_silu_conv(xbc, p["conv_w"], p["conv_b"])
+  xs = xbc[..., :d_inner].reshape(batch, length, heads, head_dim)
+  group_of_head = np.arange(heads) // (heads // groups)
+  b = xbc[..., d_inner:d_inner + groups * state_dim].reshape(
+      batch, length, groups, state_dim)[:, :, group_of_head]
+  c = xbc[..., d_inner + groups * state_dim:].reshape(
+      batch, length, groups, state_dim)[:, :, group_of_head]
+  dt = _softplus(dt + p["dt_bias"])
+  log_alpha = -np.exp(p["A_log"]) * dt
+  gate = _sigmoid((x @ p["beta_down"]) @ p["beta_up"] + p["beta_up_bias"])
+  beta = (gate.reshape(batch, length, heads, head_dim)
+          * _softplus(p["b_scale"])[:, None] * dt[..., None])
+  y = _palimpsa_steps(c, b, xs * dt[..., None], beta, log_alpha,
+                      np.exp(p["Ip_log"]))
+  y = (y + p["D"][:, None] * xs).reshape(batch, length, d_inner) * _silu(z)
+  y = _rms(y.reshape(batch, length, groups, d_inner // groups), eps)
+  y = y.reshape(batch, length, d_inner) * p["norm"]
+  return y @ p["out_proj"]
+
+
+def _set_head_params(mixer, seed, b_scale_raw):
+  """Draws per-head parameters so that every term of the layer matters.
+
+  A in [0.3, 3], dt around softplus(-1), D in [0.3, 1.7], Ip in [0.5, 2],
+  softplus(b_scale) ~ b_scale_raw (beta of order 1 against Ip).
+  """
+  keys = jax.random.split(jax.random.key(seed), 5)
+  heads = mixer.num_heads
+  uniform = lambda key, lo, hi: jax.random.uniform(key, (heads,), jnp.float32,
+                                                   lo, hi)
+  mixer.A_log[...] = jnp.log(uniform(keys[0], 0.3, 3.0))
+  mixer.dt_bias[...] = uniform(keys[1], -1.5, -0.5)
+  mixer.D[...] = uniform(keys[2], 0.3, 1.7)
+  mixer.Ip_log[...] = jnp.log(uniform(keys[3], 0.5, 2.0))
+  mixer.b_scale[...] = b_scale_raw + uniform(keys[4], -0.5, 0.5)
+
+
+def _float64(variable):
+  return np.asarray(variable[...], np.float64)
+
+
+def test_palimpsa_d_equals_reference():
+  mixer = _mixer("palimpsa_d")
+  _perturb(mixer, 9, scale=0.2)
+  _set_head_params(mixer, 10, b_scale_raw=3.0)
+  m = mixer
+  params = {
+      "q_proj": _float64(m.q_proj.kernel), "k_proj": _float64(m.k_proj.kernel),
+      "v_proj": _float64(m.v_proj.kernel), "q_conv": _float64(m.q_conv.kernel),
+      "k_conv": _float64(m.k_conv.kernel), "v_conv": _float64(m.v_conv.kernel),
+      "dt_proj": _float64(m.dt_proj.kernel), "dt_bias": _float64(m.dt_bias),
+      "A_log": _float64(m.A_log), "s_proj": _float64(m.s_proj.kernel),
+      "beta_down": _float64(m.beta_down.kernel),
+      "beta_up": _float64(m.beta_up.kernel),
+      "beta_up_bias": _float64(m.beta_up.bias),
+      "b_scale": _float64(m.b_scale), "Ip_log": _float64(m.Ip_log),
+      "D": _float64(m.D), "gate_proj": _float64(m.gate_proj.kernel),
+      "norm": _float64(m.out_norm.scale),
+      "out_proj": _float64(m.out_proj.kernel)}
+  x = jax.random.normal(jax.random.key(11), (BATCH, LENGTH, 64))
+  config = _config("palimpsa_d")
+  with jax.enable_x64(True):
+    expected = _palimpsa_d_reference(
+        params, np.asarray(x, np.float64), config.num_heads,
+        config.head_k_dim, config.head_v_dim, config.norm_eps)
+  _assert_close(nnx.jit(lambda m, x: m(x))(mixer, x), expected, 1e-5)
+
+
+def test_meta_mamba2_equals_reference():
+  mixer = _mixer("meta_mamba2")
+  _perturb(mixer, 12, scale=0.2)
+  _set_head_params(mixer, 13, b_scale_raw=3.0)
+  m = mixer
+  params = {"in_proj": _float64(m.in_proj.kernel),
+            "conv_w": _float64(m.conv.kernel), "conv_b": _float64(m.conv.bias),
+            "dt_bias": _float64(m.dt_bias), "A_log": _float64(m.A_log),
+            "beta_down": _float64(m.beta_down.kernel),
+            "beta_up": _float64(m.beta_up.kernel),
+            "beta_up_bias": _float64(m.beta_up.bias),
+            "b_scale": _float64(m.b_scale), "Ip_log": _float64(m.Ip_log),
+            "D": _float64(m.D), "norm": _float64(m.norm.scale),
+            "out_proj": _float64(m.out_proj.kernel)}
+  x = jax.random.normal(jax.random.key(14), (BATCH, LENGTH, 64))
+  config = _config("meta_mamba2")
+  with jax.enable_x64(True):
+    expected = _meta_mamba2_reference(
+        params, np.asarray(x, np.float64), mixer.num_heads, config.head_dim,
+        config.state_dim, config.num_groups, config.norm_eps)
+  _assert_close(nnx.jit(lambda m, x: m(x))(mixer, x), expected, 1e-5)
