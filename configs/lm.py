@@ -9,9 +9,19 @@ Arguments: model (palimpsa_d, not_palimpsa, meta_mamba2, mamba2, gated_deltanet,
 transformer), size (tiny, 170m, 760m, 2.7b), and the common run knobs below.
 Defaults follow the paper's recipe (SPEC.md section 5): AdamW eps 1e-15, weight
 decay 0.1, 2000 warmup steps, cosine to 10%, clipping 1.0, context 4096,
-0.5M tokens per step. The tokenizer defaults to a byte-level BPE with the
-model's vocabulary size, trained on the training files ("bpe:<vocab>").
+batch 128 (128 x 4096 = 0.52M tokens per step). Per size (SIZE_DEFAULTS):
+  170m: lr 3e-3,    15B tokens -> 28,611 steps;
+  760m: lr 1.25e-3, 30B tokens -> 57,221 steps;
+  2.7b: lr 8e-4,    30B tokens -> 57,221 steps (SPEC.md gives no 2.7B recipe, the
+        paper converts a pretrained model; lr from the GPT-3 / Mamba scaling);
+  tiny: a smoke-test run: context 512, batch 16, lr 3e-3, 200 warmup, 2000 steps.
+Unless `steps` is given, steps = ceil(tokens / (batch * seq_len)), so changing
+batch or seq_len keeps the token budget. Any argument given explicitly
+overrides the size's default. The tokenizer defaults to a byte-level BPE with
+the model's vocabulary size, trained on the training files ("bpe:<vocab>").
 """
+
+import math
 
 import ml_collections
 
@@ -22,16 +32,44 @@ DEFAULTS = dict(
     size="170m",
     seq_len=4096,
     batch=128,
-    steps=30_000,
+    tokens=15e9,  # Training tokens; sets steps unless steps is given.
+    steps=0,  # 0: ceil(tokens / (batch * seq_len)).
     lr=3e-3,
     warmup=2000,
     seed=0,
     dtype="bfloat16",
 )
 
+# SPEC.md section 5 (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
+SIZE_DEFAULTS = {
+    "tiny": dict(seq_len=512, batch=16, tokens=2000 * 16 * 512, lr=3e-3,
+                 warmup=200),
+    "170m": dict(tokens=15e9, lr=3e-3),
+    "760m": dict(tokens=30e9, lr=1.25e-3),
+    "2.7b": dict(tokens=30e9, lr=8e-4),
+}
+
+
+def parse_args(arg: str | None) -> ml_collections.ConfigDict:
+  """Arguments with the size's defaults under the explicitly given ones."""
+  args = config_args.parse_config_arg(arg, **DEFAULTS)
+  if args.size not in SIZE_DEFAULTS:
+    raise ValueError(f"size must be one of {tuple(SIZE_DEFAULTS)}, got {args.size!r}.")
+  given = config_args.given_keys(arg)
+  for key, value in SIZE_DEFAULTS[args.size].items():
+    if key not in given:
+      args[key] = value
+  if "steps" not in given:
+    if args.tokens <= 0 or args.batch <= 0 or args.seq_len <= 0:
+      raise ValueError(
+          f"tokens, batch and seq_len must be positive, got {args.tokens}, "
+          f"{args.batch} and {args.seq_len}.")
+    args.steps = math.ceil(args.tokens / (args.batch * args.seq_len))
+  return args
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  args = config_args.parse_config_arg(arg, **DEFAULTS)
+  args = parse_args(arg)
   from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict()
   config.task = "lm"

@@ -39,6 +39,22 @@ def test_bad_config_argument_fails_clearly():
   assert result.returncode != 0 and "mixer must be one of" in result.stderr
 
 
+@pytest.mark.parametrize("arg, lr, steps, batch", [
+    ("size=170m", 3e-3, 28_611, 128),             # SPEC.md sec. 5: 15B tokens
+    ("size=760m", 1.25e-3, 57_221, 128),          # 30B tokens, 0.5M per step
+    ("size=760m,batch=256", 1.25e-3, 28_611, 256),  # same token budget
+    ("size=760m,lr=1e-3,steps=10", 1e-3, 10, 128),  # explicit arguments win
+])
+def test_lm_config_size_defaults(arg, lr, steps, batch):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("lm", REPO / "configs" / "lm.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
+  assert config.optimizer.learning_rate == lr and config.total_steps == steps
+  assert config.batch_size == batch and config.seq_len == 4096
+
+
 def test_train_then_eval_palimpsa_d(tmp_path):
   """A few steps of the real Palimpsa-D through train.py, then eval.py on it."""
   workdir = tmp_path / "run"
