@@ -6,17 +6,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from palimpsa_jax import models
 from palimpsa_jax.conversion.surgery import NEW_PARAMETER_NAMES
-
-
-def _path_names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
 def new_parameter_mask(params: Any) -> Any:
   """True for the metaplastic parameters (beta_down, beta_up, b_scale, Ip_log)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: any(n in NEW_PARAMETER_NAMES for n in _path_names(path)), params)
+      lambda path, _: any(n in NEW_PARAMETER_NAMES for n in models.path_names(path)), params)
 
 
 class NewFirstState(NamedTuple):

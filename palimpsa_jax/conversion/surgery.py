@@ -49,8 +49,8 @@ def check_layers(layers: Sequence[int], config: ml_collections.ConfigDict) -> No
     raise ValueError(f"layers {done} are already metaplastic in the source")
 
 
-def _leaves(tree: dict[str, Any]) -> dict[tuple, Any]:
-  return {tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path): leaf
+def _leaves(tree: dict[str, Any]) -> dict[tuple[str, ...], Any]:
+  return {models.path_names(path): leaf
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -85,11 +85,13 @@ def convert(source: Source, layers: Sequence[int], init: str = "paper",
   if uncovered:
     raise ValueError(f"converted-model parameters missing from the source: {uncovered}")
 
+  converted = {str(i) for i in layers}
+
   def pick(path, leaf):
-    key = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+    key = models.path_names(path)
     if key in given:
       return jnp.asarray(given[key], jnp.float32)
-    if init == "zero" and key[-1] == "b_scale" and key[1] in layers:
+    if init == "zero" and key[-1] == "b_scale" and key[1] in converted:
       return jnp.full_like(leaf, ZERO_INIT_B_SCALE)
     return leaf
 

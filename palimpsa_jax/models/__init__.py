@@ -5,6 +5,7 @@ from palimpsa_jax.models.decoding import generate
 from palimpsa_jax.models.language_model import (Block, LanguageModel,
                                                 build_model, make_mixer,
                                                 metaplastic_layers)
+from palimpsa_jax.models.paths import path_names
 from palimpsa_jax.models.summary import (abstract_parameter_count,
                                          count_parameters, parameter_table)
 from palimpsa_jax.models.weight_decay import weight_decay_mask
@@ -21,5 +22,6 @@ __all__ = [
     "model_config",
     "mqar_model_config",
     "parameter_table",
+    "path_names",
     "weight_decay_mask",
 ]

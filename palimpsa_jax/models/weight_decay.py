@@ -1,30 +1,23 @@
 """Which parameters get weight decay."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from palimpsa_jax.models.paths import path_names
 
 NO_DECAY_NAMES = frozenset(
     {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"})
 
 
-def _path_names(path) -> list[str]:
-  names = []
-  for entry in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)))
-        break
-  return [n for n in names if n != "value"]
-
-
-def decays(path_names: list[str]) -> bool:
+def decays(names: Sequence[str]) -> bool:
   """False for A_log, dt_bias, D, b_scale, Ip_log, biases and norm scales."""
-  if not path_names:
+  if not names:
     return True
-  if path_names[-1] in NO_DECAY_NAMES:
+  if names[-1] in NO_DECAY_NAMES:
     return False
-  return not any("norm" in name for name in path_names)
+  return not any("norm" in name for name in names)
 
 
 def weight_decay_mask(params: Any) -> Any:
@@ -33,4 +26,4 @@ def weight_decay_mask(params: Any) -> Any:
   Usable as optax.adamw(mask=weight_decay_mask).
   """
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: decays(_path_names(path)), params)
+      lambda path, _: decays(path_names(path)), params)
