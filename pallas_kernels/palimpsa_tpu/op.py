@@ -110,6 +110,14 @@ def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
 _palimpsa_tpu.defvjp(_forward, _bwd)
 
 
+def _check_tpu() -> None:
+  """Compiled (non-interpreted) Mosaic kernels run only with a TPU as the default device."""
+  platform = jax.devices()[0].platform
+  if platform != "tpu":
+    raise NotImplementedError(
+        f"palimpsa_tpu needs a TPU as the default device (or interpret=True); got {platform!r}")
+
+
 def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
                  segment_ids, *, return_variance: bool, chunk_size: int,
                  interpret: bool | pltpu.InterpretParams):
@@ -131,8 +139,11 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
      precision [B,H,V,K] float32).
 
   Raises:
-    NotImplementedError: K > 256 or chunk_size <= 0 (the op falls back to "chunked").
+    NotImplementedError: K > 256, or a compiled call (interpret=False) without a TPU as the
+      default device ("auto" then falls back to "chunked").
   """
+  if not interpret:
+    _check_tpu()
   layout.geometry(q.shape, v.shape[-1], chunk_size)
   return _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
                        segment_ids, return_variance, chunk_size, interpret)

@@ -190,8 +190,8 @@ def test_chunked_backward_memory_is_sublinear_in_states():
   assert temp < 0.25 * all_states, f"temp {temp / 2**20:.1f} MiB vs states {all_states / 2**20} MiB"
 
 
-def test_dispatch_falls_back_to_chunked(monkeypatch):
-  """A kernel that declines (NotImplementedError) or is missing under "auto" -> "chunked"."""
+def test_auto_falls_back_to_chunked(monkeypatch):
+  """Under "auto", a kernel that declines (NotImplementedError) or is missing -> "chunked"."""
   def decline(*args, **kwargs):
     raise NotImplementedError("test: declined")
 
@@ -201,8 +201,25 @@ def test_dispatch_falls_back_to_chunked(monkeypatch):
   monkeypatch.setattr(api, "_auto_implementation", lambda: "pallas_gpu")
   monkeypatch.setattr(gpu_module, "palimpsa_gpu", decline)
   np.testing.assert_array_equal(palimpsa(*args).out, want)
-  np.testing.assert_array_equal(palimpsa(*args, implementation="pallas_gpu").out, want)
   monkeypatch.setitem(api._KERNEL_MODULES, "pallas_gpu", "pallas_kernels.no_such_kernel")
   np.testing.assert_array_equal(palimpsa(*args).out, want)
+
+
+def test_named_kernel_never_falls_back(monkeypatch):
+  """A kernel named explicitly: a decline is a ValueError with its reason, a missing module an
+  ImportError; the compiled kernels decline on CPU."""
+  def decline(*args, **kwargs):
+    raise NotImplementedError("test: declined")
+
+  x = _f32(_small_inputs(7))
+  args = [x[n] for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
+  if jax.default_backend() == "cpu":
+    for kernel, reason in (("pallas_gpu", "NVIDIA GPU"), ("pallas_tpu", "needs a TPU")):
+      with pytest.raises(ValueError, match=f"implementation='{kernel}' cannot run.*{reason}"):
+        palimpsa(*args, implementation=kernel)
+  monkeypatch.setattr(gpu_module, "palimpsa_gpu", decline)
+  with pytest.raises(ValueError, match="implementation='pallas_gpu' cannot run this call: test"):
+    palimpsa(*args, implementation="pallas_gpu")
+  monkeypatch.setitem(api._KERNEL_MODULES, "pallas_gpu", "pallas_kernels.no_such_kernel")
   with pytest.raises(ImportError):
     palimpsa(*args, implementation="pallas_gpu")

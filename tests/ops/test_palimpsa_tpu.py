@@ -14,6 +14,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from palimpsa_jax.ops import PalimpsaState, palimpsa
+from pallas_kernels.palimpsa_tpu import op as tpu_op
 from pallas_kernels.palimpsa_tpu import palimpsa_tpu
 from pallas_kernels.palimpsa_tpu.layout import geometry
 from tests.ops.palimpsa_suite import (DIFF_ARGS, PalimpsaSuite, make_inputs, random_cotangents,
@@ -85,12 +86,16 @@ def _abstract_args(kd, vd, dtype, t):
           s((b, h, vd, kd), jnp.float32), s((b, h, vd, kd), jnp.float32), s((b, t), jnp.int32))
 
 
+def _compiled_kernel(*args, return_variance, chunk_size):
+  """The compiled kernels without palimpsa_tpu's device check, to lower them for TPU here."""
+  return tpu_op._palimpsa_tpu(*args, return_variance, chunk_size, False)
+
+
 def _lower_for_tpu(kd, vd, dtype, return_variance, t=16):
   """StableHLO text of forward + backward lowered for TPU."""
 
   def loss(*args):
-    out, var, mu, prec = palimpsa_tpu(*args, return_variance=return_variance, chunk_size=64,
-                                      interpret=False)
+    out, var, mu, prec = _compiled_kernel(*args, return_variance=return_variance, chunk_size=64)
     total = jnp.sum(out.astype(jnp.float32)) + jnp.sum(mu) + jnp.sum(prec)
     return total + (jnp.sum(var) if return_variance else 0.0)
 
@@ -116,7 +121,7 @@ def test_exports_for_tpu():
   """jax.export with platforms=["tpu"] (value and grads): all three kernels, by name."""
 
   def loss(*args):
-    out, _, mu, _ = palimpsa_tpu(*args, return_variance=False, chunk_size=128, interpret=False)
+    out, _, mu, _ = _compiled_kernel(*args, return_variance=False, chunk_size=128)
     return jnp.sum(out.astype(jnp.float32)) + jnp.sum(mu)
 
   value_and_grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6, 7))
@@ -145,6 +150,14 @@ def test_unsupported_key_dim_raises_not_implemented():
   args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(264, 8, jnp.float32, 4)]
   with pytest.raises(NotImplementedError, match="key dims"):
     palimpsa_tpu(*args, return_variance=False, chunk_size=64, interpret=True)
+
+
+def test_declines_compiled_call_without_tpu():
+  if jax.default_backend() == "tpu":
+    pytest.skip("a TPU is present")
+  args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(16, 16, jnp.float32, 4)]
+  with pytest.raises(NotImplementedError, match="needs a TPU"):
+    palimpsa_tpu(*args, return_variance=False, chunk_size=64, interpret=False)
 
 
 def test_op_dispatches_to_the_kernel():

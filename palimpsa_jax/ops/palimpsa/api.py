@@ -38,6 +38,8 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
     segment_ids: [B, T] integers; the state restarts from the prior where the id changes.
     return_variance: also return sum_k q^2 / I_t, [B, T, H, V] f32.
     implementation: "auto", "sequential", "associative", "chunked", "pallas_gpu", "pallas_tpu".
+      "auto" picks the kernel of the default backend and falls back to "chunked" where that
+      kernel cannot run the call; a kernel named here raises ValueError instead.
     chunk_size: steps per chunk for the chunked forms.
     interpret: run a Pallas kernel in interpret mode.
 
@@ -111,9 +113,11 @@ def _auto_implementation() -> str:
 
 def _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segment_ids,
                 return_variance, chunk_size, interpret, explicit) -> PalimpsaResult | None:
-  """Calls a Pallas kernel; None where it declines the case (-> "chunked").
+  """Calls a Pallas kernel; None under "auto" (explicit=False) where it cannot run the call.
 
-  A missing kernel module also gives None under "auto" (explicit=False) but raises otherwise.
+  A kernel that declines (NotImplementedError) or a missing kernel module gives None under
+  "auto" (-> "chunked"). A kernel the caller named explicitly never falls back: a decline raises
+  ValueError with the kernel's reason, a missing module its ImportError.
   """
   try:
     module = importlib.import_module(_KERNEL_MODULES[implementation])
@@ -127,6 +131,9 @@ def _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segmen
     out, var, mu, prec = kernel(q, k, v, beta, log_alpha, ip, mu0, prec0, seg,
                                 return_variance=return_variance, chunk_size=chunk_size,
                                 interpret=interpret)
-  except NotImplementedError:
+  except NotImplementedError as declined:
+    if explicit:
+      raise ValueError(
+          f"implementation={implementation!r} cannot run this call: {declined}") from declined
     return None
   return PalimpsaResult(out.astype(v.dtype), var, PalimpsaState(mu, prec))
