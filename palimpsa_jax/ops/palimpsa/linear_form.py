@@ -5,19 +5,8 @@ already 0 where a segment restarts (restarting from the prior is M = 0, Ibar = 0
 (out [B,T,H,V] f32, variance [B,T,H,V] f32 or None, M_T [B,H,V,K], Ibar_T [B,H,V,K]).
 """
 
-from typing import Protocol
-
 import jax
 import jax.numpy as jnp
-
-
-class LinearFormImpl(Protocol):
-
-  def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array,
-               gate: jax.Array, prior_precision: jax.Array, m0: jax.Array, ibar0: jax.Array, *,
-               return_variance: bool, chunk_size: int
-               ) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
-    ...
 
 
 def gate_from(log_alpha: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
