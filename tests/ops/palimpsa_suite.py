@@ -215,7 +215,7 @@ class PalimpsaSuite:
 
   def test_alpha_to_one_for_100k_steps(self):
     if not self.LONG_RUN:
-      pytest.skip(f"LONG_RUN = False for {self.IMPLEMENTATION}: the 100k-step run is too slow here")
+      pytest.skip(f"LONG_RUN = False for {self.IMPLEMENTATION}: the 100k-step run is too costly here")
     t = 100_000
     shape = (1, t, 1, 2, 2)
     x = make_inputs(70, shape)
