@@ -16,6 +16,7 @@ from absl import flags
 from absl import logging
 
 from palimpsa_jax.evaluation.suites import SUITES
+from palimpsa_jax.training import checkpoint as checkpoint_lib
 
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Evaluation suite.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir (latest checkpoint).")
@@ -45,10 +46,7 @@ def _checkpoints() -> list[str]:
 
 def default_output(suite: str, checkpoint: str) -> str:
   """<workdir>/eval_<suite>.json for a workdir or one of its checkpoints/<step>."""
-  path = os.path.abspath(checkpoint)
-  if os.path.basename(os.path.dirname(path)) == "checkpoints":
-    path = os.path.dirname(os.path.dirname(path))
-  return os.path.join(path, f"eval_{suite}.json")
+  return os.path.join(checkpoint_lib.workdir_of(checkpoint), f"eval_{suite}.json")
 
 
 def main(argv):

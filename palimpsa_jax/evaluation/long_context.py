@@ -18,6 +18,7 @@ import numpy as np
 
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax.training import checkpoint as checkpoint_lib
 
 DEFAULT_BATCH_SIZE = 1
 
@@ -98,7 +99,8 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6, 4))
   for checkpoint, curve in curves.items():
-    label = f"{os.path.basename(_workdir(checkpoint))} (step {curve['step']})"
+    name = os.path.basename(checkpoint_lib.workdir_of(checkpoint))
+    label = f"{name} (step {curve['step']})"
     points = [(e, m) for e, m in zip(curve["bucket_end"], curve["mean_nll"]) if m is not None]
     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
   ax.set_xscale("log", base=2)
@@ -113,19 +115,11 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
   plt.close(fig)
 
 
-def _workdir(checkpoint: str) -> str:
-  """The train.py workdir of a workdir or of one of its checkpoints/<step> folders."""
-  path = os.path.abspath(checkpoint)
-  if os.path.basename(os.path.dirname(path)) == "checkpoints":
-    path = os.path.dirname(os.path.dirname(path))
-  return path
-
-
 def _plot_path(options: Mapping[str, Any], checkpoints: Sequence[str]) -> str:
   """Next to --output, else in the first checkpoint's workdir (beside eval.py's JSON)."""
   if options.get("output"):
     return os.path.splitext(options["output"])[0] + ".png"
-  return os.path.join(_workdir(checkpoints[0]), "eval_long_context.png")
+  return os.path.join(checkpoint_lib.workdir_of(checkpoints[0]), "eval_long_context.png")
 
 
 def run(options: Mapping[str, Any]) -> dict[str, Any]:

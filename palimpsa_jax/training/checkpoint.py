@@ -101,13 +101,23 @@ class Checkpointer:
     self._manager.close()
 
 
+def workdir_of(checkpoint: str) -> str:
+  """The absolute train.py workdir of a workdir or of its checkpoints/<step> folder."""
+  path = os.path.abspath(checkpoint)
+  name, parent = os.path.basename(path), os.path.dirname(path)
+  if name.isdigit() and os.path.basename(parent) == CHECKPOINT_DIR:
+    return os.path.dirname(parent)
+  return path
+
+
 def _resolve(checkpoint: str) -> tuple[str, int | None]:
   """(workdir, step or None for the latest) from a workdir or a step directory."""
   path = epath.Path(checkpoint)
   if (path / CONFIG_FILE).exists():
     return str(path), None
-  if path.name.isdigit() and path.parent.name == CHECKPOINT_DIR:
-    return str(path.parent.parent), int(path.name)
+  workdir = workdir_of(checkpoint)
+  if workdir != os.path.abspath(checkpoint):
+    return workdir, int(path.name)
   raise FileNotFoundError(
       f"checkpoint={checkpoint!r} is neither a workdir written by train.py "
       f"(holding {CONFIG_FILE}) nor one of its {CHECKPOINT_DIR}/<step> folders.")
