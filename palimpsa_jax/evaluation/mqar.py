@@ -10,6 +10,7 @@ import numpy as np
 
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
+from palimpsa_jax.evaluation import lm as lm_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import steps as steps_lib
 
@@ -118,11 +119,7 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   "mqar_settings" (extra "SEQ_LEN:KV,..." test settings), "num_examples"
   (default 3000), "batch_size" (default 128), "seed" (test-set seed).
   """
-  checkpoints = options.get("checkpoint")
-  if isinstance(checkpoints, str):
-    checkpoints = [c for c in checkpoints.split(",") if c]
-  if not checkpoints:
-    raise ValueError("the mqar suite needs --workdir or --checkpoint.")
+  checkpoints = lm_lib.checkpoints_option(options)
   settings = parse_settings(options.get("mqar_settings"))
   num_examples = int(options.get("num_examples") or DEFAULT_NUM_EXAMPLES)
   batch_size = int(options.get("batch_size") or DEFAULT_BATCH_SIZE)

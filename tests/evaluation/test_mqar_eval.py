@@ -76,7 +76,7 @@ def test_eval_main_writes_default_json(workdir):
 def test_errors():
   with pytest.raises(ValueError, match="SEQ_LEN:NUM_KV_PAIRS"):
     mqar_eval.parse_settings("128-16")
-  with pytest.raises(ValueError, match="--workdir or --checkpoint"):
+  with pytest.raises(ValueError, match="must name at least one checkpoint"):
     mqar_eval.run({})
   with pytest.raises(KeyError, match="unknown suite"):
     SUITES["nope"]  # pylint: disable=pointless-statement
