@@ -15,7 +15,6 @@ from typing import Any
 
 from etils import epath
 from flax import nnx
-import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
@@ -75,10 +74,7 @@ def load_converted(dest: str) -> tuple[nnx.Module, ml_collections.ConfigDict, di
   # pylint: enable=g-import-not-at-top
   config, info = read_conversion(dest)
   parts = state_lib.abstract_model(lambda rngs: models.build_model(config, rngs))
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-      nnx.to_pure_dict(parts.abstract_params))
-  params = restore_params(dest, abstract)
-  model_state = nnx.to_pure_dict(parts.abstract_model_state)
-  return state_lib.merge_model(parts.graphdef, params, model_state), config, info
+  abstract = state_lib.abstract_on_first_local_device(parts)
+  params = restore_params(dest, abstract["params"])
+  return (state_lib.merge_model(parts.graphdef, params, abstract["model_state"]),
+          config, info)

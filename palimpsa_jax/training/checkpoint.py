@@ -12,7 +12,6 @@ import json
 import os
 from typing import Any
 
-from flax import nnx
 import grain
 import jax
 import ml_collections
@@ -144,11 +143,7 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/{CHECKPOINT_DIR}.")
   parts = state_lib.abstract_model(trainer.model_fn(config), config.seed)
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-      {"params": nnx.to_pure_dict(parts.abstract_params),
-       "model_state": nnx.to_pure_dict(parts.abstract_model_state)})
+  abstract = state_lib.abstract_on_first_local_device(parts)
   restored = manager.restore(
       step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
   manager.close()

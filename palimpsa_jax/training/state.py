@@ -72,6 +72,18 @@ def abstract_model(model_fn: ModelFn, seed: int = 0) -> ModelParts:
   return ModelParts(graphdef, params, model_state)
 
 
+def abstract_on_first_local_device(parts: ModelParts) -> dict[str, Any]:
+  """The model's abstract {"params", "model_state"} pure dicts on the first local device.
+
+  The restore target of a model loaded on one device (evaluation, conversion).
+  """
+  device = SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+      {"params": nnx.to_pure_dict(parts.abstract_params),
+       "model_state": nnx.to_pure_dict(parts.abstract_model_state)})
+
+
 def merge_model(graphdef: Any, params: dict, model_state: dict) -> nnx.Module:
   """The NNX module holding `params` and `model_state`."""
   return nnx.merge(graphdef, params, model_state)
