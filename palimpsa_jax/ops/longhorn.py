@@ -29,7 +29,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.gla import check_array, check_sequences
+from palimpsa_jax.ops.common import check_array, check_sequences
 
 
 class LonghornResult(NamedTuple):

@@ -15,7 +15,7 @@ independent of S_0. Then
 
 Only the last two lines need S_0: a lax.scan over chunks carries S and emits U per chunk; everything
 else is batched over chunks. Segment resets zero the decay across a segment start (see
-`palimpsa_jax.ops.gla.chunk_masks`).
+`palimpsa_jax.ops.common.chunk_masks`).
 """
 
 import jax
@@ -23,7 +23,7 @@ from jax import lax
 import jax.numpy as jnp
 import jax.scipy.linalg
 
-from palimpsa_jax.ops.gla import chunk_masks, pad_time, to_chunks
+from palimpsa_jax.ops.common import chunk_masks, pad_time, to_chunks
 
 _HIGHEST = lax.Precision.HIGHEST
 

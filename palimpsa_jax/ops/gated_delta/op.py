@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from palimpsa_jax.ops.gated_delta.chunked import gated_delta_chunked
 from palimpsa_jax.ops.gated_delta.sequential import gated_delta_sequential
-from palimpsa_jax.ops.gla import check_array, check_options, check_sequences, segment_starts
+from palimpsa_jax.ops.common import check_array, check_options, check_sequences, segment_starts
 
 IMPLEMENTATIONS = ("auto", "sequential", "chunked")
 

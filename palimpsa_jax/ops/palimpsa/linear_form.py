@@ -8,15 +8,16 @@ already 0 where a segment restarts (restarting from the prior is M = 0, Ibar = 0
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops.common import segment_starts
+
 
 def gate_from(log_alpha: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
   """alpha_t [B,T,H] f32, zeroed at the steps where segment_ids changes from t-1 to t."""
   a = jnp.exp(log_alpha.astype(jnp.float32))
   if segment_ids is None:
     return a
-  reset = segment_ids[:, 1:] != segment_ids[:, :-1]  # [B,T-1]
-  reset = jnp.concatenate([jnp.zeros_like(reset[:, :1]), reset], axis=1)
-  return jnp.where(reset[:, :, None], 0.0, a)
+  starts = segment_starts(segment_ids, *segment_ids.shape)  # [B, T]
+  return jnp.where(starts[:, :, None], 0.0, a)
 
 
 def readout(m: jax.Array, ibar: jax.Array, ip: jax.Array, q: jax.Array, return_variance: bool
