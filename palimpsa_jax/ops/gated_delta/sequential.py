@@ -1,6 +1,5 @@
 """Step-by-step gated delta rule: one lax.scan over time."""
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 

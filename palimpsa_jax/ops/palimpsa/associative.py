@@ -4,7 +4,6 @@ Materialises every state, O(T*V*K) memory: meant for checking and short sequence
 """
 
 import jax
-import jax.numpy as jnp
 
 from palimpsa_jax.ops.palimpsa.linear_form import readout
 
