@@ -150,10 +150,9 @@ def bench_model(model: str, implementation: str, args: argparse.Namespace,
   config.model.remat = args.remat
   rules = sharding_lib.rules_from_config(config.mesh)
   total_steps = config.total_steps
-  make_tx = lambda _: optimizer_lib.make_optimizer(
-      config.optimizer, total_steps, trainer.weight_decay_mask)
   spec = state_lib.make_train_state_spec(
-      trainer.model_fn(config), config.seed, make_tx, mesh, rules)
+      trainer.model_fn(config), config.seed,
+      trainer.make_tx_fn(config, total_steps), mesh, rules)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,

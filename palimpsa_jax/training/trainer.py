@@ -50,7 +50,7 @@ def make_tx_fn(config: ml_collections.ConfigDict, total_steps: int
   """
   def make_tx(abstract_params):
     tx = optimizer_lib.make_optimizer(config.optimizer, total_steps,
-                                      weight_decay_mask)
+                                      models.weight_decay_mask)
     new_first = config.optimizer.get("new_params_only_steps", 0)
     if not new_first:
       return tx
@@ -85,11 +85,6 @@ def initial_state(spec: state_lib.TrainStateSpec,
   if jax.process_index() == 0:
     print(f"initialised parameters from {init_from}", flush=True)
   return state
-
-
-def weight_decay_mask(params: Any) -> Any:
-  """True for parameters that take weight decay (the models' rule)."""
-  return models.weight_decay_mask(params)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

@@ -46,7 +46,6 @@ def decay_mask(params):
 def use_tiny_model(patcher) -> None:
   """Points the trainer at TinyLM (patcher: pytest's monkeypatch or similar)."""
   patcher.setattr(trainer, "model_fn", lambda config: lambda rngs: build(config.model, rngs))
-  patcher.setattr(trainer, "weight_decay_mask", decay_mask)
 
 
 def tiny_mqar_config(**overrides) -> ml_collections.ConfigDict:
