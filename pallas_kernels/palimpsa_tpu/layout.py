@@ -12,14 +12,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import round_up
+
 LANES = 128
 MAX_KEY_DIM = 256
 # VMEM budget (bytes) for the backward kernel's recomputed states and checkpoints.
 _BACKWARD_STATE_BUDGET = 8 * 2**20
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +66,12 @@ def geometry(q_shape: tuple[int, ...], vd: int, chunk_size: int, *,
     raise NotImplementedError(f"palimpsa_tpu supports key dims up to {MAX_KEY_DIM}, got {kd}.")
   if chunk_size <= 0:
     raise NotImplementedError(f"chunk_size must be positive, got {chunk_size}.")
-  kp = _round_up(kd, 16)
-  vp = _round_up(vd, LANES)
-  chunk = _round_up(chunk_size, LANES)
+  kp = round_up(kd, 16)
+  vp = round_up(vd, LANES)
+  chunk = round_up(chunk_size, LANES)
   if short_chunks and t <= chunk:
-    chunk = _round_up(t, 16)
-  tp = _round_up(t, chunk)
+    chunk = round_up(t, 16)
+  tp = round_up(t, chunk)
   return Geometry(batch, heads, t, kd, vd, chunk, kp, vp, tp, _sub_block(chunk, kp))
 
 
