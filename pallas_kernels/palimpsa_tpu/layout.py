@@ -64,8 +64,6 @@ def geometry(q_shape: tuple[int, ...], vd: int, chunk_size: int, *,
   batch, t, heads, kd = q_shape
   if kd > MAX_KEY_DIM:
     raise NotImplementedError(f"palimpsa_tpu supports key dims up to {MAX_KEY_DIM}, got {kd}.")
-  if chunk_size <= 0:
-    raise NotImplementedError(f"chunk_size must be positive, got {chunk_size}.")
   kp = round_up(kd, 16)
   vp = round_up(vd, LANES)
   chunk = round_up(chunk_size, LANES)

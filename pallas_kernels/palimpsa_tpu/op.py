@@ -128,8 +128,8 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
     prior_precision: [H]; initial_mu, initial_precision: [B, H, V, K] float32;
     segment_ids: [B, T] int32 or None (restart from the prior where the id changes).
     return_variance: also return sum_k q^2 / I_t.
-    chunk_size: time block, rounded up to the 128-lane width (interpreted: the whole sequence
-      if shorter).
+    chunk_size: time block (> 0, checked by `palimpsa`), rounded up to the 128-lane width
+      (interpreted: the whole sequence if shorter).
     interpret: True runs the kernels in the Pallas interpreter (any backend, for tests); a
       `pltpu.InterpretParams` selects the TPU interpret mode (simulated VMEM, cores and grid
       order).
