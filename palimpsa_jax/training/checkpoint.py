@@ -92,9 +92,6 @@ class Checkpointer:
             data=grain.checkpoint.CheckpointRestore(data_iterator)))
     return {**restored["model"], **restored["optimizer"]}
 
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
-
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
