@@ -21,6 +21,8 @@ metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
 
 import ml_collections
 
+from palimpsa_jax.layers.mlp import swiglu_hidden_dim
+
 MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
           "gated_deltanet", "transformer")
 SIZES = ("tiny", "170m", "760m", "2.7b")
@@ -36,20 +38,19 @@ _MIXER = {
     "transformer": ("attention", False),
 }
 
-# Palimpsa-D / NotPalimpsa, and Gated DeltaNet with the same head layout.
+# Palimpsa-D / NotPalimpsa, and Gated DeltaNet with the same head layout. Sizes
+# without mlp_hidden_dim take swiglu_hidden_dim(d_model) (2048, 4096, 6912);
+# tiny's 128 is smaller than that rule.
 _DELTA_SIZES = {
     "tiny": dict(num_layers=2, d_model=64, num_heads=4, head_k_dim=16,
                  head_v_dim=16, beta_rank=4, vocab_size=512,
                  mlp_hidden_dim=128),
     "170m": dict(num_layers=19, d_model=768, num_heads=16, head_k_dim=48,
-                 head_v_dim=48, beta_rank=48, vocab_size=32000,
-                 mlp_hidden_dim=2048),
+                 head_v_dim=48, beta_rank=48, vocab_size=32000),
     "760m": dict(num_layers=19, d_model=1536, num_heads=16, head_k_dim=96,
-                 head_v_dim=192, beta_rank=96, vocab_size=32000,
-                 mlp_hidden_dim=4096),
+                 head_v_dim=192, beta_rank=96, vocab_size=32000),
     "2.7b": dict(num_layers=25, d_model=2560, num_heads=20, head_k_dim=128,
-                 head_v_dim=256, beta_rank=160, vocab_size=32000,
-                 mlp_hidden_dim=6912),
+                 head_v_dim=256, beta_rank=160, vocab_size=32000),
 }
 # MetaMamba2 / Mamba2 (expand 2, no MLP); 2.7b is the Mamba2-2.7B backbone.
 _MAMBA_SIZES = {
@@ -68,11 +69,11 @@ _ATTENTION_SIZES = {
     "tiny": dict(num_layers=2, d_model=64, num_heads=4, head_dim=16,
                  vocab_size=512, mlp_hidden_dim=128),
     "170m": dict(num_layers=21, d_model=768, num_heads=12, head_dim=64,
-                 vocab_size=32000, mlp_hidden_dim=2048),
+                 vocab_size=32000),
     "760m": dict(num_layers=26, d_model=1536, num_heads=16, head_dim=96,
-                 vocab_size=32000, mlp_hidden_dim=4096),
+                 vocab_size=32000),
     "2.7b": dict(num_layers=34, d_model=2560, num_heads=20, head_dim=128,
-                 vocab_size=32000, mlp_hidden_dim=6912),
+                 vocab_size=32000),
 }
 
 
@@ -125,6 +126,7 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
     fields.update(_DELTA_SIZES[size], **_gates(mixer))
     if mixer == "gated_deltanet":
       del fields["beta_rank"]
+  fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
   fields["size"] = size
   return _apply_overrides(ml_collections.ConfigDict(fields), overrides)
 
