@@ -146,7 +146,7 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
                                           cfg.k)
   prec_final = layout.state_from_head_major(i_final, cfg.b, cfg.h, cfg.v, cfg.k)
   residuals = (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final,
-               b_final, var_h, initial_mu, initial_precision, segment_ids)
+               b_final, var_h, initial_mu, initial_precision)
   return (out, var, mu_final, prec_final), residuals
 
 
@@ -173,7 +173,7 @@ def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
 
 def _backward(cfg: Config, residuals, cotangents):
   (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final, b_final,
-   var_h, initial_mu, initial_precision, segment_ids) = residuals
+   var_h, initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
   f32 = jnp.float32
   bh, tp, kp = qh.shape
@@ -289,7 +289,8 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
       (<= 0); prior_precision: [H] (> 0); initial_mu, initial_precision:
       [B, H, V, K] float32; segment_ids: [B, T] int32 or None.
     return_variance: also return sum_k q^2 / I_t.
-    chunk_size: chunk length of the two-level scheme (rounded to a power of two).
+    chunk_size: chunk length of the two-level scheme: min(chunk_size, T) rounded up to a
+      power of two, then clamped to [16, 128].
     interpret: run the Pallas kernels in interpret mode (CPU).
 
   Returns:
