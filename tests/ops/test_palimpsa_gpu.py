@@ -15,7 +15,8 @@ from tests.ops.palimpsa_suite import PalimpsaSuite
 class TestPallasGpuInterpret(PalimpsaSuite):
   IMPLEMENTATION = "pallas_gpu"
   INTERPRET = True
-  # Two chunks with segments (one restart inside a chunk, one on a chunk boundary).
+  # Three 16-step chunks (T=37, the last one padded) with segments: restarts at t=10
+  # (inside the first chunk) and t=16 (on a chunk boundary).
   SHAPES = (((2, 37, 2, 8, 20), 16, ((10, 6, 21), (37,))),)
   LONG_RUN = False
 

@@ -40,7 +40,9 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
     implementation: "auto", "sequential", "associative", "chunked", "pallas_gpu", "pallas_tpu".
       "auto" picks the kernel of the default backend and falls back to "chunked" where that
       kernel cannot run the call; a kernel named here raises ValueError instead.
-    chunk_size: steps per chunk for the chunked forms.
+    chunk_size: steps per chunk for the chunked forms. "pallas_gpu" uses min(chunk_size, T)
+      rounded up to a power of two and clamped to [16, 128]; compiled "pallas_tpu" rounds it
+      up to a multiple of 128.
     interpret: run a Pallas kernel in interpret mode.
 
   Returns:
