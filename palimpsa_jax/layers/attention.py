@@ -21,6 +21,29 @@ class KVCache(NamedTuple):
   position: jax.Array
 
 
+def check_cache_room(cache: KVCache, length: int) -> None:
+  """Raises ValueError when `length` new tokens do not fit in the cache.
+
+  The S_max bound is checked on the static shapes; position + length <= S_max
+  only when cache.position is concrete (outside jit). Under jit the position is
+  traced, and keeping it within S_max is the caller's job: beyond it,
+  dynamic_update_slice would clamp and overwrite the last slots.
+  """
+  max_length = cache.k.shape[1]
+  if length > max_length:
+    raise ValueError(
+        f"{length} new tokens do not fit in a KV cache of {max_length} positions; "
+        "call init_cache with a larger max_length")
+  try:
+    position = int(cache.position)
+  except jax.errors.ConcretizationTypeError:
+    return
+  if position + length > max_length:
+    raise ValueError(
+        f"the KV cache holds {position} of {max_length} positions: {length} new "
+        "tokens do not fit; call init_cache with a larger max_length")
+
+
 class Attention(nnx.Module):
   """Multi-head causal softmax attention, optional RoPE, no biases.
 
@@ -93,8 +116,13 @@ class Attention(nnx.Module):
     return y
 
   def prefill(self, x: jax.Array, cache: KVCache):
-    """Appends x [B, T, d] to the cache; returns (y [B, T, d], new cache)."""
+    """Appends x [B, T, d] to the cache; returns (y [B, T, d], new cache).
+
+    Raises ValueError when T exceeds the cache length S_max, or (outside jit)
+    when position + T does; see check_cache_room.
+    """
     length = x.shape[1]
+    check_cache_room(cache, length)
     max_length = cache.k.shape[1]
     start = cache.position
     positions = start + jnp.arange(length)
@@ -110,5 +138,9 @@ class Attention(nnx.Module):
     return self._out(o), KVCache(k_all, v_all, start + length)
 
   def step(self, x: jax.Array, cache: KVCache):
-    """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
+    """One token x [B, 1, d]; returns (y [B, 1, d], new cache).
+
+    Under jit (e.g. generate's scan) the position is traced and not checked:
+    the caller must stop before position reaches the cache length S_max.
+    """
     return self.prefill(x, cache)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from palimpsa_jax.layers import (Attention, GatedDeltaNet, MetaMamba2,
-                                 PalimpsaD, RMSNorm, SwiGLU)
+from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache,
+                                 MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | Attention
@@ -192,11 +192,24 @@ class LanguageModel(nnx.Module):
                  for block in self.blocks)
 
   def prefill(self, tokens: jax.Array, cache: tuple[Any, ...]):
-    """tokens [B, T] from the cache -> (logits [B, T, vocab] f32, cache)."""
+    """tokens [B, T] from the cache -> (logits [B, T, vocab] f32, cache).
+
+    Raises ValueError when T exceeds a KV cache's length (init_cache's
+    max_length).
+    """
+    lengths = [c.k.shape[1] for c in cache if isinstance(c, KVCache)]
+    if lengths and tokens.shape[1] > min(lengths):
+      raise ValueError(
+          f"tokens has {tokens.shape[1]} positions, more than the KV cache's "
+          f"{min(lengths)} (init_cache's max_length)")
     return self._decode(tokens, cache, single_step=False)
 
   def step(self, tokens: jax.Array, cache: tuple[Any, ...]):
-    """One token per sequence [B, 1] -> (logits [B, 1, vocab] f32, cache)."""
+    """One token per sequence [B, 1] -> (logits [B, 1, vocab] f32, cache).
+
+    A KV cache must have room for the token; under jit its position is traced
+    and not checked (see layers.attention.check_cache_room).
+    """
     if tokens.ndim != 2 or tokens.shape[1] != 1:
       raise ValueError(f"tokens must be [B, 1], got {tokens.shape}")
     return self._decode(tokens, cache, single_step=True)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from palimpsa_jax.layers import Attention
 from palimpsa_jax.models import build_model, generate, model_config
 from palimpsa_jax.models.config import MODELS
 
@@ -103,3 +104,19 @@ def test_bad_inputs_raise(palimpsa_lm):
     generate(lm, tokens, 0)
   with pytest.raises(ValueError, match=r"tokens must be \[B, 1\]"):
     lm.step(tokens, lm.init_cache(BATCH, LENGTH))
+
+
+def test_kv_cache_overflow_raises():
+  config = model_config("transformer", "tiny", dtype="float32")
+  lm = nnx.eval_shape(lambda: build_model(config, nnx.Rngs(0)))
+  cache = nnx.eval_shape(lambda m: m.init_cache(BATCH, 4), lm)
+  with pytest.raises(ValueError, match="5 positions, more than the KV cache's 4"):
+    nnx.eval_shape(lambda m, t, c: m.prefill(t, c), lm,
+                   jax.ShapeDtypeStruct((BATCH, 5), jnp.int32), cache)
+  x = jnp.zeros((BATCH, 3, config.d_model))
+  attention = Attention(config.d_model, num_heads=2, head_dim=4, rngs=nnx.Rngs(0))
+  cache = attention.init_cache(BATCH, 4)
+  _, cache = attention.prefill(x, cache)
+  _, cache = attention.step(x[:, :1], cache)
+  with pytest.raises(ValueError, match="holds 4 of 4 positions"):
+    attention.step(x[:, :1], cache)
