@@ -14,14 +14,9 @@ import pytest
 
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
+from tests.ops.numerics import rel_error
 
 DIFF_ARGS = ("q", "k", "v", "beta", "log_alpha", "prior_precision", "mu0", "precision0")
-
-
-def rel_error(x, ref) -> float:
-  """max |x - ref| / max |ref| in float64."""
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
 def make_inputs(seed: int, shape, dtype=jnp.float32, segment_lengths=None) -> dict:
@@ -215,7 +210,8 @@ class PalimpsaSuite:
 
   def test_alpha_to_one_for_100k_steps(self):
     if not self.LONG_RUN:
-      pytest.skip(f"LONG_RUN = False for {self.IMPLEMENTATION}: the 100k-step run is too costly here")
+      pytest.skip(f"LONG_RUN = False for {self.IMPLEMENTATION}: the 100k-step run is too "
+                  "costly here")
     t = 100_000
     shape = (1, t, 1, 2, 2)
     x = make_inputs(70, shape)

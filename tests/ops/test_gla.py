@@ -10,15 +10,11 @@ import pytest
 
 from palimpsa_jax.ops.gla import GLAResult, simple_gla
 from palimpsa_jax.ops.ssd import ssd_quadratic
+from tests.ops.numerics import rel_error, to_float64
 
 B, T, H, K, V = 2, 13, 2, 4, 3
 CHUNK = 4
 IMPLEMENTATIONS = ("sequential", "chunked")
-
-
-def _rel_err(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return np.max(np.abs(x - ref)) / np.max(np.abs(ref))
 
 
 def _inputs(seed, time=T, dtype=jnp.float32):
@@ -48,16 +44,10 @@ def _recurrence(q, k, v, log_alpha, h0, seg):
   return jnp.moveaxis(out, 0, 1), state
 
 
-def _to64(inputs):
-  """Floats to float64 jax arrays (call inside enable_x64); segment ids unchanged."""
-  *floats, seg = inputs
-  return [jnp.asarray(np.asarray(x, np.float64)) for x in floats] + [jnp.asarray(seg)]
-
-
 def _reference(*inputs):
   """float64 (out, state) as numpy arrays."""
   with jax.enable_x64(True):
-    return tuple(np.asarray(x) for x in _recurrence(*_to64(inputs)))
+    return tuple(np.asarray(x) for x in _recurrence(*to_float64(inputs)))
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
@@ -80,8 +70,8 @@ def test_forward_matches_float64_reference(implementation):
   ref_out, ref_state = _reference(*inputs)
   assert out.dtype == jnp.float32 and state.dtype == jnp.float32
   assert out.shape == (B, T, H, V) and state.shape == (B, H, V, K)
-  assert _rel_err(out, ref_out) < 1e-5
-  assert _rel_err(state, ref_state) < 1e-5
+  assert rel_error(out, ref_out) < 1e-5
+  assert rel_error(state, ref_state) < 1e-5
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])
@@ -89,8 +79,8 @@ def test_chunk_sizes_agree(chunk_size):
   inputs = _inputs(1)
   out, state = _run(*inputs, implementation="chunked", chunk_size=chunk_size)
   ref_out, ref_state = _reference(*inputs)
-  assert _rel_err(out, ref_out) < 1e-5
-  assert _rel_err(state, ref_state) < 1e-5
+  assert rel_error(out, ref_out) < 1e-5
+  assert rel_error(state, ref_state) < 1e-5
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -104,10 +94,10 @@ def test_gradients_match_float64_reference(implementation):
       argnums)(*inputs)
 
   with jax.enable_x64(True):
-    ref_grads = jax.grad(_loss(_recurrence, weights), argnums)(*_to64(inputs))
+    ref_grads = jax.grad(_loss(_recurrence, weights), argnums)(*to_float64(inputs))
     ref_grads = [np.asarray(g) for g in ref_grads]
   for name, g, ref in zip(("q", "k", "v", "log_alpha", "initial_state"), grads, ref_grads):
-    assert _rel_err(g, ref) < 1e-4, name
+    assert rel_error(g, ref) < 1e-4, name
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -116,8 +106,8 @@ def test_bfloat16_inputs(implementation):
   out, state = _run(*inputs, implementation=implementation)
   ref_out, ref_state = _reference(*inputs)
   assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
-  assert _rel_err(out, ref_out) < 2e-2
-  assert _rel_err(state, ref_state) < 2e-2
+  assert rel_error(out, ref_out) < 2e-2
+  assert rel_error(state, ref_state) < 2e-2
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -156,10 +146,10 @@ def test_ssd_dual_form_matches_recurrence():
   ref_out, _ = _reference(q, k, v, log_alpha, jnp.zeros_like(h0), jnp.zeros_like(seg))
   with jax.enable_x64(True):
     out = ssd_quadratic(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, log_alpha)))
-    assert _rel_err(out, ref_out) < 1e-12
+    assert rel_error(out, ref_out) < 1e-12
   out = simple_gla(q, k, v, log_alpha, chunk_size=CHUNK)
   assert isinstance(out, GLAResult)
-  assert _rel_err(out.out, ref_out) < 1e-5
+  assert rel_error(out.out, ref_out) < 1e-5
 
 
 def test_validation_errors():

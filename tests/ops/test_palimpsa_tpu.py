@@ -17,8 +17,9 @@ from palimpsa_jax.ops import PalimpsaState, palimpsa
 from pallas_kernels.palimpsa_tpu import op as tpu_op
 from pallas_kernels.palimpsa_tpu import palimpsa_tpu
 from pallas_kernels.palimpsa_tpu.layout import geometry
+from tests.ops.numerics import rel_error
 from tests.ops.palimpsa_suite import (DIFF_ARGS, PalimpsaSuite, make_inputs, random_cotangents,
-                                     reference_with_grads, rel_error)
+                                     reference_with_grads)
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128, 192, 256)
 
