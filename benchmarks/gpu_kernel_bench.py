@@ -1,62 +1,38 @@
-"""Scratch timings of the palimpsa_gpu kernel: stages, tile variants, vs "chunked".
+"""Tile tuning and per-stage timings of the palimpsa_gpu kernel (GPU only).
 
     PYTHONPATH=. python3 benchmarks/gpu_kernel_bench.py [--shapes D170 D760] [--sweep]
 
-bf16 inputs (q, k L2-normalised, alpha in (0.8, 1)), float32 state; medians after warm-up
-over rotating input sets. The official table is benchmarks/op_bench.py.
+Times the kernel's three stages (boundary states, forward walk, backward walk) each jitted alone
+and, with --sweep, tile variants of each stage, then the whole kernel with the chosen tiles.
+Shapes, inputs (bf16 here), timing and the PERF.md floor rates come from benchmarks/op_bench.py,
+which is also the table that compares implementations.
 """
 
 import argparse
 import dataclasses
 import functools
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.op_bench import FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs, time_fn
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import boundary, walk
 
-SHAPES = {
-    "D170": (4, 4096, 16, 48, 48),
-    "M170": (4, 4096, 16, 48, 96),
-    "D760": (4, 4096, 16, 96, 192),
-    "MQAR": (64, 1024, 8, 16, 32),
-}
 REFERENCE_MS = {  # PERF.md: authors' Triton kernel fwd, fwd+bwd
     "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
     "MQAR": (1.32, 6.67)}
-FWD_FLOOR_RATE, FWD_BWD_FLOOR_RATE = 4.2e12, 1.2e12
 
 
-def make_inputs(seed, shape, dtype=jnp.bfloat16):
+def kernel_inputs(seed, shape, dtype=jnp.bfloat16):
+  """op_bench inputs plus an initial state (mu 0, precision 1) and an output cotangent."""
   b, t, h, k, v = shape
-  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, k))).astype(dtype)
-  kk = unit(jax.random.normal(ks[1], (b, t, h, k))).astype(dtype)
-  vv = jax.random.normal(ks[2], (b, t, h, v)).astype(dtype)
-  beta = jax.random.uniform(ks[3], (b, t, h, v)).astype(dtype)
-  la = jnp.log(jax.random.uniform(ks[4], (b, t, h), minval=0.8, maxval=1.0))
-  ip = jnp.ones((h,), jnp.float32)
+  args = make_inputs(seed, shape, dtype)
   mu0 = jnp.zeros((b, h, v, k), jnp.float32)
   p0 = jnp.ones((b, h, v, k), jnp.float32)
-  cot = jax.random.normal(ks[5], (b, t, h, v), jnp.float32)
-  return (q, kk, vv, beta, la, ip, mu0, p0), cot
-
-
-def time_ms(fn, arg_sets, warmup=2, iters=10):
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-  times = []
-  for i in range(iters):
-    args = arg_sets[i % len(arg_sets)]
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times)
+  cot = jax.random.normal(jax.random.key(seed + 1000), (b, t, h, v), jnp.float32)
+  return args + (mu0, p0), cot
 
 
 def pallas_fns(cfg):
@@ -68,19 +44,6 @@ def pallas_fns(cfg):
     return jnp.sum(out.astype(jnp.float32) * cot)
 
   fb = jax.grad(loss)
-  return jax.jit(fwd), jax.jit(lambda *a: fb(a[:-1], a[-1]))
-
-
-def chunked_fns():
-  from palimpsa_jax.ops import PalimpsaState, palimpsa
-
-  def run(*a):
-    q, k, v, beta, la, ip, mu0, p0 = a
-    return palimpsa(q, k, v, beta, la, ip, initial_state=PalimpsaState(mu0, p0),
-                    implementation="chunked", chunk_size=64)
-
-  fwd = lambda *a: (lambda r: (r.out, r.state.mu))(run(*a))
-  fb = jax.grad(lambda a, cot: jnp.sum(run(*a).out.astype(jnp.float32) * cot))
   return jax.jit(fwd), jax.jit(lambda *a: fb(a[:-1], a[-1]))
 
 
@@ -117,11 +80,11 @@ def stage_times(cfg, args):
   bnd = _boundary_fn(cfg)
   ms, bs, _, _ = bnd(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
   do = jnp.ones(vh.shape, jnp.float32)
-  return (time_ms(bnd, [(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)]),
-          time_ms(_forward_walk_fn(cfg, args[2].dtype),
-                  [(qh, kh, vh, betah, gates.step, ip_row, ms, bs)]),
-          time_ms(_backward_walk_fn(cfg),
-                  [(qh, kh, vh, betah, gates.step, ip_row, do, ms, bs)]))
+  stages = ((bnd, (kh, vh, betah, gates.to_end, gates.chunk, m0, b0)),
+            (_forward_walk_fn(cfg, args[2].dtype),
+             (qh, kh, vh, betah, gates.step, ip_row, ms, bs)),
+            (_backward_walk_fn(cfg), (qh, kh, vh, betah, gates.step, ip_row, do, ms, bs)))
+  return tuple(time_fn(fn, [fn_args], 2, 10) for fn, fn_args in stages)
 
 
 def _tiles(cfg, elements, v_min=1):
@@ -139,7 +102,7 @@ def sweep(base, base_times, args, log):
 
   def trial(stage, label, cfg, fn, fn_args):
     try:
-      t = time_ms(fn, [fn_args], warmup=1, iters=5)
+      t = time_fn(fn, [fn_args], warmup=1, iters=5)
     except Exception as e:  # A variant that does not compile is reported, not fatal.
       log(f"    {stage} {label}: failed {type(e).__name__}: {str(e)[:200]}")
       return
@@ -181,25 +144,27 @@ def max_rel_diff(xs, ys):
 
 
 def report(label, name, elem, tf, tfb, log):
-  ref_f, ref_fb = REFERENCE_MS[name]
-  log(f"  pallas_gpu[{label}]: fwd {tf:.3f} ms ({ref_f / tf:.1f}x ref, "
-      f"{elem / FWD_FLOOR_RATE * 1e3 / tf:.2f} of floor) | fwd+bwd {tfb:.3f} ms "
-      f"({ref_fb / tfb:.1f}x ref, {elem / FWD_BWD_FLOOR_RATE * 1e3 / tfb:.2f} of floor)")
+  line = (f"  pallas_gpu[{label}]: fwd {tf:.3f} ms ({elem / FWD_FLOOR_RATE * 1e3 / tf:.2f} of "
+          f"floor) | fwd+bwd {tfb:.3f} ms ({elem / FWD_BWD_FLOOR_RATE * 1e3 / tfb:.2f} of floor)")
+  if name in REFERENCE_MS:
+    ref_f, ref_fb = REFERENCE_MS[name]
+    line += f" | vs authors' kernel: fwd {ref_f / tf:.1f}x, fwd+bwd {ref_fb / tfb:.1f}x"
+  log(line)
 
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+  parser.add_argument("--shapes", nargs="*", default=list(SHAPES["perf"]),
+                      choices=list(SHAPES["perf"]))
   parser.add_argument("--sweep", action="store_true")
-  parser.add_argument("--no-chunked", action="store_true")
   args_ns = parser.parse_args()
   log = functools.partial(print, flush=True)
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
   for name in args_ns.shapes:
-    shape = SHAPES[name]
+    shape = SHAPES["perf"][name]
     b, t, h, kd, vd = shape
     elem = b * t * h * kd * vd
-    sets = [make_inputs(s, shape) for s in range(2)]
+    sets = [kernel_inputs(s, shape) for s in range(2)]
     fwd_sets = [s[0] for s in sets]
     fb_sets = [s[0] + (s[1],) for s in sets]
     base = gpu_op.make_config(sets[0][0][0], sets[0][0][2], sets[0][0][4],
@@ -216,7 +181,7 @@ def main():
       log(f"  best tiles: {best}")
     f2, fb2 = pallas_fns(best)
     fb2 = fb2.lower(*fb_sets[0]).compile()
-    tf, tfb = time_ms(f2, fwd_sets), time_ms(fb2, fb_sets)
+    tf, tfb = time_fn(f2, fwd_sets, 2, 10), time_fn(fb2, fb_sets, 2, 10)
     report("best" if args_ns.sweep else "base", name, elem, tf, tfb, log)
     mem = fb2.memory_analysis()
     if mem is not None:
@@ -227,15 +192,6 @@ def main():
       diff_grad = max_rel_diff(fb2(*fb_sets[0]), fb(*fb_sets[0]))
       log(f"    best vs base tiles: out/state max rel diff {diff_out:.1e}, grads "
           f"{diff_grad:.1e}")
-    if not args_ns.no_chunked:
-      f, fb = chunked_fns()
-      tf = time_ms(f, fwd_sets, warmup=1, iters=3)
-      tfb = time_ms(fb, fb_sets, warmup=1, iters=3)
-      out_p = pallas_fns(base)[0](*fwd_sets[0])[0].astype(jnp.float32)
-      out_c = f(*fwd_sets[0])[0].astype(jnp.float32)
-      err = float(jnp.max(jnp.abs(out_p - out_c)) / jnp.max(jnp.abs(out_c)))
-      log(f"  chunked: fwd {tf:.3f} ms | fwd+bwd {tfb:.3f} ms | max rel diff of out "
-          f"pallas vs chunked {err:.1e}")
 
 
 if __name__ == "__main__":
