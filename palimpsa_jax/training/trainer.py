@@ -115,6 +115,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.batch_size={config.batch_size} must be a multiple of "
         f"grad_accum_steps * hosts = {config.grad_accum_steps * jax.process_count()}.")
+  data, fsdp, _ = sharding_lib.mesh_shape(config.mesh, jax.device_count())
+  microbatch = config.batch_size // config.grad_accum_steps
+  if microbatch % (data * fsdp):
+    raise ValueError(
+        f"config.batch_size / grad_accum_steps = {microbatch} sequences must split evenly "
+        f"over the mesh's data x fsdp = {data * fsdp} batch shards.")
   optimizer_lib.validate_optimizer_config(config.optimizer)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -196,6 +197,16 @@ def test_bad_config_values(tmp_path, field, value, match):
   config = tiny_lm.tiny_mqar_config(**{field: value})
   with pytest.raises(ValueError, match=match):
     trainer.train_and_evaluate(config, str(tmp_path))
+
+
+def test_batch_must_split_over_the_batch_shards(monkeypatch):
+  monkeypatch.setattr(jax, "device_count", lambda: 4)
+  config = tiny_lm.tiny_mqar_config(batch_size=6)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  with pytest.raises(ValueError, match="data x fsdp = 4 batch shards"):
+    trainer.validate_config(config)
+  config.batch_size = 8
+  trainer.validate_config(config)
 
 
 def test_lm_task_needs_total_steps(tmp_path):
