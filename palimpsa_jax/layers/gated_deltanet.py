@@ -53,12 +53,8 @@ class GatedDeltaNet(RecurrentMixer):
         h * vd)
     self.a_proj = dense(d_model, h, ("embed", "heads"))
     self.b_proj = dense(d_model, h, ("embed", "heads"))
-    self.A_log = params_lib.make_param(
-        params_lib.init_a_log(rngs.params(), h, A_init, A_init_range),
-        ("heads",))
-    self.dt_bias = params_lib.make_param(
-        params_lib.init_dt_bias(rngs.params(), h, dt_min, dt_max,
-                                dt_init_floor), ("heads",))
+    self.A_log, self.dt_bias = params_lib.forget_gate_params(
+        rngs, h, A_init, A_init_range, dt_min, dt_max, dt_init_floor)
     self.gate_proj = dense(d_model, h * vd, ("embed", "heads"))
     self.out_norm = GatedRMSNorm(vd, eps=norm_eps, norm_before_gate=True,
                                  names=("kv",), dtype=dtype)

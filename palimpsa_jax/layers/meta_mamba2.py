@@ -12,7 +12,7 @@ from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm
-from palimpsa_jax.layers.recurrent import RecurrentMixer
+from palimpsa_jax.layers.recurrent import MetaplasticMixer
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 
 
@@ -23,7 +23,7 @@ class MetaMamba2Cache(NamedTuple):
   state: PalimpsaState
 
 
-class MetaMamba2(RecurrentMixer):
+class MetaMamba2(MetaplasticMixer):
   """Mamba2 mixer on the Palimpsa op (SPEC.md sec. 4, Palimpsa-M).
 
   in_proj(x) = [z (d_inner), xBC (d_inner + 2 G N), dt (H)]; xBC goes through a
@@ -60,12 +60,8 @@ class MetaMamba2(RecurrentMixer):
                          dtype=dtype)
     self.conv = ShortConv(conv_dim, conv_kernel, rngs=rngs, use_bias=True,
                           channel_name=None, dtype=dtype)
-    self.A_log = params_lib.make_param(
-        params_lib.init_a_log(rngs.params(), h, A_init, A_init_range),
-        ("heads",))
-    self.dt_bias = params_lib.make_param(
-        params_lib.init_dt_bias(rngs.params(), h, dt_min, dt_max,
-                                dt_init_floor), ("heads",))
+    self.A_log, self.dt_bias = params_lib.forget_gate_params(
+        rngs, h, A_init, A_init_range, dt_min, dt_max, dt_init_floor)
     self.D = params_lib.make_param(jnp.ones((h,)), ("heads",))
     if metaplasticity:
       self.beta_down = Dense(d_model, beta_rank, names=("embed", "rank"),
@@ -89,12 +85,6 @@ class MetaMamba2(RecurrentMixer):
     self.implementation = implementation
     self.chunk_size = chunk_size
     self.dtype = dtype
-
-  def prior_precision(self) -> jax.Array:
-    """Ip [H] f32; Ip_log is frozen (no gradient), so Ip stays 1."""
-    if not self.metaplasticity:
-      return jnp.ones((self.num_heads,), jnp.float32)
-    return jnp.exp(jax.lax.stop_gradient(self.Ip_log[...]))
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype=jnp.float32) -> MetaMamba2Cache:

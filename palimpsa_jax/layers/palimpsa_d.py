@@ -12,7 +12,7 @@ from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm, l2_normalize
-from palimpsa_jax.layers.recurrent import RecurrentMixer
+from palimpsa_jax.layers.recurrent import MetaplasticMixer
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 
 
@@ -25,7 +25,7 @@ class PalimpsaDCache(NamedTuple):
   state: PalimpsaState
 
 
-class PalimpsaD(RecurrentMixer):
+class PalimpsaD(MetaplasticMixer):
   """Palimpsa-D (SPEC.md sec. 4); metaplasticity=False is NotPalimpsa.
 
   q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5.
@@ -56,12 +56,8 @@ class PalimpsaD(RecurrentMixer):
         h * vd)
     self.dt_proj = dense(d_model, h, ("embed", "heads"))
     self.s_proj = dense(d_model, h, ("embed", "heads"))
-    self.A_log = params_lib.make_param(
-        params_lib.init_a_log(rngs.params(), h, A_init, A_init_range),
-        ("heads",))
-    self.dt_bias = params_lib.make_param(
-        params_lib.init_dt_bias(rngs.params(), h, dt_min, dt_max,
-                                dt_init_floor), ("heads",))
+    self.A_log, self.dt_bias = params_lib.forget_gate_params(
+        rngs, h, A_init, A_init_range, dt_min, dt_max, dt_init_floor)
     self.D = params_lib.make_param(jnp.ones((h,)), ("heads",))
     if metaplasticity:
       self.beta_down = dense(d_model, beta_rank, ("embed", "rank"))
@@ -83,12 +79,6 @@ class PalimpsaD(RecurrentMixer):
     self.implementation = implementation
     self.chunk_size = chunk_size
     self.dtype = dtype
-
-  def prior_precision(self) -> jax.Array:
-    """Ip [H] f32; Ip_log is frozen (no gradient), so Ip stays 1."""
-    if not self.metaplasticity:
-      return jnp.ones((self.num_heads,), jnp.float32)
-    return jnp.exp(jax.lax.stop_gradient(self.Ip_log[...]))
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype=jnp.float32) -> PalimpsaDCache:

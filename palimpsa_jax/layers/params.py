@@ -78,3 +78,14 @@ def init_dt_bias(
   dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
   dt = jnp.maximum(dt, dt_floor)
   return dt + jnp.log(-jnp.expm1(-dt))
+
+
+def forget_gate_params(
+    rngs: nnx.Rngs, num_heads: int, A_init: str,
+    A_init_range: tuple[float, float], dt_min: float, dt_max: float,
+    dt_init_floor: float) -> tuple[nnx.Param, nnx.Param]:
+  """(A_log, dt_bias), each [H] named ("heads",): log_alpha = -exp(A_log) * softplus(. + dt_bias)."""
+  a_log = make_param(init_a_log(rngs.params(), num_heads, A_init, A_init_range), ("heads",))
+  dt_bias = make_param(
+      init_dt_bias(rngs.params(), num_heads, dt_min, dt_max, dt_init_floor), ("heads",))
+  return a_log, dt_bias

@@ -3,6 +3,7 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -31,3 +32,17 @@ class RecurrentMixer(nnx.Module):
     """One token x [B, 1, d]; returns (y [B, 1, d], new cache)."""
     y, cache, _ = self._forward(x, cache, None, "sequential", False)
     return y, cache
+
+
+class MetaplasticMixer(RecurrentMixer):
+  """A recurrent mixer on the Palimpsa op, with a `metaplasticity` flag and a frozen Ip_log.
+
+  Subclasses set `self.metaplasticity`, `self.num_heads` and, when metaplastic, the
+  parameter `self.Ip_log` [H].
+  """
+
+  def prior_precision(self) -> jax.Array:
+    """Ip [H] f32; Ip_log is frozen (no gradient), so Ip stays at its initial value."""
+    if not self.metaplasticity:
+      return jnp.ones((self.num_heads,), jnp.float32)
+    return jnp.exp(jax.lax.stop_gradient(self.Ip_log[...]))
