@@ -1,9 +1,7 @@
 """Text pipeline: reading, packing, segment ids, determinism, sharding, iterator state."""
 
 import json
-import os
 
-import grain
 import numpy as np
 import pytest
 
