@@ -150,36 +150,65 @@ def test_not_palimpsa_equals_palimpsa_d_with_zero_beta(monkeypatch):
   assert betas == [None]  # NotPalimpsa asks the op for its SimpleGLA path.
 
 
-def _mamba2_reference(p, x, heads, head_dim, state_dim, groups, eps):
-  """Minimal Mamba2 mixer in float64 numpy, written from the Mamba2 paper."""
-  silu = lambda a: a / (1 + np.exp(-a))
-  softplus = lambda a: np.log1p(np.exp(a))
+def _silu(a):
+  return a / (1 + np.exp(-a))
+
+
+def _softplus(a):
+  return np.logaddexp(0.0, a)
+
+
+def _sigmoid(a):
+  return 1 / (1 + np.exp(-a))
+
+
+def _causal_silu_conv(x, kernel, bias=None):
+  """Depthwise causal conv + SiLU: x [B, T, C], kernel [W, C] -> [B, T, C].
+
+  y[t] = sum_i kernel[i] * x[t - (W - 1) + i] (+ bias), zeros before t = 0.
+  """
+  length, width = x.shape[1], kernel.shape[0]
+  y = np.zeros_like(x)
+  for t in range(length):
+    for i in range(width):
+      source = t - (width - 1) + i
+      if source >= 0:
+        y[:, t] += kernel[i] * x[:, source]
+  return _silu(y if bias is None else y + bias)
+
+
+def _mamba2_inputs(p, x, heads, head_dim, state_dim, groups):
+  """in_proj -> (z [B,T,P*H], x [B,T,H,P], B and C per head [B,T,H,N], raw dt [B,T,H])."""
   batch, length, _ = x.shape
   d_inner = heads * head_dim
   zxbcdt = x @ p["in_proj"]
   z = zxbcdt[..., :d_inner]
   xbc = zxbcdt[..., d_inner:2 * d_inner + 2 * groups * state_dim]
   dt = zxbcdt[..., 2 * d_inner + 2 * groups * state_dim:]
-  width = p["conv_w"].shape[0]
-  padded = np.concatenate([np.zeros((batch, width - 1, xbc.shape[-1])), xbc], 1)
-  conv = sum(p["conv_w"][i] * padded[:, i:i + length] for i in range(width))
-  xbc = silu(conv + p["conv_b"])
+  xbc = _causal_silu_conv(xbc, p["conv_w"], p["conv_b"])
   xs = xbc[..., :d_inner].reshape(batch, length, heads, head_dim)
-  b = xbc[..., d_inner:d_inner + groups * state_dim].reshape(
-      batch, length, groups, state_dim)
-  c = xbc[..., d_inner + groups * state_dim:].reshape(
-      batch, length, groups, state_dim)
-  dt = softplus(dt + p["dt_bias"])
-  a = -np.exp(p["A_log"])
   group_of_head = np.arange(heads) // (heads // groups)
+  b = xbc[..., d_inner:d_inner + groups * state_dim].reshape(
+      batch, length, groups, state_dim)[:, :, group_of_head]
+  c = xbc[..., d_inner + groups * state_dim:].reshape(
+      batch, length, groups, state_dim)[:, :, group_of_head]
+  return z, xs, b, c, dt
+
+
+def _mamba2_reference(p, x, heads, head_dim, state_dim, groups, eps):
+  """Minimal Mamba2 mixer in float64 numpy, written from the Mamba2 paper."""
+  batch, length, _ = x.shape
+  d_inner = heads * head_dim
+  z, xs, b, c, dt = _mamba2_inputs(p, x, heads, head_dim, state_dim, groups)
+  dt = _softplus(dt + p["dt_bias"])
+  a = -np.exp(p["A_log"])
   h = np.zeros((batch, heads, head_dim, state_dim))
   y = np.zeros((batch, length, heads, head_dim))
   for t in range(length):
     decay = np.exp(dt[:, t] * a)[:, :, None, None]
-    bt, ct = b[:, t, group_of_head], c[:, t, group_of_head]
-    h = decay * h + (dt[:, t, :, None] * xs[:, t])[..., None] * bt[:, :, None]
-    y[:, t] = np.einsum("bhpn,bhn->bhp", h, ct) + p["D"][:, None] * xs[:, t]
-  y = y.reshape(batch, length, d_inner) * silu(z)
+    h = decay * h + (dt[:, t, :, None] * xs[:, t])[..., None] * b[:, t, :, None]
+    y[:, t] = np.einsum("bhpn,bhn->bhp", h, c[:, t]) + p["D"][:, None] * xs[:, t]
+  y = y.reshape(batch, length, d_inner) * _silu(z)
   grouped = y.reshape(batch, length, groups, d_inner // groups)
   y = grouped / np.sqrt(np.mean(grouped ** 2, -1, keepdims=True) + eps)
   y = y.reshape(batch, length, d_inner) * p["norm"]
@@ -210,33 +239,6 @@ def test_bad_input_raises(model):
     nnx.eval_shape(lambda m: m(jnp.zeros((2, 3, 32))), mixer)
   with pytest.raises(TypeError, match="floating point"):
     nnx.eval_shape(lambda m: m(jnp.zeros((2, 3, 64), jnp.int32)), mixer)
-
-
-def _silu(a):
-  return a / (1 + np.exp(-a))
-
-
-def _softplus(a):
-  return np.logaddexp(0.0, a)
-
-
-def _sigmoid(a):
-  return 1 / (1 + np.exp(-a))
-
-
-def _causal_silu_conv(x, kernel, bias=None):
-  """Depthwise causal conv + SiLU: x [B, T, C], kernel [W, C] -> [B, T, C].
-
-  y[t] = sum_i kernel[i] * x[t - (W - 1) + i] (+ bias), zeros before t = 0.
-  """
-  length, width = x.shape[1], kernel.shape[0]
-  y = np.zeros_like(x)
-  for t in range(length):
-    for i in range(width):
-      source = t - (width - 1) + i
-      if source >= 0:
-        y[:, t] += kernel[i] * x[:, source]
-  return _silu(y if bias is None else y + bias)
 
 
 def _palimpsa_steps(q, k, v, beta, log_alpha, ip):
@@ -292,17 +294,7 @@ def _meta_mamba2_reference(p, x, heads, head_dim, state_dim, groups, eps):
   """MetaMamba2 (SPEC.md sec. 4, Palimpsa-M) in float64 numpy."""
   batch, length, _ = x.shape
   d_inner = heads * head_dim
-  zxbcdt = x @ p["in_proj"]
-  z = zxbcdt[..., :d_inner]
-  xbc = zxbcdt[..., d_inner:2 * d_inner + 2 * groups * state_dim]
-  dt = zxbcdt[..., 2 * d_inner + 2 * groups * state_dim:]
-  xbc = _causal_silu_conv(xbc, p["conv_w"], p["conv_b"])
-  xs = xbc[..., :d_inner].reshape(batch, length, heads, head_dim)
-  group_of_head = np.arange(heads) // (heads // groups)
-  b = xbc[..., d_inner:d_inner + groups * state_dim].reshape(
-      batch, length, groups, state_dim)[:, :, group_of_head]
-  c = xbc[..., d_inner + groups * state_dim:].reshape(
-      batch, length, groups, state_dim)[:, :, group_of_head]
+  z, xs, b, c, dt = _mamba2_inputs(p, x, heads, head_dim, state_dim, groups)
   dt = _softplus(dt + p["dt_bias"])
   log_alpha = -np.exp(p["A_log"]) * dt
   gate = _sigmoid((x @ p["beta_down"]) @ p["beta_up"] + p["beta_up_bias"])
