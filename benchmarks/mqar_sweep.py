@@ -11,7 +11,7 @@ Gated DeltaNet; --with_transformer adds Transformer++) x (seq_len, kv) in
   python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --shard 0/2
   # shortened: fewer examples / epochs, one seed, two settings' subset
   python benchmarks/mqar_sweep.py run --root R --seeds 0 --examples 20000 --epochs 8
-  # results.json and accuracy.png under ROOT
+  # results.json and accuracy.png under ROOT (unfinished runs: best so far)
   python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
 
 The plot shows, per mixer and setting, mean +- std over seeds of each seed's
@@ -89,22 +89,56 @@ def run_shard(root: pathlib.Path, runs: list[Run], extra: dict[str, object]) -> 
     subprocess.run(command, check=True, cwd=REPO)
 
 
+def _progress_from_metrics(workdir: pathlib.Path) -> dict[str, object]:
+  """Summary-like fields of a run stopped before its summary: from metrics.jsonl."""
+  best, best_step, last_step = None, None, 0
+  path = workdir / "metrics.jsonl"
+  lines = path.read_text().splitlines() if path.exists() else []
+  for line in lines:
+    record = json.loads(line)
+    last_step = max(last_step, record["step"])
+    accuracy = record.get("eval/accuracy")
+    if accuracy is not None and (best is None or accuracy > best):
+      best, best_step = accuracy, record["step"]
+  return {"best_accuracy": best, "best_step": best_step, "final_step": last_step,
+          "stopped_early": False, "wall_time_s": None}
+
+
 def collect(root: pathlib.Path) -> list[dict[str, object]]:
-  """One record per finished run: its grid point and summary."""
+  """One record per run started under root: its grid point and summary.
+
+  A run without summary.json (stopped before the end, e.g. by a time limit)
+  gets "finished": False and its best evaluation so far from metrics.jsonl.
+  """
   records = []
-  for summary_path in sorted(root.glob("*/summary.json")):
-    config = json.loads((summary_path.parent / "config.json").read_text())
-    summary = json.loads(summary_path.read_text())
-    args = config["args"]
+  for config_path in sorted(root.glob("*/config.json")):
+    workdir = config_path.parent
+    args = json.loads(config_path.read_text())["args"]
+    finished = (workdir / "summary.json").exists()
+    summary = (json.loads((workdir / "summary.json").read_text()) if finished
+               else _progress_from_metrics(workdir))
     records.append({
-        "name": summary_path.parent.name, "mixer": args["mixer"],
+        "name": workdir.name, "mixer": args["mixer"],
         "seq_len": args["seq_len"], "kv": args["kv"], "lr": args["lr"],
         "seed": args["seed"], "epochs": args["epochs"],
-        "examples": args["examples"], "best_accuracy": summary["best_accuracy"],
+        "examples": args["examples"], "batch": args.get("batch"),
+        "finished": finished, "best_accuracy": summary["best_accuracy"],
         "best_step": summary["best_step"], "final_step": summary["final_step"],
         "stopped_early": summary["stopped_early"],
         "wall_time_s": summary["wall_time_s"]})
   return records
+
+
+def format_runs(records: list[dict[str, object]]) -> str:
+  """Every run: lr, best accuracy, steps done, whether it finished."""
+  lines = ["| run | best accuracy | at step | steps done | finished |",
+           "|---|---|---|---|---|"]
+  for r in records:
+    accuracy = "n/a" if r["best_accuracy"] is None else f"{100 * r['best_accuracy']:.2f}%"
+    state = ("early stop" if r["stopped_early"] else "yes") if r["finished"] else "no"
+    lines.append(f"| {r['name']} | {accuracy} | {r['best_step']} | {r['final_step']} "
+                 f"| {state} |")
+  return "\n".join(lines)
 
 
 def best_lr_statistics(records: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -212,11 +246,12 @@ def main(argv=None) -> None:
   else:
     records = collect(root)
     if not records:
-      raise SystemExit(f"no finished runs under {root}.")
+      raise SystemExit(f"no runs under {root}.")
     rows = best_lr_statistics(records)
     (root / "results.json").write_text(json.dumps(
         {"runs": records, "best_lr": rows}, indent=2))
     plot(rows, root / "accuracy.png")
+    print(format_runs(records))
     print(format_table(rows))
     print(f"wrote {root / 'results.json'} and {root / 'accuracy.png'}")
 

@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compare_implementations", default="",
                       help="comma-separated implementations: Palimpsa-D once with each")
   parser.add_argument("--remat", action="store_true", help="rematerialise each block")
+  parser.add_argument("--scan_layers", default="on", choices=("on", "off", "both"),
+                      help="model.scan_layers: one scanned layer body (on), unrolled "
+                           "layers (off), or each model both ways")
   parser.add_argument("--mesh", default="data", choices=sorted(MESHES),
                       help="batch split over the data axis, or parameters sharded (FSDP)")
   parser.add_argument("--num_devices", type=int, default=0,
@@ -91,8 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return args
 
 
-def run_plan(args: argparse.Namespace) -> list[tuple[str, str]]:
-  """(model, implementation) pairs in run order."""
+def run_plan(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+  """(model, implementation, scan_layers) triples in run order."""
   names = [m.strip() for m in args.models.split(",") if m.strip()]
   if args.meta_mamba2 and "meta_mamba2" not in names:
     names.append("meta_mamba2")
@@ -111,7 +114,8 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, str]]:
       plan.append((name, args.implementation))
   if compare and "palimpsa_d" not in names:
     plan += [("palimpsa_d", impl) for impl in compare]
-  return plan
+  scans = {"on": (True,), "off": (False,), "both": (True, False)}[args.scan_layers]
+  return [(name, impl, scan) for name, impl in plan for scan in scans]
 
 
 def load_lm_config(model: str, args: argparse.Namespace) -> ml_collections.ConfigDict:
@@ -142,12 +146,14 @@ def random_batch(args: argparse.Namespace, vocab_size: int,
   return sharding_lib.global_batch(local, mesh)
 
 
-def bench_model(model: str, implementation: str, args: argparse.Namespace,
-                mesh: jax.sharding.Mesh, label: str) -> dict[str, Any]:
+def bench_model(model: str, implementation: str, scan_layers: bool,
+                args: argparse.Namespace, mesh: jax.sharding.Mesh,
+                label: str) -> dict[str, Any]:
   """Builds, compiles and times one model; returns its result row."""
   config = load_lm_config(model, args)
   config.model.implementation = model_implementation(model, implementation)
   config.model.remat = args.remat
+  config.model.scan_layers = scan_layers
   rules = sharding_lib.rules_from_config(config.mesh)
   total_steps = config.total_steps
   spec = state_lib.make_train_state_spec(
@@ -195,7 +201,7 @@ def bench_model(model: str, implementation: str, args: argparse.Namespace,
   peak = metrics_lib.peak_flops_per_device()
   mfu = (6 * num_params * tokens_per_s / (peak * mesh.size)) if peak else None
   row = {"model": model, "implementation": config.model.implementation,
-         "params": num_params, "layers": int(config.model.num_layers),
+         "scan_layers": scan_layers, "params": num_params, "layers": int(config.model.num_layers),
          "init_s": init_s, "compile_s": compile_s, "temp_gib": temp_gib,
          "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
          "step_ms_max": 1e3 * max(times), "tokens_per_s": tokens_per_s,
@@ -207,9 +213,11 @@ def bench_model(model: str, implementation: str, args: argparse.Namespace,
 
 
 def add_baseline_ratios(rows: list[dict[str, Any]]) -> None:
-  """row["x_mamba2"]: step time over Mamba2's (None when Mamba2 was not run)."""
-  baseline = next((r for r in rows if r["model"] == BASELINE), None)
+  """row["x_mamba2"]: step time over Mamba2's with the same scan_layers (None
+  when that Mamba2 row was not run)."""
   for row in rows:
+    baseline = next((r for r in rows if r["model"] == BASELINE
+                     and r["scan_layers"] == row["scan_layers"]), None)
     row["x_mamba2"] = (row["step_ms_median"] / baseline["step_ms_median"]
                        if baseline else None)
 
@@ -219,13 +227,15 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-  header = ("| model | implementation | params (M) | layers | compile s | temp GiB "
-            "| step ms (median) | min / max ms | tokens/s | MFU | x Mamba2 step time "
-            "| final loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+  header = ("| model | implementation | scanned | params (M) | layers | compile s "
+            "| temp GiB | step ms (median) | min / max ms | tokens/s | MFU "
+            "| x Mamba2 step time | final loss |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   lines = [header]
   for r in rows:
     lines.append(
-        f"| {r['model']} | {r['implementation']} | {r['params'] / 1e6:.1f} "
+        f"| {r['model']} | {r['implementation']} | {'yes' if r['scan_layers'] else 'no'} "
+        f"| {r['params'] / 1e6:.1f} "
         f"| {r['layers']} | {r['compile_s']:.1f} | {_fmt(r['temp_gib'], '.2f')} "
         f"| {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} / {r['step_ms_max']:.1f} "
         f"| {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
@@ -236,6 +246,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def projection_lines(rows: list[dict[str, Any]], num_devices: int) -> list[str]:
   """The paper's 15B-token run at each measured Palimpsa-D rate."""
   return [f"- 15B tokens (paper's 170M run) at Palimpsa-D {r['implementation']}'s "
+          f"({'scanned' if r['scan_layers'] else 'unrolled'}) "
           f"{r['tokens_per_s']:,.0f} tokens/s: {r['paper_run_hours']:.1f} h "
           f"({r['paper_run_hours'] / 24:.2f} days) on {num_devices} device(s)"
           for r in rows if r["model"] == "palimpsa_d"]
@@ -261,9 +272,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       f"mesh {dict(mesh.shape)}, batch {args.batch_size} x {args.seq_len} tokens")
 
   rows = []
-  for index, (model, implementation) in enumerate(plan):
-    label = f"[{index + 1}/{len(plan)}] {model} ({implementation})"
-    rows.append(bench_model(model, implementation, args, mesh, label))
+  for index, (model, implementation, scan) in enumerate(plan):
+    label = (f"[{index + 1}/{len(plan)}] {model} ({implementation}, "
+             f"{'scanned' if scan else 'unrolled'})")
+    rows.append(bench_model(model, implementation, scan, args, mesh, label))
   add_baseline_ratios(rows)
 
   table = format_table(rows)

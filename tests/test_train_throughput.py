@@ -17,8 +17,11 @@ def test_run_plan_compares_palimpsa_d_implementations():
       ["--models", "palimpsa_d,mamba2", "--meta_mamba2",
        "--compare_implementations", "pallas_gpu,chunked"])
   assert train_throughput.run_plan(args) == [
-      ("palimpsa_d", "pallas_gpu"), ("palimpsa_d", "chunked"),
-      ("mamba2", "auto"), ("meta_mamba2", "auto")]
+      ("palimpsa_d", "pallas_gpu", True), ("palimpsa_d", "chunked", True),
+      ("mamba2", "auto", True), ("meta_mamba2", "auto", True)]
+  both = train_throughput.parse_args(["--models", "mamba2", "--scan_layers", "both"])
+  assert train_throughput.run_plan(both) == [("mamba2", "auto", True),
+                                             ("mamba2", "auto", False)]
   assert train_throughput.model_implementation("gated_deltanet", "pallas_gpu") == "auto"
 
 
@@ -35,22 +38,25 @@ def test_main_writes_table_results_and_json(tmp_path, capsys):
   results, output = tmp_path / "RESULTS.md", tmp_path / "out.json"
   argv = ["--models", "mamba2", "--compare_implementations", "chunked",
           "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
-          "--warmup_steps", "1", "--results", str(results), "--output", str(output)]
+          "--warmup_steps", "1", "--scan_layers", "both", "--results", str(results),
+          "--output", str(output)]
   result = train_throughput.main(argv)
 
   rows = result["rows"]
-  assert [(r["model"], r["implementation"]) for r in rows] == [
-      ("mamba2", "auto"), ("palimpsa_d", "chunked")]
+  assert [(r["model"], r["implementation"], r["scan_layers"]) for r in rows] == [
+      ("mamba2", "auto", True), ("mamba2", "auto", False),
+      ("palimpsa_d", "chunked", True), ("palimpsa_d", "chunked", False)]
   assert rows[0]["x_mamba2"] == pytest.approx(1.0)
+  assert rows[1]["x_mamba2"] == pytest.approx(1.0)  # Against the unrolled Mamba2.
   for row in rows:
     assert row["tokens_per_s"] == pytest.approx(2 * 64 / row["step_ms_median"] * 1e3)
     assert row["compile_s"] > 0 and row["final_loss"] > 0
     assert row["paper_run_hours"] == pytest.approx(15e9 / row["tokens_per_s"] / 3600)
-  assert len(result["projections"]) == 1 and "Palimpsa-D chunked" in result["projections"][0]
+  assert len(result["projections"]) == 2 and "Palimpsa-D chunked" in result["projections"][0]
 
   printed = capsys.readouterr().out
-  assert "| mamba2 | auto |" in printed and "| palimpsa_d | chunked |" in printed
+  assert "| mamba2 | auto | yes |" in printed and "| palimpsa_d | chunked | no |" in printed
   recorded = results.read_text()
   assert "--compare_implementations chunked" in recorded
   assert result["table"] in recorded and "15B tokens" in recorded
-  assert json.loads(output.read_text())["rows"][1]["model"] == "palimpsa_d"
+  assert json.loads(output.read_text())["rows"][2]["model"] == "palimpsa_d"

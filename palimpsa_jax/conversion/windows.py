@@ -47,7 +47,7 @@ def _mixer_dt(mixer: nnx.Module, x: jax.Array) -> jax.Array:
 def _measured_dt(model: nnx.Module, tokens: jax.Array) -> jax.Array:
   h = jnp.take(model.embed[...], tokens, axis=0).astype(model.residual_dtype)
   per_layer = []
-  for block in model.blocks:
+  for block in model.layer_blocks():
     dt = _mixer_dt(block.mixer, block.mixer_norm(h))
     per_layer.append(jnp.mean(dt, axis=(0, 1)))
     h, _ = block(h, None, False)

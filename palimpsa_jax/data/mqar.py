@@ -134,3 +134,28 @@ def multiquery_ar(vocab_size: int,
     noise = rng.integers(0, vocab_size, size=inputs.shape, dtype=np.int32)
     inputs = np.where(inputs == 0, noise, inputs)
   return inputs, targets
+
+
+def target_positions(targets: np.ndarray) -> np.ndarray:
+  """Ascending positions of each row's counted targets (the query positions).
+
+  Args:
+    targets: [N, L] int, IGNORE_INDEX where nothing is predicted; every row
+      must count the same number of targets (MQAR: num_kv_pairs).
+
+  Returns:
+    [N, n] int32.
+
+  Raises:
+    ValueError: rows count different numbers of targets.
+  """
+  counted = np.asarray(targets) != IGNORE_INDEX
+  per_row = counted.sum(axis=1)
+  if per_row.size and per_row.min() != per_row.max():
+    raise ValueError(
+        "targets rows count between "
+        f"{per_row.min()} and {per_row.max()} targets; target_positions needs "
+        "the same number in every row.")
+  rows, cols = np.nonzero(counted)
+  del rows  # np.nonzero lists each row's positions in ascending order.
+  return cols.reshape(counted.shape[0], -1).astype(np.int32)

@@ -4,7 +4,8 @@ from palimpsa_jax.models.config import model_config, mqar_model_config
 from palimpsa_jax.models.decoding import generate
 from palimpsa_jax.models.language_model import (Block, LanguageModel,
                                                 build_model, make_mixer,
-                                                metaplastic_layers)
+                                                metaplastic_layers,
+                                                take_positions)
 from palimpsa_jax.models.paths import path_names
 from palimpsa_jax.models.summary import (abstract_parameter_count,
                                          count_parameters, parameter_table)
@@ -23,5 +24,6 @@ __all__ = [
     "mqar_model_config",
     "parameter_table",
     "path_names",
+    "take_positions",
     "weight_decay_mask",
 ]

@@ -4,7 +4,8 @@ A model config is a flat ml_collections.ConfigDict. Shared fields:
   model, mixer ("palimpsa_d" | "meta_mamba2" | "gated_deltanet" | "attention"),
   metaplasticity, metaplastic_layers, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
   norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
-  implementation, chunk_size.
+  scan_layers (one stacked, scanned block; see LanguageModel), implementation,
+  chunk_size.
 Mixer fields:
   palimpsa_d / gated_deltanet: num_heads, head_k_dim, head_v_dim, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor (+ beta_rank for
@@ -83,7 +84,8 @@ def _common(model: str) -> dict:
               metaplastic_layers=(),
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
-              remat=False, implementation="auto", chunk_size=64)
+              remat=False, scan_layers=False, implementation="auto",
+              chunk_size=64)
 
 
 def _gates(mixer: str) -> dict:

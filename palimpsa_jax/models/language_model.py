@@ -13,6 +13,8 @@ from palimpsa_jax.layers import params as params_lib
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | Attention
 METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
+# Logical name of the stacked layer axis of config.scan_layers models.
+LAYERS_AXIS = "layers"
 
 
 def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -125,6 +127,12 @@ class LanguageModel(nnx.Module):
   Parameters are float32; compute runs in config.dtype; the residual stream
   is float32 when config.residual_in_fp32; logits are float32. The mixers of
   metaplastic_layers(config) are metaplastic, the others are not.
+
+  With config.scan_layers, `blocks` is one Block whose variables carry a
+  leading [num_layers] axis and the forward pass is an nnx.scan over it: XLA
+  compiles one layer body instead of num_layers copies (compile time no longer
+  grows with depth), which needs every layer alike. Decoding and
+  layer_blocks() work on per-layer slices.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
@@ -133,10 +141,21 @@ class LanguageModel(nnx.Module):
         params_lib.normal_init(config.init_std)(
             rngs.params(), (config.vocab_size, config.d_model)),
         ("vocab", "embed"))
-    self.blocks = nnx.List([
-        Block(config, rngs, metaplasticity=(
-            i in metaplastic if config.mixer in METAPLASTIC_MIXERS else None))
-        for i in range(config.num_layers)])
+    self.num_layers = config.num_layers
+    self.scan_layers = bool(config.get("scan_layers", False))
+    flags = [i in metaplastic if config.mixer in METAPLASTIC_MIXERS else None
+             for i in range(config.num_layers)]
+    if self.scan_layers:
+      if len(set(flags)) > 1:
+        raise ValueError(
+            "config.scan_layers=True needs every layer's mixer alike, but "
+            f"config.metaplastic_layers={tuple(config.metaplastic_layers)} makes "
+            f"layers {list(metaplastic)} of {config.num_layers} metaplastic; "
+            "set config.scan_layers=False")
+      self.blocks = _stacked_blocks(config, rngs, flags[0])
+    else:
+      self.blocks = nnx.List([Block(config, rngs, metaplasticity=flag)
+                              for flag in flags])
     self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps,
                               dtype=jnp.dtype(config.dtype))
     self.vocab_size = config.vocab_size
@@ -144,6 +163,14 @@ class LanguageModel(nnx.Module):
     self.residual_dtype = (jnp.dtype(jnp.float32) if config.residual_in_fp32
                            else self.dtype)
     self.remat = config.remat
+
+  def layer_blocks(self) -> list[Block]:
+    """The blocks in layer order; views of one layer's slice when scanned."""
+    if not self.scan_layers:
+      return list(self.blocks)
+    graphdef, state = nnx.split(self.blocks)
+    return [nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state))
+            for i in range(self.num_layers)]
 
   def _check_tokens(self, tokens: jax.Array) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -162,25 +189,45 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens: jax.Array, *,
                segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None,
                return_diagnostics: bool = False):
     """tokens [B, T] int -> logits [B, T, vocab] f32.
 
-    With return_diagnostics, also a list with each block's mixer diagnostics.
+    With positions [B, P] int, only the logits at those positions are
+    computed: [B, P, vocab] (a loss that reads few positions, as MQAR's
+    queries, skips the rest of the vocabulary projection). With
+    return_diagnostics, also a list with each block's mixer diagnostics.
     """
     if segment_ids is not None and segment_ids.shape != tokens.shape:
       raise ValueError(
           f"segment_ids must be [B, T] = {tokens.shape}, got "
           f"{segment_ids.shape}")
+    if positions is not None and (positions.ndim != 2
+                                  or positions.shape[0] != tokens.shape[0]):
+      raise ValueError(
+          f"positions must be [B, P] with B = {tokens.shape[0]}, got "
+          f"{positions.shape}")
     h = self._embed(tokens)
-    diagnostics = []
-    for block in self.blocks:
-      if self.remat:
-        h, diag = nnx.remat(
-            lambda blk, h, seg: blk(h, seg, return_diagnostics))(
-                block, h, segment_ids)
-      else:
-        h, diag = block(h, segment_ids, return_diagnostics)
-      diagnostics.append(diag)
+
+    def run(block, h):
+      return block(h, segment_ids, return_diagnostics)
+
+    if self.remat:
+      run = nnx.remat(run)
+    if self.scan_layers:
+      h, stacked = nnx.scan(
+          lambda h, block: run(block, h), in_axes=(nnx.Carry, 0),
+          out_axes=(nnx.Carry, 0),
+          transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})(h, self.blocks)
+      diagnostics = [jax.tree.map(lambda x, i=i: x[i], stacked)
+                     for i in range(self.num_layers)]
+    else:
+      diagnostics = []
+      for block in self.blocks:
+        h, diag = run(block, h)
+        diagnostics.append(diag)
+    if positions is not None:
+      h = take_positions(h, positions)
     logits = self._logits(h)
     return (logits, diagnostics) if return_diagnostics else logits
 
@@ -189,7 +236,7 @@ class LanguageModel(nnx.Module):
     """One fixed-shape cache per block (dtype: KV cache dtype)."""
     dtype = dtype or self.dtype
     return tuple(block.mixer.init_cache(batch_size, max_length, dtype)
-                 for block in self.blocks)
+                 for block in self.layer_blocks())
 
   def prefill(self, tokens: jax.Array, cache: tuple[Any, ...]):
     """tokens [B, T] from the cache -> (logits [B, T, vocab] f32, cache).
@@ -215,16 +262,48 @@ class LanguageModel(nnx.Module):
     return self._decode(tokens, cache, single_step=True)
 
   def _decode(self, tokens, cache, single_step):
-    if len(cache) != len(self.blocks):
+    if len(cache) != self.num_layers:
       raise ValueError(
-          f"cache has {len(cache)} entries, the model {len(self.blocks)} "
+          f"cache has {len(cache)} entries, the model {self.num_layers} "
           "blocks")
     h = self._embed(tokens)
     new_cache = []
-    for block, block_cache in zip(self.blocks, cache):
+    for block, block_cache in zip(self.layer_blocks(), cache):
       h, block_cache = block.prefill(h, block_cache, single_step)
       new_cache.append(block_cache)
     return self._logits(h), tuple(new_cache)
+
+
+def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
+  """x [B, T, ...] at positions [B, P] int -> [B, P, ...], exactly.
+
+  A one-hot select-and-sum rather than a gather: XLA's SPMD partitioner
+  returned wrong rows for the gather with the batch sharded over the data and
+  fsdp axes of a 2x2x2 mesh (jax 0.11.2; caught by the trainer's
+  8-fake-device test).
+  """
+  hit = positions[..., None] == jnp.arange(x.shape[1])  # [B, P, T]
+  if jnp.issubdtype(x.dtype, jnp.integer):
+    hit = hit.reshape(hit.shape + (1,) * (x.ndim - 2))
+    return jnp.sum(jnp.where(hit, x[:, None], 0), axis=2, dtype=x.dtype)
+  return jnp.einsum("bpt,bt...->bp...", hit.astype(x.dtype), x,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def _stacked_blocks(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
+                    metaplasticity: bool | None) -> Block:
+  """num_layers Blocks as one Block whose variables have a leading layer axis.
+
+  Logical sharding names gain LAYERS_AXIS in front (replicated by the default
+  rules).
+  """
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=0, out_axes=0,
+            transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+  def build(rngs):
+    return Block(config, rngs, metaplasticity=metaplasticity)
+
+  return build(rngs)
 
 
 def build_model(config: ml_collections.ConfigDict,

@@ -1,8 +1,9 @@
 """Device mesh and logical-axis sharding rules.
 
 The mesh has the axes ("data", "fsdp", "tensor"). Parameters carry logical
-axis names ("vocab", "embed", "heads", "kv", "mlp", "rank", "conv", None) in
-their `out_sharding` metadata; the rules below map each name to a mesh axis.
+axis names ("vocab", "embed", "heads", "kv", "mlp", "rank", "conv", "layers",
+None) in their `out_sharding` metadata; the rules below map each name to a
+mesh axis.
 A dimension that the mapped mesh axes do not divide stays replicated, so tiny
 models still run on many devices.
 """
@@ -30,6 +31,7 @@ DEFAULT_RULES = (
     ("kv", None),
     ("rank", None),
     ("conv", None),
+    ("layers", None),  # The stacked axis of scan_layers models.
 )
 
 Rules = Sequence[tuple[str, str | None]]

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from palimpsa_jax import models
 from palimpsa_jax.data.mqar import IGNORE_INDEX
 from palimpsa_jax.training import state as state_lib
 
@@ -35,9 +36,19 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array
 
 
 def _forward_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch):
+  """Loss sums of a batch; with batch["positions"] [B, P], only there.
+
+  "positions" must hold every position whose target counts (MQAR's query
+  positions), so the sums equal those over the whole sequence.
+  """
   model = state_lib.merge_model(graphdef, params, model_state)
-  logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
-  return cross_entropy_sums(logits, batch["targets"])
+  positions = batch.get("positions")
+  logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
+                 positions=positions)
+  targets = batch["targets"]
+  if positions is not None:
+    targets = models.take_positions(targets, positions)
+  return cross_entropy_sums(logits, targets)
 
 
 def _microbatches(batch: Batch, count: int) -> Batch:

@@ -151,8 +151,10 @@ class MqarTask(Task):
     train_inputs, train_targets = generate(data.num_train_examples, 2 * config.seed)
     test_inputs, test_targets = generate(data.num_test_examples, 2 * config.seed + 1)
     per_host = pipeline.per_host_batch_size(config.batch_size, shard_count)
+    # The loss reads the logits at the query positions only (steps.py).
     self.train_dataset = pipeline.array_dataset(
-        {"tokens": train_inputs, "targets": train_targets},
+        {"tokens": train_inputs, "targets": train_targets,
+         "positions": mqar_lib.target_positions(train_targets)},
         batch_size=per_host, seed=config.seed, shuffle=True, num_epochs=None,
         shard_index=shard_index, shard_count=shard_count)
     self.train_iterator = iter(self.train_dataset)
@@ -165,8 +167,10 @@ class MqarTask(Task):
                         else config.num_epochs * steps_per_epoch)
     self.tokens_per_step = config.batch_size * config.seq_len
     test = pipeline.pad_rows(
-        {"tokens": test_inputs, "targets": test_targets},
-        config.eval_batch_size, {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX})
+        {"tokens": test_inputs, "targets": test_targets,
+         "positions": mqar_lib.target_positions(test_targets)},
+        config.eval_batch_size,
+        {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX, "positions": 0})
     self._eval_dataset = pipeline.array_dataset(
         test, batch_size=pipeline.per_host_batch_size(config.eval_batch_size,
                                                       shard_count),

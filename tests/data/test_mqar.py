@@ -47,6 +47,21 @@ def test_every_key_queried_once_with_its_value(data):
     assert np.all(row_inputs[rest] == 0)
 
 
+def test_target_positions_are_the_query_positions(data):
+  _, targets = data
+  positions = mqar.target_positions(targets)
+  assert positions.shape == (N, KV) and positions.dtype == np.int32
+  assert (np.diff(positions, axis=1) > 0).all()
+  expected = np.full_like(targets, mqar.IGNORE_INDEX)
+  np.put_along_axis(expected, positions,
+                    np.take_along_axis(targets, positions, axis=1), axis=1)
+  np.testing.assert_array_equal(expected, targets)
+  uneven = targets.copy()
+  uneven[0, positions[0, 0]] = mqar.IGNORE_INDEX
+  with pytest.raises(ValueError, match="same number in every row"):
+    mqar.target_positions(uneven)
+
+
 def test_power_law_query_placement():
   # With few pairs, P(slot i chosen first) ~ i ** (a - 1): slot 1 dominates.
   a, kv, length = 0.3, 1, 2 + 2 * 10

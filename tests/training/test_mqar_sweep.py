@@ -57,6 +57,27 @@ def test_collect_best_lr_statistics_and_plot(tmp_path):
   assert (tmp_path / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_collect_reports_unfinished_runs_from_metrics(tmp_path, capsys):
+  finished, stopped = sweep.grid(mixers=("mamba2",), settings=((512, 128),),
+                                 lrs=(1e-3, 1e-2), seeds=(0,))
+  _fake_run(tmp_path, finished, 0.3)
+  _fake_run(tmp_path, stopped, None)
+  workdir = tmp_path / stopped.name
+  (workdir / "summary.json").unlink()
+  (workdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+      {"step": 10, "train/loss": 5.0}, {"step": 20, "eval/accuracy": 0.6},
+      {"step": 40, "eval/accuracy": 0.5}, {"step": 45, "train/loss": 1.0}]) + "\n")
+  assert not sweep.is_finished(tmp_path, stopped)
+  sweep.main(["collect", "--root", str(tmp_path)])
+  runs = {r["lr"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+  assert runs[1e-2]["finished"] is False
+  assert (runs[1e-2]["best_accuracy"], runs[1e-2]["best_step"],
+          runs[1e-2]["final_step"]) == (0.6, 20, 45)
+  assert runs[1e-3]["finished"] is True
+  printed = capsys.readouterr().out
+  assert f"| {stopped.name} | 60.00% | 20 | 45 | no |" in printed
+
+
 def test_run_skips_finished(tmp_path, capsys):
   (run,) = sweep.grid(mixers=("mamba2",), settings=((512, 128),), lrs=(1e-3,), seeds=(0,))
   _fake_run(tmp_path, run, 0.5)

@@ -1,13 +1,15 @@
 """A tiny causal NNX language model and MQAR config for trainer tests.
 
-It has the project model's interface (`model(tokens, segment_ids=None)` ->
-[B, T, vocab] f32 logits) and sharding metadata, but trains in milliseconds.
+It has the project model's interface (`model(tokens, segment_ids=None,
+positions=None)` -> [B, T or P, vocab] f32 logits) and sharding metadata, but
+trains in milliseconds.
 """
 
 from flax import nnx
 import jax.numpy as jnp
 import ml_collections
 
+from palimpsa_jax import models
 from palimpsa_jax.training import trainer
 
 VOCAB = 32
@@ -25,12 +27,14 @@ class TinyLM(nnx.Module):
         2 * width, width, use_bias=True,
         kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
 
-  def __call__(self, tokens, segment_ids=None):
+  def __call__(self, tokens, segment_ids=None, positions=None):
     del segment_ids
     x = self.embed(tokens)
     steps = jnp.arange(1, tokens.shape[1] + 1, dtype=x.dtype)[None, :, None]
     context = jnp.cumsum(x, axis=1) / steps
     h = x + jnp.tanh(self.mix(jnp.concatenate([x, context], axis=-1)))
+    if positions is not None:
+      h = models.take_positions(h, positions)
     return self.embed.attend(h).astype(jnp.float32)
 
 
