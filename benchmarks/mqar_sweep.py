@@ -11,7 +11,8 @@ Gated DeltaNet; --with_transformer adds Transformer++) x (seq_len, kv) in
   python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --shard 0/2
   # shortened: fewer examples / epochs, one seed, two settings' subset
   python benchmarks/mqar_sweep.py run --root R --seeds 0 --examples 20000 --epochs 8
-  # results.json and accuracy.png under ROOT (unfinished runs: best so far)
+  # results.json, accuracy.png and accuracy_vs_step.png under ROOT
+  # (unfinished runs count with their best evaluation so far)
   python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
 
 The plot shows, per mixer and setting, mean +- std over seeds of each seed's
@@ -187,6 +188,42 @@ def plot(rows: list[dict[str, object]], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def plot_curves(root: pathlib.Path, records: list[dict[str, object]],
+                path: pathlib.Path) -> None:
+  """Test accuracy against training step for every run (one panel per setting)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  settings = sorted({(r["seq_len"], r["kv"]) for r in records})
+  fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
+  colors = {}
+  for ax, (seq_len, kv) in zip(axes[0], settings):
+    for r in records:
+      if (r["seq_len"], r["kv"]) != (seq_len, kv):
+        continue
+      metrics = root / r["name"] / "metrics.jsonl"
+      points = [(rec["step"], rec["eval/accuracy"]) for rec in
+                map(json.loads, metrics.read_text().splitlines())
+                if "eval/accuracy" in rec] if metrics.exists() else []
+      if not points:
+        continue
+      steps, accuracies = zip(*points)
+      color = colors.setdefault(r["mixer"], f"C{len(colors)}")
+      lrs = sorted({x["lr"] for x in records if x["mixer"] == r["mixer"]})
+      style = ["-", "--", ":", "-."][lrs.index(r["lr"]) % 4]
+      ax.plot(steps, [100 * a for a in accuracies], style, color=color,
+              label=f"{LABELS.get(r['mixer'], r['mixer'])} lr {r['lr']:g} s{r['seed']}")
+    ax.set_title(f"L={seq_len}, {kv} kv pairs")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("MQAR test accuracy (%)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def format_table(rows: list[dict[str, object]]) -> str:
   lines = ["| mixer | seq_len | kv | accuracy (mean +- std) | seeds | best lr per seed |",
            "|---|---|---|---|---|---|"]
@@ -251,9 +288,11 @@ def main(argv=None) -> None:
     (root / "results.json").write_text(json.dumps(
         {"runs": records, "best_lr": rows}, indent=2))
     plot(rows, root / "accuracy.png")
+    plot_curves(root, records, root / "accuracy_vs_step.png")
     print(format_runs(records))
     print(format_table(rows))
-    print(f"wrote {root / 'results.json'} and {root / 'accuracy.png'}")
+    print(f"wrote {root / 'results.json'}, {root / 'accuracy.png'} and "
+          f"{root / 'accuracy_vs_step.png'}")
 
 
 if __name__ == "__main__":

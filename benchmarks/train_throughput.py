@@ -73,9 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compare_implementations", default="",
                       help="comma-separated implementations: Palimpsa-D once with each")
   parser.add_argument("--remat", action="store_true", help="rematerialise each block")
-  parser.add_argument("--scan_layers", default="on", choices=("on", "off", "both"),
-                      help="model.scan_layers: one scanned layer body (on), unrolled "
-                           "layers (off), or each model both ways")
+  parser.add_argument("--scan_layers", default="off", choices=("on", "off", "both"),
+                      help="model.scan_layers: unrolled layers (off, configs/lm.py's "
+                           "default), one scanned layer body (on), or each model both ways")
   parser.add_argument("--mesh", default="data", choices=sorted(MESHES),
                       help="batch split over the data axis, or parameters sharded (FSDP)")
   parser.add_argument("--num_devices", type=int, default=0,

@@ -76,6 +76,7 @@ def test_collect_reports_unfinished_runs_from_metrics(tmp_path, capsys):
   assert runs[1e-3]["finished"] is True
   printed = capsys.readouterr().out
   assert f"| {stopped.name} | 60.00% | 20 | 45 | no |" in printed
+  assert (tmp_path / "accuracy_vs_step.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_run_skips_finished(tmp_path, capsys):
