@@ -156,6 +156,6 @@ def target_positions(targets: np.ndarray) -> np.ndarray:
         "targets rows count between "
         f"{per_row.min()} and {per_row.max()} targets; target_positions needs "
         "the same number in every row.")
-  rows, cols = np.nonzero(counted)
-  del rows  # np.nonzero lists each row's positions in ascending order.
-  return cols.reshape(counted.shape[0], -1).astype(np.int32)
+  # np.nonzero lists the positions row by row, ascending within a row.
+  columns = np.nonzero(counted)[1]
+  return columns.reshape(counted.shape[0], -1).astype(np.int32)

@@ -277,10 +277,10 @@ class LanguageModel(nnx.Module):
 def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
   """x [B, T, ...] at positions [B, P] int -> [B, P, ...], exactly.
 
-  A one-hot select-and-sum rather than a gather: XLA's SPMD partitioner
-  returned wrong rows for the gather with the batch sharded over the data and
-  fsdp axes of a 2x2x2 mesh (jax 0.11.2; caught by the trainer's
-  8-fake-device test).
+  A one-hot select-and-sum rather than a gather: with take_along_axis along
+  the sequence and the batch sharded over the data and fsdp axes of a 2x2x2
+  mesh, XLA's SPMD partitioner gave gradients that differ from the one-device
+  run (jax 0.11.2; caught by the trainer's 8-fake-device test).
   """
   hit = positions[..., None] == jnp.arange(x.shape[1])  # [B, P, T]
   if jnp.issubdtype(x.dtype, jnp.integer):

@@ -8,7 +8,9 @@ A dimension that the mapped mesh axes do not divide stays replicated, so tiny
 models still run on many devices.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+import contextlib
+import functools
 import math
 from typing import Any
 
@@ -17,6 +19,8 @@ import jax
 import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from palimpsa_jax.ops import kernel_sharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -117,6 +121,19 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
   shardings = jax.tree.map(sharding, abstract_state,
                            is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.to_pure_dict(shardings)
+
+
+def kernel_context(mesh: Mesh, rules: Rules
+                   ) -> Callable[[], contextlib.AbstractContextManager]:
+  """() -> the context in which Pallas kernels run per device shard.
+
+  The batch is split over BATCH_AXES and the heads over the mesh axis that
+  `rules` map "heads" to (ops.kernel_sharding; XLA cannot split a Pallas call
+  itself and would compute the whole batch on every device).
+  """
+  head_axis = dict(rules).get("heads")
+  return functools.partial(kernel_sharding.kernel_sharding, mesh, BATCH_AXES,
+                           (head_axis,) if head_axis else ())
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -1,6 +1,8 @@
 """Jitted train and eval steps (no host synchronisation inside)."""
 
 from collections.abc import Callable
+import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -12,6 +14,17 @@ from palimpsa_jax.data.mqar import IGNORE_INDEX
 from palimpsa_jax.training import state as state_lib
 
 Batch = dict[str, jax.Array]
+# () -> the context the steps are traced in (sharding_lib.kernel_context).
+KernelContext = Callable[[], contextlib.AbstractContextManager]
+
+
+def _traced_within(kernel_context: KernelContext, fn: Callable) -> Callable:
+  """fn, entering kernel_context() whenever it runs (i.e. while jit traces it)."""
+  @functools.wraps(fn)
+  def wrapped(*args):
+    with kernel_context():
+      return fn(*args)
+  return wrapped
 
 
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array
@@ -64,9 +77,13 @@ def _microbatches(batch: Batch, count: int) -> Batch:
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, state_shardings: dict,
-                    metric_sharding: Any, grad_accum_steps: int = 1
+                    metric_sharding: Any, grad_accum_steps: int = 1,
+                    kernel_context: KernelContext = contextlib.nullcontext
                     ) -> Callable[[dict, Batch], tuple[dict, dict]]:
   """Returns jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
+
+  The step is traced inside kernel_context() (for every step maker here), so
+  Pallas kernels run per device shard (training.sharding.kernel_context).
 
   The loss is the mean cross-entropy over every counted target of the global
   batch, also when the batch is processed in `grad_accum_steps` microbatches.
@@ -112,11 +129,12 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
                "train/finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=0,
+  return jax.jit(_traced_within(kernel_context, step), donate_argnums=0,
                  out_shardings=(state_shardings, metric_sharding))
 
 
-def make_eval_step(graphdef: Any, metric_sharding: Any
+def make_eval_step(graphdef: Any, metric_sharding: Any,
+                   kernel_context: KernelContext = contextlib.nullcontext
                    ) -> Callable[[dict, dict, Batch], jax.Array]:
   """Returns jitted `eval_step(params, model_state, batch) -> [3] f32`.
 
@@ -124,10 +142,12 @@ def make_eval_step(graphdef: Any, metric_sharding: Any
   """
   def eval_step(params, model_state, batch):
     return jnp.stack(_forward_sums(graphdef, params, model_state, batch))
-  return jax.jit(eval_step, out_shardings=metric_sharding)
+  return jax.jit(_traced_within(kernel_context, eval_step),
+                 out_shardings=metric_sharding)
 
 
-def make_diagnostics_step(graphdef: Any, metric_sharding: Any
+def make_diagnostics_step(graphdef: Any, metric_sharding: Any,
+                          kernel_context: KernelContext = contextlib.nullcontext
                           ) -> Callable[[dict, dict, Batch], dict[str, jax.Array]]:
   """Returns jitted `diagnostics(params, model_state, batch) -> {name: scalar}`.
 
@@ -144,4 +164,5 @@ def make_diagnostics_step(graphdef: Any, metric_sharding: Any
       for name, value in (layer or {}).items():
         out[f"diag/layer{index}/{name}"] = jnp.mean(value).astype(jnp.float32)
     return out
-  return jax.jit(diagnostics_step, out_shardings=metric_sharding)
+  return jax.jit(_traced_within(kernel_context, diagnostics_step),
+                 out_shardings=metric_sharding)

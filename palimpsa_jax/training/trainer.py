@@ -333,12 +333,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             flush=True)
 
   replicated = sharding_lib.replicated(mesh)
+  kernel_context = sharding_lib.kernel_context(mesh, rules)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated,
-      config.grad_accum_steps)
-  eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated)
-  diagnostics_step = (steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated)
+      config.grad_accum_steps, kernel_context)
+  eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated, kernel_context)
+  diagnostics_step = (steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated,
+                                                      kernel_context)
                       if config.log_diagnostics else None)
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()

@@ -98,6 +98,18 @@ def test_stacked_parameters_carry_the_layers_axis():
   assert config.num_layers == NUM_LAYERS
 
 
+def test_logits_at_positions_and_their_shape_check():
+  scanned, _, config = scanned_and_unrolled("mamba2")
+  tokens = tokens_for(config)
+  positions = jnp.asarray([[0, 3, 11], [2, 2, 5]], jnp.int32)
+  full = scanned(tokens)
+  np.testing.assert_allclose(scanned(tokens, positions=positions),
+                             jnp.take_along_axis(full, positions[..., None], axis=1),
+                             rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="positions must be"):
+    scanned(tokens, positions=positions[0])
+
+
 def test_scan_layers_rejects_mixed_layers():
   config = model_config("not_palimpsa", "tiny", num_layers=NUM_LAYERS,
                         scan_layers=True, metaplastic_layers=(1,))

@@ -1,4 +1,6 @@
-"""Train and eval steps: a loss read at the target positions equals the full one."""
+"""Train and eval steps: loss at the target positions, tracing inside the kernel context."""
+
+import contextlib
 
 from flax import nnx
 import jax
@@ -8,6 +10,8 @@ import pytest
 
 from palimpsa_jax import models
 from palimpsa_jax.data import mqar
+from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 
@@ -35,6 +39,29 @@ def test_eval_sums_at_target_positions_equal_full_sums(setup):
   gathered = eval_step(params, model_state, {**batch, "positions": positions})
   np.testing.assert_allclose(gathered, full, rtol=1e-6)
   assert float(full[2]) == 6 * PAIRS
+
+
+def test_steps_are_traced_inside_the_kernel_context(setup):
+  graphdef, params, model_state, batch = setup
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  seen = []
+
+  @contextlib.contextmanager
+  def context():
+    seen.append("enter")
+    yield
+    seen.append("exit")
+
+  eval_step = steps_lib.make_eval_step(graphdef, sharding, context)
+  eval_step(params, model_state, batch)
+  eval_step(params, model_state, batch)  # Cached: not traced again.
+  assert seen == ["enter", "exit"]
+  mesh = jax.make_mesh((1, 1, 1), sharding_lib.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  with sharding_lib.kernel_context(mesh, sharding_lib.DEFAULT_RULES)():
+    current = kernel_sharding.current()
+  assert (current.batch_axes, current.head_axes) == (("data", "fsdp"), ("tensor",))
+  assert kernel_sharding.current() is None
 
 
 def test_take_positions_matches_indexing():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops import gla
+from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.palimpsa.associative import palimpsa_associative
 from palimpsa_jax.ops.palimpsa.chunked import palimpsa_chunked
 from palimpsa_jax.ops.palimpsa.linear_form import gate_from
@@ -117,6 +118,9 @@ def _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segmen
                 return_variance, chunk_size, interpret, explicit) -> PalimpsaResult | None:
   """Calls a Pallas kernel; None under "auto" (explicit=False) where it cannot run the call.
 
+  Inside ops.kernel_sharding.kernel_sharding the kernel runs per device shard of the batch
+  and heads (shard_map); elsewhere on the whole arrays.
+
   A kernel that declines (NotImplementedError) or a missing kernel module gives None under
   "auto" (-> "chunked"). A kernel the caller named explicitly never falls back: a decline raises
   ValueError with the kernel's reason, a missing module its ImportError.
@@ -128,11 +132,18 @@ def _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segmen
       raise
     return None
   kernel = getattr(module, implementation.replace("pallas", "palimpsa"))
+
+  def call(*args):
+    return kernel(*args, return_variance=return_variance, chunk_size=chunk_size,
+                  interpret=interpret)
+
   try:
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    out, var, mu, prec = kernel(q, k, v, beta, log_alpha, ip, mu0, prec0, seg,
-                                return_variance=return_variance, chunk_size=chunk_size,
-                                interpret=interpret)
+    out, var, mu, prec = kernel_sharding.shard_kernel(
+        call, (q, k, v, beta, log_alpha, ip, mu0, prec0, seg),
+        in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
+        out_layouts=("b.h.", "b.h." if return_variance else None, "bh..", "bh.."),
+        batch_size=q.shape[0], num_heads=q.shape[2])
   except NotImplementedError as declined:
     if explicit:
       raise ValueError(

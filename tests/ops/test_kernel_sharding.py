@@ -1,0 +1,91 @@
+"""Kernels under kernel_sharding run on per-device shards and give the global result."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from palimpsa_jax.ops import kernel_sharding
+
+REPO = pathlib.Path(__file__).parents[2]
+
+# Runs in a subprocess with 4 CPU devices: mesh data 2 x tensor 2; the batch is
+# sharded over data, the heads over tensor.
+_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import pallas_kernels.palimpsa_gpu as gpu_kernel
+from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.ops.palimpsa import palimpsa
+assert jax.device_count() == 4
+seen = []
+original = gpu_kernel.palimpsa_gpu
+def recording(q, *args, **kwargs):
+  seen.append(q.shape)
+  return original(q, *args, **kwargs)
+gpu_kernel.palimpsa_gpu = recording
+
+B, T, H, K, V = 4, 24, 4, 16, 16
+rng = np.random.default_rng(0)
+q, k = (jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32) for _ in range(2))
+v = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
+beta = jnp.asarray(rng.uniform(0, 1, (B, T, H, V)), jnp.float32)
+log_alpha = jnp.asarray(-rng.uniform(0, 0.3, (B, T, H)), jnp.float32)
+ip = jnp.asarray(rng.uniform(0.5, 2, (H,)), jnp.float32)
+segments = jnp.asarray(np.repeat([[0, 1]], B, 0).repeat(T // 2, 1), jnp.int32)
+
+def loss(q, k, v, beta, log_alpha, impl):
+  r = palimpsa(q, k, v, beta, log_alpha, ip, segment_ids=segments, return_variance=True,
+               implementation=impl, chunk_size=16, interpret=True)
+  return jnp.sum(r.out * r.out) + jnp.sum(r.variance) + jnp.sum(r.state.mu), r
+
+mesh = jax.make_mesh((2, 2), ("data", "tensor"),
+                     axis_types=(jax.sharding.AxisType.Auto,) * 2)
+put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+args = (put(q, P("data", None, "tensor")), put(k, P("data", None, "tensor")),
+        put(v, P("data", None, "tensor")), put(beta, P("data", None, "tensor")),
+        put(log_alpha, P("data", None, "tensor")))
+step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True),
+               static_argnums=5)
+with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",), head_axes=("tensor",)):
+  (value, result), grads = step(*args, "pallas_gpu")
+assert set(seen) == {(B // 2, T, H // 2, K)}, seen
+(ref_value, ref_result), ref_grads = step(q, k, v, beta, log_alpha, "sequential")
+np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+for a, b in zip(jax.tree.leaves((result, grads)), jax.tree.leaves((ref_result, ref_grads))):
+  a, b = np.asarray(a), np.asarray(b)
+  np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(b).max()))
+print("ok")
+"""
+
+
+def test_kernel_runs_per_shard_and_matches_the_reference():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_axes_that_do_not_divide_are_dropped_and_bad_axes_rejected():
+  mesh = jax.make_mesh((1,), ("data",))
+  calls = []
+
+  def kernel(x, y):
+    calls.append(x.shape)
+    return x + 1, None
+
+  x = np.zeros((3, 2), np.float32)
+  with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",)):
+    out, none = kernel_sharding.shard_kernel(kernel, (x, None), ("b.", "b."),
+                                             ("b.", None), batch_size=3, num_heads=1)
+  assert none is None and calls == [(3, 2)]
+  np.testing.assert_array_equal(out, x + 1)
+  assert kernel_sharding.current() is None
+  with pytest.raises(ValueError, match="'fsdp' is not in the mesh"):
+    with kernel_sharding.kernel_sharding(mesh, batch_axes=("fsdp",)):
+      pass
