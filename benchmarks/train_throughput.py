@@ -162,7 +162,8 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,
-      sharding_lib.replicated(mesh), config.grad_accum_steps,
+      sharding_lib.replicated(mesh),
+      trainer.grad_accum_steps(config, mesh.shape["data"] * mesh.shape["fsdp"]),
       sharding_lib.kernel_context(mesh, rules))
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
 

@@ -53,6 +53,7 @@ def test_lm_config_size_defaults(arg, lr, steps, batch):
   config = module.get_config(arg)
   assert config.optimizer.learning_rate == lr and config.total_steps == steps
   assert config.batch_size == batch and config.seq_len == 4096
+  assert config.grad_accum_steps == 0 and config.device_batch > 0
 
 
 def test_train_then_eval_palimpsa_d(tmp_path):

@@ -98,11 +98,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.init_on_host must be 'auto', True or False, got {init_on_host!r}.")
   positive = ("seq_len", "batch_size", "eval_batch_size", "log_every_steps",
-              "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints",
-              "grad_accum_steps")
+              "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints")
   for name in positive:
     if not isinstance(config[name], int) or config[name] <= 0:
       raise ValueError(f"config.{name} must be a positive int, got {config[name]!r}.")
+  if not isinstance(config.grad_accum_steps, int) or config.grad_accum_steps < 0:
+    raise ValueError("config.grad_accum_steps must be a positive int or 0 (auto), got "
+                     f"{config.grad_accum_steps!r}.")
   if config.total_steps <= 0 and config.get("num_epochs", 0) <= 0:
     raise ValueError(
         "set config.total_steps (> 0) or config.num_epochs (> 0); got "
@@ -111,17 +113,44 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         "the lm task streams its data without epochs: config.total_steps must be "
         f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
-  if config.batch_size % (config.grad_accum_steps * jax.process_count()):
+  data, fsdp, _ = sharding_lib.mesh_shape(config.mesh, jax.device_count())
+  accum = grad_accum_steps(config, data * fsdp)
+  if config.batch_size % (accum * jax.process_count()):
     raise ValueError(
         f"config.batch_size={config.batch_size} must be a multiple of "
-        f"grad_accum_steps * hosts = {config.grad_accum_steps * jax.process_count()}.")
-  data, fsdp, _ = sharding_lib.mesh_shape(config.mesh, jax.device_count())
-  microbatch = config.batch_size // config.grad_accum_steps
+        f"grad_accum_steps * hosts = {accum * jax.process_count()}.")
+  microbatch = config.batch_size // accum
   if microbatch % (data * fsdp):
     raise ValueError(
         f"config.batch_size / grad_accum_steps = {microbatch} sequences must split evenly "
         f"over the mesh's data x fsdp = {data * fsdp} batch shards.")
   optimizer_lib.validate_optimizer_config(config.optimizer)
+
+
+def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> int:
+  """config.grad_accum_steps; for 0 ("auto"), the fewest microbatches per step
+  that put at most config.device_batch sequences on each of the batch_shards
+  (data x fsdp) devices.
+
+  Raises:
+    ValueError: auto without a positive config.device_batch, or no count of
+      microbatches divides config.batch_size that way.
+  """
+  if config.grad_accum_steps:
+    return config.grad_accum_steps
+  limit = config.get("device_batch", 0)
+  if not isinstance(limit, int) or limit <= 0:
+    raise ValueError(
+        "config.grad_accum_steps=0 (auto) needs config.device_batch, the most "
+        f"sequences per device and microbatch, > 0; got {limit!r}.")
+  for count in range(1, config.batch_size + 1):
+    per_device, rest = divmod(config.batch_size, count * batch_shards)
+    if not rest and per_device <= limit:
+      return count
+  raise ValueError(
+      f"config.batch_size={config.batch_size} cannot be split into microbatches of at "
+      f"most config.device_batch={limit} sequences on each of {batch_shards} batch "
+      "shards; set config.grad_accum_steps explicitly.")
 
 
 class Task(abc.ABC):
@@ -335,9 +364,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   replicated = sharding_lib.replicated(mesh)
   kernel_context = sharding_lib.kernel_context(mesh, rules)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
+  accum = grad_accum_steps(config, mesh.shape["data"] * mesh.shape["fsdp"])
   train_step = steps_lib.make_train_step(
-      spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated,
-      config.grad_accum_steps, kernel_context)
+      spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated, accum,
+      kernel_context)
   eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated, kernel_context)
   diagnostics_step = (steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated,
                                                       kernel_context)

@@ -209,6 +209,33 @@ def test_batch_must_split_over_the_batch_shards(monkeypatch):
   trainer.validate_config(config)
 
 
+@pytest.mark.parametrize("batch, shards, device_batch, expected", [
+    (128, 1, 8, 16),   # 170m on one GPU: 16 microbatches of 8
+    (128, 8, 8, 2),
+    (128, 16, 8, 1),
+    (12, 2, 4, 2),     # 3 per device: 4 would not divide the batch
+    (16, 1, 16, 1),
+])
+def test_auto_grad_accum_steps(batch, shards, device_batch, expected):
+  config = tiny_lm.tiny_mqar_config(batch_size=batch, grad_accum_steps=0,
+                                    device_batch=device_batch)
+  assert trainer.grad_accum_steps(config, shards) == expected
+  config.grad_accum_steps = 4
+  assert trainer.grad_accum_steps(config, shards) == 4
+
+
+def test_auto_grad_accum_steps_errors():
+  config = tiny_lm.tiny_mqar_config(batch_size=12, grad_accum_steps=0)
+  with pytest.raises(ValueError, match="needs config.device_batch"):
+    trainer.grad_accum_steps(config, 1)
+  config.device_batch = 1
+  with pytest.raises(ValueError, match="cannot be split"):
+    trainer.grad_accum_steps(config, 8)
+  config.grad_accum_steps = -1
+  with pytest.raises(ValueError, match="positive int or 0"):
+    trainer.validate_config(config)
+
+
 def test_lm_task_needs_total_steps(tmp_path):
   config = tiny_lm.tiny_mqar_config(task="lm", total_steps=-1, num_epochs=2)
   with pytest.raises(ValueError, match="config.total_steps must be > 0"):
@@ -255,8 +282,12 @@ def test_lm_task_trains_on_text_files(tmp_path):
     trainer.train_and_evaluate(config, str(tmp_path / "run2"))
 
 
-def test_gradient_accumulation_matches_full_batch(tmp_path, uninterrupted):
-  config = _resumable_config(4, grad_accum_steps=2)
+@pytest.mark.parametrize("overrides", [
+    dict(grad_accum_steps=2),
+    dict(grad_accum_steps=0, device_batch=8),  # auto: 16 sequences -> 2 x 8
+])
+def test_gradient_accumulation_matches_full_batch(tmp_path, uninterrupted, overrides):
+  config = _resumable_config(4, **overrides)
   trainer.train_and_evaluate(config, str(tmp_path))
   reference = _losses(uninterrupted[0])
   for step, loss in _losses(str(tmp_path)).items():
