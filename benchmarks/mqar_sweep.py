@@ -105,6 +105,17 @@ def _progress_from_metrics(workdir: pathlib.Path) -> dict[str, object]:
           "stopped_early": False, "wall_time_s": None}
 
 
+def worker_env(gpu: str, gpus: list[str]) -> dict[str, str]:
+  """The environment of the worker on `gpu`; workers sharing a GPU allocate on demand.
+
+  (JAX otherwise preallocates 75% of the GPU's memory in the first process.)
+  """
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
+  if gpus.count(gpu) > 1:
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  return env
+
+
 def collect(root: pathlib.Path) -> list[dict[str, object]]:
   """One record per run started under root: its grid point and summary.
 
@@ -273,8 +284,7 @@ def main(argv=None) -> None:
                    f"--lrs={args.lrs}", f"--seeds={args.seeds}",
                    f"--shard={i}/{len(gpus)}"]
         command += [f"--{k}={v}" for k, v in extra.items()]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
-        workers.append(subprocess.Popen(command, env=env))
+        workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
       codes = [w.wait() for w in workers]
       if any(codes):
         raise SystemExit(f"worker exit codes: {codes}")

@@ -84,3 +84,12 @@ def test_run_skips_finished(tmp_path, capsys):
   _fake_run(tmp_path, run, 0.5)
   sweep.run_shard(tmp_path, [run], {})
   assert "finished, skipped" in capsys.readouterr().out
+
+
+def test_workers_sharing_a_gpu_allocate_on_demand(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  gpus = ["0", "0", "1"]
+  shared, alone = sweep.worker_env("0", gpus), sweep.worker_env("1", gpus)
+  assert shared["CUDA_VISIBLE_DEVICES"] == "0" and alone["CUDA_VISIBLE_DEVICES"] == "1"
+  assert shared["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in alone
