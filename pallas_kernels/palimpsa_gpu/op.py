@@ -145,9 +145,19 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   mu_final = layout.state_from_head_major(m_final / i_final, cfg.b, cfg.h, cfg.v,
                                           cfg.k)
   prec_final = layout.state_from_head_major(i_final, cfg.b, cfg.h, cfg.v, cfg.k)
-  residuals = (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final,
-               b_final, var_h, initial_mu, initial_precision)
+  # The saved chunk-boundary states drop the V/K padding (zero there: padded
+  # entries stay at the prior), so they take (T/chunk) * V * K * 2 floats per
+  # batch-head; the backward pads them again.
+  residuals = (qh, kh, vh, betah, gates, ip, ip_row, m_starts[..., :cfg.v, :cfg.k],
+               b_starts[..., :cfg.v, :cfg.k], m_final, b_final, var_h, initial_mu,
+               initial_precision)
   return (out, var, mu_final, prec_final), residuals
+
+
+def _pad_state(cfg: Config, x: jax.Array) -> jax.Array:
+  """[..., V, K] -> [..., Vp, Kp] with zeros in the padding."""
+  pad = ((0, 0),) * (x.ndim - 2) + ((0, cfg.v_pad), (0, cfg.k_pad))
+  return jnp.pad(x, pad)
 
 
 def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
@@ -175,6 +185,7 @@ def _backward(cfg: Config, residuals, cotangents):
   (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final, b_final,
    var_h, initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
+  m_starts, b_starts = _pad_state(cfg, m_starts), _pad_state(cfg, b_starts)
   f32 = jnp.float32
   bh, tp, kp = qh.shape
   vp = vh.shape[-1]

@@ -78,3 +78,25 @@ def test_tile_variants_agree():
   np.testing.assert_allclose(v1, v0, rtol=1e-6)
   for a, b_ in zip(g1, g0):
     np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b_))))
+
+
+def test_saved_boundary_states_fit_the_residual_budget():
+  """Issue 5: saved states <= (T/64) * V * K * 2 floats per batch-head, padding dropped."""
+  b, t, h, kd, vd = 1, 128, 2, 48, 40  # K padded to 64 and V to 48 inside the kernel.
+  q = jnp.ones((b, t, h, kd)) / 8
+  v = jnp.ones((b, t, h, vd))
+  log_alpha = jnp.full((b, t, h), -0.1)
+  ip = jnp.ones((h,))
+  cfg = gpu_op.make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
+                           interpret=True)
+  assert (cfg.k_pad, cfg.v_pad) == (16, 8)
+  _, residuals = gpu_op._palimpsa_fwd(
+      cfg, q, q, v, v, log_alpha, ip, jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)),
+      None)
+  m_starts, b_starts = residuals[7], residuals[8]
+  assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
+  padded = gpu_op._pad_state(cfg, m_starts)
+  assert padded.shape == (b * h, t // 64, vd + 8, kd + 16)
+  np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
+  # That the dropped padding held zeros is what the interpreted suite's gradients check
+  # (its K=8 and V=20 are padded to 16 and 32).
