@@ -17,6 +17,7 @@ command) is appended to benchmarks/RESULTS.md, and --output writes JSON.
 """
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -76,6 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--scan_layers", default="off", choices=("on", "off", "both"),
                       help="model.scan_layers: unrolled layers (off, configs/lm.py's "
                            "default), one scanned layer body (on), or each model both ways")
+  parser.add_argument("--no_kernel_sharding", action="store_true",
+                      help="trace the step outside training.sharding.kernel_context, so a "
+                           "Pallas kernel computes the global batch on every device (A/B)")
   parser.add_argument("--mesh", default="data", choices=sorted(MESHES),
                       help="batch split over the data axis, or parameters sharded (FSDP)")
   parser.add_argument("--num_devices", type=int, default=0,
@@ -164,7 +168,8 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,
       sharding_lib.replicated(mesh),
       trainer.grad_accum_steps(config, mesh.shape["data"] * mesh.shape["fsdp"]),
-      sharding_lib.kernel_context(mesh, rules))
+      contextlib.nullcontext if args.no_kernel_sharding
+      else sharding_lib.kernel_context(mesh, rules))
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
 
   start = time.perf_counter()
@@ -292,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "command": command, "mesh": dict(mesh.shape), "size": args.size,
             "seq_len": args.seq_len, "batch_size": args.batch_size,
             "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "remat": args.remat, "rows": rows, "table": table,
+            "remat": args.remat, "kernel_sharding": not args.no_kernel_sharding,
+            "rows": rows, "table": table,
             "projections": projections}
   if not args.no_record:
     results = pathlib.Path(args.results)
@@ -303,7 +309,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"jax {jax.__version__}, mesh {dict(mesh.shape)}\n"
         f"- command: `{command}`\n"
         f"- bf16 compute, f32 params, configs/lm.py optimizer, remat "
-        f"{'on' if args.remat else 'off'}; median of {args.steps} steps after "
+        f"{'on' if args.remat else 'off'}, kernels "
+        f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}; "
+        f"median of {args.steps} steps after "
         f"{args.warmup_steps} warm-up, random tokens\n"
         + "".join(line + "\n" for line in projections) + f"\n{table}\n")
     if not results.exists():

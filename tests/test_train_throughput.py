@@ -38,7 +38,8 @@ def test_main_writes_table_results_and_json(tmp_path, capsys):
   results, output = tmp_path / "RESULTS.md", tmp_path / "out.json"
   argv = ["--models", "mamba2", "--compare_implementations", "chunked",
           "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
-          "--warmup_steps", "1", "--scan_layers", "both", "--results", str(results),
+          "--warmup_steps", "1", "--scan_layers", "both", "--no_kernel_sharding",
+          "--results", str(results),
           "--output", str(output)]
   result = train_throughput.main(argv)
 
@@ -58,5 +59,6 @@ def test_main_writes_table_results_and_json(tmp_path, capsys):
   assert "| mamba2 | auto | yes |" in printed and "| palimpsa_d | chunked | no |" in printed
   recorded = results.read_text()
   assert "--compare_implementations chunked" in recorded
+  assert "kernels on the global batch" in recorded and not result["kernel_sharding"]
   assert result["table"] in recorded and "15B tokens" in recorded
   assert json.loads(output.read_text())["rows"][2]["model"] == "palimpsa_d"

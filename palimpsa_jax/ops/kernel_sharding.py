@@ -17,6 +17,7 @@ import dataclasses
 import math
 import threading
 from typing import Any
+import warnings
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
@@ -106,6 +107,11 @@ def shard_kernel(kernel: Callable[..., Any], args: Sequence[jax.Array | None],
   heads = _dividing_axes(mesh, [a for a in sharding.head_axes if a not in batch],
                          num_heads)
   if not batch and not heads:
+    if any(mesh.shape[a] > 1 for a in (*sharding.batch_axes, *sharding.head_axes)):
+      warnings.warn(
+          f"shard_kernel: batch {batch_size} and {num_heads} heads do not divide over the "
+          f"mesh axes {sharding.batch_axes} / {sharding.head_axes} of {dict(mesh.shape)}; "
+          "every device runs the kernel on the whole arrays.", stacklevel=2)
     return kernel(*args)
   present = [i for i, a in enumerate(args) if a is not None]
 

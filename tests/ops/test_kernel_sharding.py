@@ -59,6 +59,16 @@ np.testing.assert_allclose(value, ref_value, rtol=1e-5)
 for a, b in zip(jax.tree.leaves((result, grads)), jax.tree.leaves((ref_result, ref_grads))):
   a, b = np.asarray(a), np.asarray(b)
   np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(b).max()))
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",), head_axes=("tensor",)):
+    odd = (q[:3, :, :3], k[:3, :, :3], v[:3, :, :3], beta[:3, :, :3], log_alpha[:3, :, :3])
+    seen.clear()
+    jax.jit(lambda *a: palimpsa(*a, ip[:3], implementation="pallas_gpu", chunk_size=16,
+                                interpret=True).out)(*odd)
+assert seen == [(3, T, 3, K)], seen
+assert any("do not divide" in str(w.message) for w in caught), [str(w.message) for w in caught]
 print("ok")
 """
 
