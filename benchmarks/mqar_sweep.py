@@ -20,11 +20,13 @@ best accuracy over learning rates.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -114,6 +116,26 @@ def worker_env(gpu: str, gpus: list[str]) -> dict[str, str]:
   if gpus.count(gpu) > 1:
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   return env
+
+
+@contextlib.contextmanager
+def mps_daemon(enabled: bool):
+  """Runs NVIDIA's MPS control daemon meanwhile, when enabled.
+
+  Under MPS the kernels of the workers that share a GPU run concurrently
+  instead of in time slices.
+  """
+  if not enabled:
+    yield
+    return
+  control = shutil.which("nvidia-cuda-mps-control")
+  if control is None:
+    raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH.")
+  subprocess.run([control, "-d"], check=True, stdin=subprocess.DEVNULL)
+  try:
+    yield
+  finally:
+    subprocess.run([control], input="quit\n", text=True, check=False)
 
 
 def collect(root: pathlib.Path) -> list[dict[str, object]]:
@@ -251,7 +273,10 @@ def main(argv=None) -> None:
   parser.add_argument("--root", required=True, type=pathlib.Path)
   parser.add_argument("--shard", default="0/1", help="i/n: run every n-th grid point from i.")
   parser.add_argument("--gpus", default=None,
-                      help="comma-separated GPU ids: one worker (shard) per GPU.")
+                      help="comma-separated GPU ids: one worker (shard) per entry; "
+                           "repeat an id to run several workers on that GPU.")
+  parser.add_argument("--mps", action="store_true",
+                      help="with --gpus: run the workers under NVIDIA MPS (as root).")
   parser.add_argument("--mixers", default=",".join(MIXERS))
   parser.add_argument("--with_transformer", action="store_true")
   parser.add_argument("--settings", default="512:128,1024:256")
@@ -277,15 +302,16 @@ def main(argv=None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     if args.gpus:
       gpus = args.gpus.split(",")
-      workers = []
-      for i, gpu in enumerate(gpus):
-        command = [sys.executable, __file__, "run", f"--root={root}",
-                   f"--mixers={','.join(mixers)}", f"--settings={args.settings}",
-                   f"--lrs={args.lrs}", f"--seeds={args.seeds}",
-                   f"--shard={i}/{len(gpus)}"]
-        command += [f"--{k}={v}" for k, v in extra.items()]
-        workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
-      codes = [w.wait() for w in workers]
+      with mps_daemon(args.mps):
+        workers = []
+        for i, gpu in enumerate(gpus):
+          command = [sys.executable, __file__, "run", f"--root={root}",
+                     f"--mixers={','.join(mixers)}", f"--settings={args.settings}",
+                     f"--lrs={args.lrs}", f"--seeds={args.seeds}",
+                     f"--shard={i}/{len(gpus)}"]
+          command += [f"--{k}={v}" for k, v in extra.items()]
+          workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
+        codes = [w.wait() for w in workers]
       if any(codes):
         raise SystemExit(f"worker exit codes: {codes}")
     else:

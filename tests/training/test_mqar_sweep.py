@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
@@ -93,3 +94,21 @@ def test_workers_sharing_a_gpu_allocate_on_demand(monkeypatch):
   assert shared["CUDA_VISIBLE_DEVICES"] == "0" and alone["CUDA_VISIBLE_DEVICES"] == "1"
   assert shared["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
   assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in alone
+
+
+def test_mps_needs_the_control_binary(monkeypatch):
+  monkeypatch.setattr(sweep.shutil, "which", lambda name: None)
+  with pytest.raises(SystemExit, match="nvidia-cuda-mps-control"):
+    with sweep.mps_daemon(True):
+      pass
+
+
+def test_mps_daemon_starts_and_quits(tmp_path, monkeypatch):
+  log = tmp_path / "calls.txt"
+  fake = tmp_path / "nvidia-cuda-mps-control"
+  fake.write_text(f'#!/bin/sh\necho "args:$*" >> {log}\ncat >> {log}\n')
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+  with sweep.mps_daemon(True):
+    assert log.read_text().startswith("args:-d")
+  assert log.read_text().splitlines()[-2:] == ["args:", "quit"]
