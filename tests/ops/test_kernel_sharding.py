@@ -18,16 +18,19 @@ REPO = pathlib.Path(__file__).parents[2]
 _SCRIPT = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-import pallas_kernels.palimpsa_gpu as gpu_kernel
+import importlib
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.palimpsa import palimpsa
 assert jax.device_count() == 4
+IMPL = {impl!r}
+kernel_module = importlib.import_module("pallas_kernels." + IMPL.replace("pallas", "palimpsa"))
+kernel_name = IMPL.replace("pallas", "palimpsa")
 seen = []
-original = gpu_kernel.palimpsa_gpu
+original = getattr(kernel_module, kernel_name)
 def recording(q, *args, **kwargs):
   seen.append(q.shape)
   return original(q, *args, **kwargs)
-gpu_kernel.palimpsa_gpu = recording
+setattr(kernel_module, kernel_name, recording)
 
 B, T, H, K, V = 4, 24, 4, 16, 16
 rng = np.random.default_rng(0)
@@ -52,8 +55,8 @@ args = (put(q, P("data", None, "tensor")), put(k, P("data", None, "tensor")),
 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True),
                static_argnums=5)
 with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",), head_axes=("tensor",)):
-  (value, result), grads = step(*args, "pallas_gpu")
-assert set(seen) == {(B // 2, T, H // 2, K)}, seen
+  (value, result), grads = step(*args, IMPL)
+assert set(seen) == {{(B // 2, T, H // 2, K)}}, seen
 (ref_value, ref_result), ref_grads = step(q, k, v, beta, log_alpha, "sequential")
 np.testing.assert_allclose(value, ref_value, rtol=1e-5)
 for a, b in zip(jax.tree.leaves((result, grads)), jax.tree.leaves((ref_result, ref_grads))):
@@ -65,7 +68,7 @@ with warnings.catch_warnings(record=True) as caught:
   with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",), head_axes=("tensor",)):
     odd = (q[:3, :, :3], k[:3, :, :3], v[:3, :, :3], beta[:3, :, :3], log_alpha[:3, :, :3])
     seen.clear()
-    jax.jit(lambda *a: palimpsa(*a, ip[:3], implementation="pallas_gpu", chunk_size=16,
+    jax.jit(lambda *a: palimpsa(*a, ip[:3], implementation=IMPL, chunk_size=16,
                                 interpret=True).out)(*odd)
 assert seen == [(3, T, 3, K)], seen
 assert any("do not divide" in str(w.message) for w in caught), [str(w.message) for w in caught]
@@ -73,10 +76,12 @@ print("ok")
 """
 
 
-def test_kernel_runs_per_shard_and_matches_the_reference():
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
+def test_kernel_runs_per_shard_and_matches_the_reference(implementation):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO,
+  script = _SCRIPT.format(impl=implementation)
+  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
