@@ -124,6 +124,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.batch_size / grad_accum_steps = {microbatch} sequences must split evenly "
         f"over the mesh's data x fsdp = {data * fsdp} batch shards.")
+  if config.eval_batch_size % (data * fsdp):
+    raise ValueError(
+        f"config.eval_batch_size={config.eval_batch_size} must split evenly over the "
+        f"mesh's data x fsdp = {data * fsdp} batch shards.")
   optimizer_lib.validate_optimizer_config(config.optimizer)
 
 

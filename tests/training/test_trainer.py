@@ -207,6 +207,9 @@ def test_batch_must_split_over_the_batch_shards(monkeypatch):
     trainer.validate_config(config)
   config.batch_size = 8
   trainer.validate_config(config)
+  config.eval_batch_size = 6
+  with pytest.raises(ValueError, match="config.eval_batch_size=6 must split evenly"):
+    trainer.validate_config(config)
 
 
 @pytest.mark.parametrize("batch, shards, device_batch, expected", [
