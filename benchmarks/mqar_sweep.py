@@ -30,6 +30,8 @@ import shutil
 import subprocess
 import sys
 
+from palimpsa_jax.training import metrics as metrics_lib
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet")
 LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",
@@ -92,13 +94,17 @@ def run_shard(root: pathlib.Path, runs: list[Run], extra: dict[str, object]) -> 
     subprocess.run(command, check=True, cwd=REPO)
 
 
+def _metrics(workdir: pathlib.Path) -> list[dict[str, object]]:
+  """The run's metrics.jsonl records; none before its first log step."""
+  if not (workdir / "metrics.jsonl").exists():
+    return []
+  return metrics_lib.read_metrics(str(workdir))
+
+
 def _progress_from_metrics(workdir: pathlib.Path) -> dict[str, object]:
   """Summary-like fields of a run stopped before its summary: from metrics.jsonl."""
   best, best_step, last_step = None, None, 0
-  path = workdir / "metrics.jsonl"
-  lines = path.read_text().splitlines() if path.exists() else []
-  for line in lines:
-    record = json.loads(line)
+  for record in _metrics(workdir):
     last_step = max(last_step, record["step"])
     accuracy = record.get("eval/accuracy")
     if accuracy is not None and (best is None or accuracy > best):
@@ -234,10 +240,8 @@ def plot_curves(root: pathlib.Path, records: list[dict[str, object]],
     for r in records:
       if (r["seq_len"], r["kv"]) != (seq_len, kv):
         continue
-      metrics = root / r["name"] / "metrics.jsonl"
-      points = [(rec["step"], rec["eval/accuracy"]) for rec in
-                map(json.loads, metrics.read_text().splitlines())
-                if "eval/accuracy" in rec] if metrics.exists() else []
+      points = [(rec["step"], rec["eval/accuracy"])
+                for rec in _metrics(root / r["name"]) if "eval/accuracy" in rec]
       if not points:
         continue
       steps, accuracies = zip(*points)

@@ -167,7 +167,7 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,
       sharding_lib.replicated(mesh),
-      trainer.grad_accum_steps(config, mesh.shape["data"] * mesh.shape["fsdp"]),
+      trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh)),
       contextlib.nullcontext if args.no_kernel_sharding
       else sharding_lib.kernel_context(mesh, rules))
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))

@@ -123,6 +123,11 @@ def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> Any:
   return nnx.to_pure_dict(shardings)
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """How many pieces the batch is split into: the product of BATCH_AXES sizes."""
+  return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
 def kernel_context(mesh: Mesh, rules: Rules
                    ) -> Callable[[], contextlib.AbstractContextManager]:
   """() -> the context in which Pallas kernels run per device shard.

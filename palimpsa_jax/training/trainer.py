@@ -368,7 +368,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   replicated = sharding_lib.replicated(mesh)
   kernel_context = sharding_lib.kernel_context(mesh, rules)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
-  accum = grad_accum_steps(config, mesh.shape["data"] * mesh.shape["fsdp"])
+  accum = grad_accum_steps(config, sharding_lib.batch_shards(mesh))
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated, accum,
       kernel_context)
