@@ -8,10 +8,10 @@ from flax import nnx
 
 from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.layers.checks import check_mixer_input
-from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
 from palimpsa_jax.layers.linear import Dense
-from palimpsa_jax.layers.norms import GatedRMSNorm, l2_normalize
+from palimpsa_jax.layers.norms import GatedRMSNorm
+from palimpsa_jax.layers.qkv import ConvolvedQKV
 from palimpsa_jax.layers.recurrent import RecurrentMixer
 from palimpsa_jax.ops import gated_delta_rule
 
@@ -25,7 +25,7 @@ class GatedDeltaNetCache(NamedTuple):
   state: jax.Array
 
 
-class GatedDeltaNet(RecurrentMixer):
+class GatedDeltaNet(ConvolvedQKV, RecurrentMixer):
   """Standard Gated DeltaNet mixer.
 
   q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5;
@@ -45,12 +45,7 @@ class GatedDeltaNet(RecurrentMixer):
     init = params_lib.normal_init(init_std)
     dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
                                       kernel_init=init, dtype=dtype)
-    conv = lambda c: ShortConv(c, conv_kernel, rngs=rngs, dtype=dtype)
-    self.q_proj = dense(d_model, h * kd, ("embed", "heads"))
-    self.k_proj = dense(d_model, h * kd, ("embed", "heads"))
-    self.v_proj = dense(d_model, h * vd, ("embed", "heads"))
-    self.q_conv, self.k_conv, self.v_conv = conv(h * kd), conv(h * kd), conv(
-        h * vd)
+    self._init_qkv(d_model, h, kd, vd, dense, conv_kernel, rngs, dtype)
     self.a_proj = dense(d_model, h, ("embed", "heads"))
     self.b_proj = dense(d_model, h, ("embed", "heads"))
     self.A_log, self.dt_bias = params_lib.forget_gate_params(
@@ -71,23 +66,16 @@ class GatedDeltaNet(RecurrentMixer):
     """Fixed-shape cache; independent of max_length (O(1) per token)."""
     del max_length, dtype
     shape = (batch_size, self.num_heads, self.head_v_dim, self.head_k_dim)
-    return GatedDeltaNetCache(
-        self.q_conv.init_state(batch_size), self.k_conv.init_state(batch_size),
-        self.v_conv.init_state(batch_size), jnp.zeros(shape, jnp.float32))
+    return GatedDeltaNetCache(*self._initial_conv_states(batch_size),
+                              jnp.zeros(shape, jnp.float32))
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
     check_mixer_input(x, self.d_model)
     batch, length, _ = x.shape
-    h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
-    conv_states = (None,) * 3 if cache is None else cache[:3]
-    q, q_conv = self.q_conv(self.q_proj(x), conv_states[0], segment_ids)
-    k, k_conv = self.k_conv(self.k_proj(x), conv_states[1], segment_ids)
-    v, v_conv = self.v_conv(self.v_proj(x), conv_states[2], segment_ids)
-    q = (l2_normalize(q.reshape(batch, length, h, kd)) * (kd ** -0.5)).astype(
-        self.dtype)
-    k = l2_normalize(k.reshape(batch, length, h, kd))
-    v = v.reshape(batch, length, h, vd)
+    h, vd = self.num_heads, self.head_v_dim
+    q, k, v, conv_states = self._qkv(x, cache, segment_ids)
+    q = q.astype(self.dtype)
     beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
     dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32)
                          + self.dt_bias[...])
@@ -105,4 +93,4 @@ class GatedDeltaNet(RecurrentMixer):
     if return_diagnostics:
       diagnostics = {"state_rms": rms(result.state), "output_rms": rms(y),
                      **gate_diagnostics(log_alpha)}
-    return y, GatedDeltaNetCache(q_conv, k_conv, v_conv, result.state), diagnostics
+    return y, GatedDeltaNetCache(*conv_states, result.state), diagnostics

@@ -8,10 +8,10 @@ from flax import nnx
 
 from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.layers.checks import check_mixer_input
-from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
 from palimpsa_jax.layers.linear import Dense
-from palimpsa_jax.layers.norms import GatedRMSNorm, l2_normalize
+from palimpsa_jax.layers.norms import GatedRMSNorm
+from palimpsa_jax.layers.qkv import ConvolvedQKV
 from palimpsa_jax.layers.recurrent import MetaplasticMixer
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 
@@ -25,7 +25,7 @@ class PalimpsaDCache(NamedTuple):
   state: PalimpsaState
 
 
-class PalimpsaD(MetaplasticMixer):
+class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
   """Palimpsa-D (SPEC.md sec. 4); metaplasticity=False is NotPalimpsa.
 
   q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5.
@@ -48,12 +48,7 @@ class PalimpsaD(MetaplasticMixer):
     init = params_lib.normal_init(init_std)
     dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
                                       kernel_init=init, dtype=dtype)
-    conv = lambda c: ShortConv(c, conv_kernel, rngs=rngs, dtype=dtype)
-    self.q_proj = dense(d_model, h * kd, ("embed", "heads"))
-    self.k_proj = dense(d_model, h * kd, ("embed", "heads"))
-    self.v_proj = dense(d_model, h * vd, ("embed", "heads"))
-    self.q_conv, self.k_conv, self.v_conv = conv(h * kd), conv(h * kd), conv(
-        h * vd)
+    self._init_qkv(d_model, h, kd, vd, dense, conv_kernel, rngs, dtype)
     self.dt_proj = dense(d_model, h, ("embed", "heads"))
     self.s_proj = dense(d_model, h, ("embed", "heads"))
     self.A_log, self.dt_bias = params_lib.forget_gate_params(
@@ -87,8 +82,7 @@ class PalimpsaD(MetaplasticMixer):
     h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
     ip = self.prior_precision()[None, :, None, None]
     return PalimpsaDCache(
-        self.q_conv.init_state(batch_size), self.k_conv.init_state(batch_size),
-        self.v_conv.init_state(batch_size),
+        *self._initial_conv_states(batch_size),
         PalimpsaState(jnp.zeros((batch_size, h, vd, kd), jnp.float32),
                       jnp.broadcast_to(ip, (batch_size, h, vd, kd))))
 
@@ -96,14 +90,8 @@ class PalimpsaD(MetaplasticMixer):
                return_diagnostics):
     check_mixer_input(x, self.d_model)
     batch, length, _ = x.shape
-    h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
-    conv_states = (None,) * 3 if cache is None else cache[:3]
-    q, q_conv = self.q_conv(self.q_proj(x), conv_states[0], segment_ids)
-    k, k_conv = self.k_conv(self.k_proj(x), conv_states[1], segment_ids)
-    v, v_conv = self.v_conv(self.v_proj(x), conv_states[2], segment_ids)
-    q = l2_normalize(q.reshape(batch, length, h, kd)) * (kd ** -0.5)
-    k = l2_normalize(k.reshape(batch, length, h, kd))
-    v = v.reshape(batch, length, h, vd)
+    h, vd = self.num_heads, self.head_v_dim
+    q, k, v, conv_states = self._qkv(x, cache, segment_ids)
 
     dt = jax.nn.softplus(self.dt_proj(x).astype(jnp.float32)
                          + self.dt_bias[...])
@@ -128,7 +116,7 @@ class PalimpsaD(MetaplasticMixer):
            + self.D[...][:, None] * v.astype(jnp.float32))
     g = self.gate_proj(x).reshape(batch, length, h, vd)
     y = self.out_proj(self.out_norm(out, g).reshape(batch, length, h * vd))
-    new_cache = PalimpsaDCache(q_conv, k_conv, v_conv, result.state)
+    new_cache = PalimpsaDCache(*conv_states, result.state)
     diagnostics = None
     if return_diagnostics:
       diagnostics = {
