@@ -64,13 +64,14 @@ def _boundary_fn(cfg):
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
       walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-      with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
+      k_part=cfg.k_part, with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
 
 
 def _backward_walk_fn(cfg):
   fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
                          block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-                         num_warps=cfg.num_warps_bwd, interpret=False)
+                         k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd,
+                         interpret=False)
   return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
 
 
@@ -115,27 +116,36 @@ def sweep(base, base_times, args, log):
                               num_warps_boundary=warps)
     trial("boundary", f"bv={cfg.block_v_boundary} w={warps}", cfg, _boundary_fn(cfg),
           (kh, vh, betah, gates.to_end, gates.chunk, m0, b0))
-  for elems, warps, unroll in ((2048, 4, 1), (2048, 4, 2), (1024, 2, 2), (1024, 1, 2),
-                               (4096, 8, 2)):
+  k_parts = sorted({base.k_part, min(16, base.k_part), min(8, base.k_part)}, reverse=True)
+  fwd_variants = [(1024, 1, 2, kq) for kq in k_parts] + [
+      (512, 1, 2, base.k_part), (2048, 1, 2, base.k_part), (2048, 2, 2, base.k_part),
+      (2048, 4, 1, base.k_part), (1024, 1, 4, base.k_part)]
+  for elems, warps, unroll, k_part in fwd_variants:
     cfg = dataclasses.replace(base, block_v=_tiles(base, elems), num_warps=warps,
-                              unroll=unroll)
-    trial("walk_fwd", f"bv={cfg.block_v} w={warps} u={unroll}", cfg,
+                              unroll=unroll, k_part=k_part)
+    trial("walk_fwd", f"bv={cfg.block_v} w={warps} u={unroll} kpart={k_part}", cfg,
           _forward_walk_fn(cfg, args[2].dtype),
           (qh, kh, vh, betah, gates.step, ip_row, ms, bs))
-  for elems, warps, sub, groups in ((512, 1, 4, 1), (512, 1, 4, 4), (256, 1, 8, 4),
-                                    (512, 2, 4, 2), (1024, 2, 4, 2), (1024, 4, 4, 1)):
+  bwd_variants = [(512, 1, 4, 1, kq) for kq in k_parts] + [
+      (256, 1, 4, 1, base.k_part), (256, 1, 2, 1, base.k_part),
+      (512, 1, 2, 1, base.k_part), (1024, 1, 2, 1, base.k_part),
+      (256, 1, 8, 4, base.k_part), (512, 1, 4, 4, base.k_part),
+      (1024, 2, 4, 2, base.k_part), (256, 1, 4, 1, min(16, base.k_part)),
+      (512, 1, 4, 96, base.k_part), (256, 1, 4, 96, base.k_part)]
+  for elems, warps, sub, groups, k_part in bwd_variants:
     bv = _tiles(base, elems)
     groups = math.gcd(groups, (base.v + base.v_pad) // bv)
     cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=warps, sub=sub,
-                              groups_bwd=groups)
-    trial("walk_bwd", f"bv={bv} w={warps} sub={sub} groups={groups}", cfg,
+                              groups_bwd=groups, k_part_bwd=k_part)
+    trial("walk_bwd", f"bv={bv} w={warps} sub={sub} groups={groups} kpart={k_part}", cfg,
           _backward_walk_fn(cfg), (qh, kh, vh, betah, gates.step, ip_row, do, ms, bs))
   b_cfg, f_cfg, w_cfg = (best[s][1] for s in ("boundary", "walk_fwd", "walk_bwd"))
   return dataclasses.replace(
       base, block_v_boundary=b_cfg.block_v_boundary,
       num_warps_boundary=b_cfg.num_warps_boundary, block_v=f_cfg.block_v,
-      num_warps=f_cfg.num_warps, unroll=f_cfg.unroll, block_v_bwd=w_cfg.block_v_bwd,
-      num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd)
+      num_warps=f_cfg.num_warps, unroll=f_cfg.unroll, k_part=f_cfg.k_part,
+      block_v_bwd=w_cfg.block_v_bwd, num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub,
+      groups_bwd=w_cfg.groups_bwd, k_part_bwd=w_cfg.k_part_bwd)
 
 
 def max_rel_diff(xs, ys):

@@ -55,26 +55,35 @@ def _dot_t(x, y, precision):
 
 def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
                      ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, interpret):
-  """Sequential over chunks for one (batch*head, V-tile): state += chunk writes."""
+  """Sequential over chunks for one (batch*head, V-tile): state += chunk writes.
+
+  The state [BV, Kp] is held as equal K-parts, each the largest power of two that
+  divides Kp (Triton tensors have power-of-two shapes; Kp is a multiple of 16).
+  """
   precision = _dot_precision(interpret)
+  kp = k_ref.shape[-1]
+  k_part = kp & -kp
+  parts = [pl.ds(i * k_part, k_part) for i in range(kp // k_part)]
 
   def step(c, carry):
-    m, b = carry
-    ms_ref[c] = m
-    bs_ref[c] = b
+    ms, bs = carry
+    for p, m, b in zip(parts, ms, bs):
+      ms_ref[c, :, p] = m
+      bs_ref[c, :, p] = b
     rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    k = k_ref[rows, :].astype(jnp.float32)
     w = w_ref[rows][:, None]
     vw = v_ref[rows, :].astype(jnp.float32) * w
     bw = beta_ref[rows, :].astype(jnp.float32) * w
     g = g_ref[c]
-    m = g * m + _dot_t(vw, k, precision)
-    b = g * b + _dot_t(bw, k * k, precision)
-    return m, b
+    ks = [k_ref[rows, p].astype(jnp.float32) for p in parts]
+    return ([g * m + _dot_t(vw, k, precision) for m, k in zip(ms, ks)],
+            [g * b + _dot_t(bw, k * k, precision) for b, k in zip(bs, ks)])
 
-  m, b = jax.lax.fori_loop(0, num_chunks, step, (m0_ref[...], b0_ref[...]))
-  mf_ref[...] = m
-  bf_ref[...] = b
+  ms, bs = jax.lax.fori_loop(0, num_chunks, step, ([m0_ref[:, p] for p in parts],
+                                                   [b0_ref[:, p] for p in parts]))
+  for p, m, b in zip(parts, ms, bs):
+    mf_ref[:, p] = m
+    bf_ref[:, p] = b
 
 
 def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
@@ -82,7 +91,8 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
   """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
 
   Args:
-    k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; to_end: [BH, Tp]; chunk_gate: [BH, NC];
+    k: [BH, Tp, Kp] (Kp a multiple of 16); v, beta: [BH, Tp, Vp]; to_end: [BH, Tp];
+    chunk_gate: [BH, NC];
     m0, b0: [BH, Vp, Kp] initial state.
 
   Returns:

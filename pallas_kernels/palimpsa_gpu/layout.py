@@ -1,7 +1,7 @@
 """Head-major, padded layout and chunk gates shared by the forward and backward.
 
 Inputs arrive as [B, T, H, D]; the kernels work on [B*H, Tp, Dp] with Tp a multiple of
-the chunk size, K padded to a power of two and V padded to a multiple of the V-tile.
+the chunk size and K, V padded to multiples of 16.
 Padding is exact: padded steps have gate 1 and zero writes, padded K/V entries stay at
 the prior and are read out with zero queries.
 """

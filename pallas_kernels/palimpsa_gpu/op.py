@@ -23,8 +23,7 @@ from pallas_kernels.palimpsa_gpu import boundary, layout, walk
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _MAX_DIM = 256
-_MIN_K = 16
-_V_MULTIPLE = 16  # V is padded to a multiple of 16 (tensor-core tiles).
+_DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +39,8 @@ class Config:
   block_v: int
   block_v_bwd: int
   block_v_boundary: int
+  k_part: int
+  k_part_bwd: int
   unroll: int
   sub: int
   groups_bwd: int
@@ -57,11 +58,15 @@ class Config:
 
   @property
   def k_pad(self) -> int:
-    return max(_MIN_K, next_power_of_two(self.k)) - self.k
+    return round_up(self.k, _DIM_MULTIPLE) - self.k
 
   @property
   def v_pad(self) -> int:
-    return round_up(self.v, _V_MULTIPLE) - self.v
+    return round_up(self.v, _DIM_MULTIPLE) - self.v
+
+
+def _largest_power_of_two_dividing(n: int) -> int:
+  return n & -n
 
 
 def _block_v(v_padded: int, k_padded: int, elements: int, minimum: int = 1) -> int:
@@ -80,10 +85,10 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   if k > _MAX_DIM or vdim > _MAX_DIM:
     raise NotImplementedError(
         f"palimpsa_gpu supports K, V <= {_MAX_DIM}; got K={k}, V={vdim}")
-  kp = max(_MIN_K, next_power_of_two(k))
+  kp = round_up(k, _DIM_MULTIPLE)
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
-  vp = round_up(vdim, _V_MULTIPLE)
+  vp = round_up(vdim, _DIM_MULTIPLE)
   # Tiles from the H200 sweep (benchmarks/RESULTS.md, run 2): single-warp programs
   # walking ~1024 (forward) / ~512 (backward) state entries won for K >= 32; tiny
   # heads (MQAR, K=16) keep 4-warp forward programs over 2048 entries.
@@ -92,6 +97,8 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
                 block_v=_block_v(vp, kp, 1024 if wide else 2048),
                 block_v_bwd=_block_v(vp, kp, 512),
                 block_v_boundary=_block_v(vp, kp, 2048, minimum=16),
+                k_part=_largest_power_of_two_dividing(kp),
+                k_part_bwd=_largest_power_of_two_dividing(kp),
                 unroll=2 if wide else 8, sub=4, groups_bwd=1,
                 num_warps=1 if wide else 4, num_warps_bwd=1,
                 return_variance=return_variance,
@@ -135,7 +142,8 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
       interpret=cfg.interpret)
   outs = walk.walk_forward(
       qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
-      block_v=cfg.block_v, unroll=cfg.unroll, with_var=cfg.return_variance,
+      block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
+      with_var=cfg.return_variance,
       out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
   out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
   var_h = outs[1] if cfg.return_variance else None
@@ -196,7 +204,7 @@ def _backward(cfg: Config, residuals, cotangents):
   dq, dk, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
       qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-      num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
+      k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
   dq, dk = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0)
 
   # Adjoint of the final linear state.

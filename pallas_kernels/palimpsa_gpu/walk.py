@@ -9,6 +9,7 @@ dk over its V-tiles.
 """
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -30,35 +31,58 @@ def _barrier(interpret: bool):
     plgpu_triton.debug_barrier()
 
 
+def _k_parts(kp: int, k_part: int) -> list[pl.Slice]:
+  """Static slices cutting the K axis [0, kp) into equal parts of k_part columns.
+
+  Triton tensors have power-of-two shapes: a K of 48 is walked as 3 parts of 16
+  instead of being padded to 64.
+  """
+  return [pl.ds(i * k_part, k_part) for i in range(kp // k_part)]
+
+
+def _total(xs: list[jax.Array]) -> jax.Array:
+  """Sum of a list of arrays (the K-parts' reductions)."""
+  return functools.reduce(operator.add, xs)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref,
-                    *out_refs, chunk, unroll, with_var, interpret):
-  """Walks one chunk for one V-tile, writing readouts (and variances)."""
+                    *out_refs, chunk, unroll, k_part, with_var, interpret):
+  """Walks one chunk for one V-tile, writing readouts (and variances).
+
+  The state [BV, Kp] is held as K-parts ([BV, k_part] each) in registers.
+  """
   out_ref = out_refs[0]
   var_ref = out_refs[1] if with_var else None
-  ip = ip_ref[...].astype(jnp.float32)[None, :]
+  parts = _k_parts(k_ref.shape[-1], k_part)
+  ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
+
+  def row(ref, t, p):
+    return ref[t, p].astype(jnp.float32)[None, :]
 
   def steps(i, carry):
-    m, b = carry
+    ms, bs = carry
     t0 = i * unroll
-    rows = [(k_ref[t0 + s, :].astype(jnp.float32)[None, :],
+    rows = [([row(k_ref, t0 + s, p) for p in parts],
+             [row(q_ref, t0 + s, p) for p in parts],
              v_ref[t0 + s, :].astype(jnp.float32)[:, None],
              beta_ref[t0 + s, :].astype(jnp.float32)[:, None],
-             q_ref[t0 + s, :].astype(jnp.float32)[None, :],
              a_ref[t0 + s]) for s in range(unroll)]
-    for s, (k, v, beta, q, a) in enumerate(rows):
-      m = a * m + v * k
-      b = a * b + beta * (k * k)
-      r = fast_reciprocal(b + ip, interpret=interpret)
-      out_ref[t0 + s, :] = jnp.sum(m * r * q, axis=1).astype(out_ref.dtype)
+    for s, (ks, qs, v, beta, a) in enumerate(rows):
+      ms = [a * m + v * k for m, k in zip(ms, ks)]
+      bs = [a * b + beta * (k * k) for b, k in zip(bs, ks)]
+      rs = [fast_reciprocal(b + ip, interpret=interpret) for b, ip in zip(bs, ips)]
+      out = _total([jnp.sum(m * r * q, axis=1) for m, r, q in zip(ms, rs, qs)])
+      out_ref[t0 + s, :] = out.astype(out_ref.dtype)
       if with_var:
-        var_ref[t0 + s, :] = jnp.sum(r * (q * q), axis=1)
-    return m, b
+        var_ref[t0 + s, :] = _total([jnp.sum(r * (q * q), axis=1) for r, q in zip(rs, qs)])
+    return ms, bs
 
-  jax.lax.fori_loop(0, chunk // unroll, steps, (m0_ref[...], b0_ref[...]))
+  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] for p in parts])
+  jax.lax.fori_loop(0, chunk // unroll, steps, initial)
 
 
 def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
-                 block_v: int, unroll: int, with_var: bool, out_dtype,
+                 block_v: int, unroll: int, k_part: int, with_var: bool, out_dtype,
                  num_warps: int, interpret: bool):
   """Readouts of every step.
 
@@ -79,7 +103,7 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
   if with_var:
     out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
   kernel = functools.partial(_forward_kernel, chunk=chunk, unroll=unroll,
-                             with_var=with_var, interpret=interpret)
+                             k_part=k_part, with_var=with_var, interpret=interpret)
   return pl.pallas_call(
       kernel, grid=(bh, nc, nv),
       in_specs=[row_k, row_k, row_v, row_v,
@@ -93,13 +117,18 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
 
 def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_ref,
                      m0_ref, b0_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, s_ref,
-                     am_ref, ab_ref, sm_ref, sb_ref, *, chunk, sub, block_v,
+                     am_ref, ab_ref, sm_ref, sb_ref, *, chunk, sub, block_v, k_part,
                      num_tiles, with_var, interpret):
-  """Reverse walk of one chunk (one group of V-tiles), zero adjoint from later chunks."""
-  ip = ip_ref[...].astype(jnp.float32)[None, :]
+  """Reverse walk of one chunk (one group of V-tiles), zero adjoint from later chunks.
+
+  States and adjoints [BV, Kp] are held as K-parts ([BV, k_part] each).
+  """
+  parts = _k_parts(k_ref.shape[-1], k_part)
+  ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
   n_sub = chunk // sub
-  dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
-  dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
+  for p in parts:
+    dq_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
+    dk_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
 
   first_tile = pl.program_id(2) * num_tiles
 
@@ -108,67 +137,79 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
     cols = pl.ds(pl.multiple_of(vt * block_v, block_v), block_v)
 
     def load_rows(t):
-      return (k_ref[t, :].astype(jnp.float32), v_ref[t, cols].astype(jnp.float32),
-              beta_ref[t, cols].astype(jnp.float32), a_ref[t])
+      return ([k_ref[t, p].astype(jnp.float32)[None, :] for p in parts],
+              v_ref[t, cols].astype(jnp.float32)[:, None],
+              beta_ref[t, cols].astype(jnp.float32)[:, None], a_ref[t])
 
-    def advance(m, b, row):
-      k, v, beta, a = row
-      return a * m + v[:, None] * k[None, :], a * b + beta[:, None] * (k * k)[None, :]
+    def advance(ms, bs, row):
+      ks, v, beta, a = row
+      return ([a * m + v * k for m, k in zip(ms, ks)],
+              [a * b + beta * (k * k) for b, k in zip(bs, ks)])
 
     def forward(j, carry):  # States before every sub-chunk, into the scratch.
-      m, b = carry
-      sm_ref[j] = m
-      sb_ref[j] = b
+      ms, bs = carry
+      for p, m, b in zip(parts, ms, bs):
+        sm_ref[j, :, p] = m
+        sb_ref[j, :, p] = b
       for s in range(sub):
-        m, b = advance(m, b, load_rows(j * sub + s))
-      return m, b
+        ms, bs = advance(ms, bs, load_rows(j * sub + s))
+      return ms, bs
 
-    jax.lax.fori_loop(0, n_sub, forward, (m0_ref[cols, :], b0_ref[cols, :]))
+    jax.lax.fori_loop(0, n_sub, forward, ([m0_ref[cols, p] for p in parts],
+                                          [b0_ref[cols, p] for p in parts]))
     _barrier(interpret)
 
     def backward(i, carry):
-      gm, gb = carry
+      gms, gbs = carry
       j = n_sub - 1 - i
       t0 = j * sub
-      m, b = sm_ref[j], sb_ref[j]
+      ms = [sm_ref[j, :, p] for p in parts]
+      bs = [sb_ref[j, :, p] for p in parts]
       states = []
       for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
-        m, b = advance(m, b, load_rows(t0 + s))
-        states.append((m, b))
+        ms, bs = advance(ms, bs, load_rows(t0 + s))
+        states.append((ms, bs))
       # Earlier V-tiles' sums, loaded up front so their latency is paid once.
-      acc = [(dq_ref[t0 + s, :], dk_ref[t0 + s, :]) for s in range(sub)]
+      acc = [([dq_ref[t0 + s, p] for p in parts], [dk_ref[t0 + s, p] for p in parts])
+             for s in range(sub)]
       for s in reversed(range(sub)):
         t = t0 + s
-        k, v, beta, a = load_rows(t)
-        m, b = states[s]
-        q = q_ref[t, :].astype(jnp.float32)
-        do = do_ref[t, cols].astype(jnp.float32)
-        r = fast_reciprocal(b + ip, interpret=interpret)
-        dmu = do[:, None] * q[None, :]
-        dr = dmu * m
-        dq_terms = do[:, None] * (m * r)
-        if with_var:
-          dvar = dvar_ref[t, cols].astype(jnp.float32)
-          dr = dr + dvar[:, None] * (q * q)[None, :]
-          dq_terms = dq_terms + (2.0 * dvar)[:, None] * (r * q[None, :])
-        dq = jnp.sum(dq_terms, axis=0)
-        di = -(r * r) * dr
-        gm = gm + dmu * r
-        gb = gb + di
-        dk = jnp.sum(gm * v[:, None] + (gb * (2.0 * beta)[:, None]) * k[None, :], axis=0)
-        dq_ref[t, :] = acc[s][0] + dq
-        dk_ref[t, :] = acc[s][1] + dk
-        dv_ref[t, cols] = jnp.sum(gm * k[None, :], axis=1)
-        dbeta_ref[t, cols] = jnp.sum(gb * (k * k)[None, :], axis=1)
-        s_ref[t, cols] = jnp.sum(di, axis=1)
-        gm = a * gm
-        gb = a * gb
-      return gm, gb
+        ks, v, beta, a = load_rows(t)
+        ms, bs = states[s]
+        do = do_ref[t, cols].astype(jnp.float32)[:, None]
+        dvar = dvar_ref[t, cols].astype(jnp.float32)[:, None] if with_var else None
+        dv, dbeta, ds = [], [], []
+        for n, p in enumerate(parts):
+          q = q_ref[t, p].astype(jnp.float32)[None, :]
+          k, m, b = ks[n], ms[n], bs[n]
+          r = fast_reciprocal(b + ips[n], interpret=interpret)
+          dmu = do * q
+          dr = dmu * m
+          dq_terms = do * (m * r)
+          if with_var:
+            dr = dr + dvar * (q * q)
+            dq_terms = dq_terms + (2.0 * dvar) * (r * q)
+          di = -(r * r) * dr
+          gm = gms[n] + dmu * r
+          gb = gbs[n] + di
+          dq_ref[t, p] = acc[s][0][n] + jnp.sum(dq_terms, axis=0)
+          # dk = sum_v (gm v + 2 gb beta k): two reductions over V, k applied after.
+          dk_ref[t, p] = acc[s][1][n] + jnp.sum(gm * v, axis=0) + (2.0 * k[0]) * jnp.sum(
+              gb * beta, axis=0)
+          dv.append(jnp.sum(gm * k, axis=1))
+          dbeta.append(jnp.sum(gb * (k * k), axis=1))
+          ds.append(jnp.sum(di, axis=1))
+          gms[n], gbs[n] = a * gm, a * gb
+        dv_ref[t, cols] = _total(dv)
+        dbeta_ref[t, cols] = _total(dbeta)
+        s_ref[t, cols] = _total(ds)
+      return gms, gbs
 
-    zeros = jnp.zeros((block_v, ip.shape[-1]), jnp.float32)
-    gm, gb = jax.lax.fori_loop(0, n_sub, backward, (zeros, zeros))
-    am_ref[cols, :] = gm
-    ab_ref[cols, :] = gb
+    zeros = [jnp.zeros((block_v, k_part), jnp.float32) for _ in parts]
+    gms, gbs = jax.lax.fori_loop(0, n_sub, backward, (zeros, list(zeros)))
+    for p, gm, gb in zip(parts, gms, gbs):
+      am_ref[cols, p] = gm
+      ab_ref[cols, p] = gb
     _barrier(interpret)
     return 0
 
@@ -177,8 +218,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
 
 
 def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
-                  chunk: int, block_v: int, sub: int, groups: int, num_warps: int,
-                  interpret: bool):
+                  chunk: int, block_v: int, sub: int, groups: int, k_part: int,
+                  num_warps: int, interpret: bool):
   """Reverse walk over all chunks, each with zero adjoint from later chunks.
 
   Grid (B*H, chunk, group): each program walks `Vp / block_v / groups` V-tiles in turn.
@@ -208,7 +249,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
                          lambda n, c, g: (n, c, g, 0, 0, 0))
   f32 = jnp.float32
   kernel = functools.partial(_backward_kernel, chunk=chunk, sub=sub, block_v=block_v,
-                             num_tiles=num_tiles // groups, with_var=with_var,
+                             k_part=k_part, num_tiles=num_tiles // groups,
+                             with_var=with_var,
                              interpret=interpret)
   if with_var:
     dvar_spec = row_v

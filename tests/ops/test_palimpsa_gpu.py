@@ -16,8 +16,10 @@ class TestPallasGpuInterpret(PalimpsaSuite):
   IMPLEMENTATION = "pallas_gpu"
   INTERPRET = True
   # Three 16-step chunks (T=37, the last one padded) with segments: restarts at t=10
-  # (inside the first chunk) and t=16 (on a chunk boundary).
-  SHAPES = (((2, 37, 2, 8, 20), 16, ((10, 6, 21), (37,))),)
+  # (inside the first chunk) and t=16 (on a chunk boundary); then K=48 walked as three
+  # 16-column K-parts.
+  SHAPES = (((2, 37, 2, 8, 20), 16, ((10, 6, 21), (37,))),
+            ((1, 40, 1, 48, 24), 16, None))
   LONG_RUN = False
 
 
@@ -50,9 +52,10 @@ def test_declines_compiled_call_without_nvidia_gpu():
                  return_variance=False, chunk_size=64, interpret=False)
 
 
-def test_tile_variants_agree():
-  """Other tilings (V-tile groups, sub-chunks, unrolling) give the same results."""
-  shape = (1, 40, 1, 16, 48)
+@pytest.mark.parametrize("k_dim, k_parts", [(16, (16,)), (32, (32, 16))])
+def test_tile_variants_agree(k_dim, k_parts):
+  """Other tilings (V-tile groups, sub-chunks, unrolling, K-parts) give the same results."""
+  shape = (1, 40, 1, k_dim, 48)
   keys = jax.random.split(jax.random.PRNGKey(0), 8)
   b, t, h, kd, vd = shape
   args = (jax.random.normal(keys[0], (b, t, h, kd)) / 4,
@@ -65,8 +68,9 @@ def test_tile_variants_agree():
           1.0 + jax.random.uniform(keys[6], (b, h, vd, kd)))
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
+  assert base.k_part == k_parts[0]
   variant = dataclasses.replace(base, block_v=16, unroll=1, block_v_bwd=16, sub=8,
-                                groups_bwd=3)
+                                groups_bwd=3, k_part=k_parts[-1])
 
   def grads(cfg):
     def loss(*a):
@@ -82,21 +86,21 @@ def test_tile_variants_agree():
 
 def test_saved_boundary_states_fit_the_residual_budget():
   """Issue 5: saved states <= (T/64) * V * K * 2 floats per batch-head, padding dropped."""
-  b, t, h, kd, vd = 1, 128, 2, 48, 40  # K padded to 64 and V to 48 inside the kernel.
+  b, t, h, kd, vd = 1, 128, 2, 40, 40  # K and V padded to 48 inside the kernel.
   q = jnp.ones((b, t, h, kd)) / 8
   v = jnp.ones((b, t, h, vd))
   log_alpha = jnp.full((b, t, h), -0.1)
   ip = jnp.ones((h,))
   cfg = gpu_op.make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
                            interpret=True)
-  assert (cfg.k_pad, cfg.v_pad) == (16, 8)
+  assert (cfg.k_pad, cfg.v_pad) == (8, 8)
   _, residuals = gpu_op._palimpsa_fwd(
       cfg, q, q, v, v, log_alpha, ip, jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)),
       None)
   m_starts, b_starts = residuals[7], residuals[8]
   assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
   padded = gpu_op._pad_state(cfg, m_starts)
-  assert padded.shape == (b * h, t // 64, vd + 8, kd + 16)
+  assert padded.shape == (b * h, t // 64, vd + 8, kd + 8)
   np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
   # (its K=8 and V=20 are padded to 16 and 32).
