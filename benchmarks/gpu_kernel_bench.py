@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.op_bench import FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs, time_fn
+from pallas_kernels.common import next_power_of_two
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import boundary, walk
 
@@ -47,12 +48,20 @@ def pallas_fns(cfg):
   return jax.jit(fwd), jax.jit(lambda *a: fb(a[:-1], a[-1]))
 
 
-def _stage_inputs(cfg, args):
+def _stage_args(cfg, args):
+  """Each stage's inputs as the op passes them: (boundary, forward walk, backward walk)."""
   q, k, v, beta, la, ip, mu0, p0 = args
-  qh, kh, vh, betah, gates, ipv, ip_row = jax.jit(
+  qh, kh, vh, betah, gates, ipv = jax.jit(
       lambda *a: gpu_op._prepare(cfg, *a, None))(q, k, v, beta, la, ip)
-  m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv)
-  return qh, kh, vh, betah, gates, ip_row, m0, b0
+  m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
+  bnd = (gpu_op._pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0)
+  ms, bs, _, _ = _boundary_fn(cfg)(*bnd)
+  fwd = (qh, kh, vh, betah, gates.step, gpu_op._ip_row(ipv, qh.shape[-1]), ms, bs)
+  kw = cfg.k_bwd
+  to_bwd = lambda x: gpu_op._pad_state(cfg, x[..., :cfg.v, :cfg.k], kw)
+  bwd = (gpu_op._pad_k(qh, kw), gpu_op._pad_k(kh, kw), vh, betah, gates.step,
+         gpu_op._ip_row(ipv, kw), jnp.ones(vh.shape, jnp.float32), to_bwd(ms), to_bwd(bs))
+  return bnd, fwd, bwd
 
 
 def _boundary_fn(cfg):
@@ -64,7 +73,8 @@ def _boundary_fn(cfg):
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
       walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-      k_part=cfg.k_part, with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
+      k_part=cfg.k_part, with_var=False, out_dtype=dtype, num_warps=cfg.num_warps,
+      interpret=False))
 
 
 def _backward_walk_fn(cfg):
@@ -75,77 +85,83 @@ def _backward_walk_fn(cfg):
   return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
 
 
+STAGES = ("boundary", "walk_fwd", "walk_bwd")
+
+
+def _stage_fn(stage, cfg, dtype):
+  if stage == "boundary":
+    return _boundary_fn(cfg)
+  return _forward_walk_fn(cfg, dtype) if stage == "walk_fwd" else _backward_walk_fn(cfg)
+
+
 def stage_times(cfg, args):
   """ms of (boundary, forward walk, backward walk), each jitted alone."""
-  qh, kh, vh, betah, gates, ip_row, m0, b0 = _stage_inputs(cfg, args)
-  bnd = _boundary_fn(cfg)
-  ms, bs, _, _ = bnd(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
-  do = jnp.ones(vh.shape, jnp.float32)
-  stages = ((bnd, (kh, vh, betah, gates.to_end, gates.chunk, m0, b0)),
-            (_forward_walk_fn(cfg, args[2].dtype),
-             (qh, kh, vh, betah, gates.step, ip_row, ms, bs)),
-            (_backward_walk_fn(cfg), (qh, kh, vh, betah, gates.step, ip_row, do, ms, bs)))
-  return tuple(time_fn(fn, [fn_args], 2, 10) for fn, fn_args in stages)
+  return tuple(time_fn(_stage_fn(stage, cfg, args[2].dtype), [stage_args], 2, 10)
+               for stage, stage_args in zip(STAGES, _stage_args(cfg, args)))
 
 
-def _tiles(cfg, elements, v_min=1):
-  kp = cfg.k + cfg.k_pad
-  return gpu_op._block_v(cfg.v + cfg.v_pad, kp, elements, v_min)
+def _tiles(cfg, elements, k_width, v_min=1):
+  return gpu_op._block_v(cfg.v + cfg.v_pad, k_width, elements, v_min)
+
+
+def _variants(base):
+  """(stage, label, config) of the tile variants the sweep times."""
+  kp = base.k + base.k_pad
+  kp2 = next_power_of_two(kp)
+  largest = kp & -kp
+  out = []
+  for k_part in sorted({kp2, largest, min(largest, 32)}):
+    for elems, warps in ((2048, 4), (8192, 8)):
+      width = -(-kp // k_part) * k_part
+      cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps,
+                                block_v_boundary=_tiles(base, elems, width, 16))
+      out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
+  for k_part in sorted({8, 16, min(largest, 32)}):
+    if k_part > largest:
+      continue
+    for warps in (1, 2):
+      for unroll in (2, 4):
+        bv = min(gpu_op._largest_power_of_two_dividing(base.v + base.v_pad),
+                 256 * warps // k_part)
+        cfg = dataclasses.replace(base, block_v=bv, num_warps=warps, unroll=unroll,
+                                  k_part=k_part)
+        out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
+  for k_part in sorted({kp2, largest, 16}):
+    if k_part > kp2 or (kp2 // k_part) > 8:
+      continue
+    width = -(-kp // k_part) * k_part
+    for elems, warps, sub, groups in ((512, 1, 4, 1), (256, 1, 4, 1), (1024, 1, 2, 1),
+                                      (512, 1, 4, 96), (1024, 2, 4, 1)):
+      bv = _tiles(base, elems, width)
+      groups = math.gcd(groups, (base.v + base.v_pad) // bv)
+      cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=warps, sub=sub,
+                                groups_bwd=groups, k_part_bwd=k_part)
+      out.append(("walk_bwd", f"bv={bv} w={warps} sub={sub} groups={groups} "
+                  f"kpart={k_part}", cfg))
+  return out
 
 
 def sweep(base, base_times, args, log):
   """Times tile variants of each stage alone; returns the config of the fastest."""
-  qh, kh, vh, betah, gates, ip_row, m0, b0 = _stage_inputs(base, args)
-  ms, bs, _, _ = _boundary_fn(base)(kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
-  do = jnp.ones(vh.shape, jnp.float32)
-  best = {stage: (t, base) for stage, t in zip(("boundary", "walk_fwd", "walk_bwd"),
-                                               base_times)}
-
-  def trial(stage, label, cfg, fn, fn_args):
+  best = {stage: (t, base) for stage, t in zip(STAGES, base_times)}
+  for stage, label, cfg in _variants(base):
+    stage_args = _stage_args(cfg, args)[STAGES.index(stage)]
     try:
-      t = time_fn(fn, [fn_args], warmup=1, iters=5)
+      t = time_fn(_stage_fn(stage, cfg, args[2].dtype), [stage_args], warmup=1, iters=5)
     except Exception as e:  # A variant that does not compile is reported, not fatal.
       log(f"    {stage} {label}: failed {type(e).__name__}: {str(e)[:200]}")
-      return
+      continue
     log(f"    {stage} {label}: {t:.3f} ms")
-    if stage not in best or t < best[stage][0]:
+    if t < best[stage][0]:
       best[stage] = (t, cfg)
-
-  for elems, warps in ((2048, 4), (8192, 8)):
-    cfg = dataclasses.replace(base, block_v_boundary=_tiles(base, elems, 16),
-                              num_warps_boundary=warps)
-    trial("boundary", f"bv={cfg.block_v_boundary} w={warps}", cfg, _boundary_fn(cfg),
-          (kh, vh, betah, gates.to_end, gates.chunk, m0, b0))
-  k_parts = sorted({base.k_part, min(16, base.k_part), min(8, base.k_part)}, reverse=True)
-  fwd_variants = [(1024, 1, 2, kq) for kq in k_parts] + [
-      (512, 1, 2, base.k_part), (2048, 1, 2, base.k_part), (2048, 2, 2, base.k_part),
-      (2048, 4, 1, base.k_part), (1024, 1, 4, base.k_part)]
-  for elems, warps, unroll, k_part in fwd_variants:
-    cfg = dataclasses.replace(base, block_v=_tiles(base, elems), num_warps=warps,
-                              unroll=unroll, k_part=k_part)
-    trial("walk_fwd", f"bv={cfg.block_v} w={warps} u={unroll} kpart={k_part}", cfg,
-          _forward_walk_fn(cfg, args[2].dtype),
-          (qh, kh, vh, betah, gates.step, ip_row, ms, bs))
-  bwd_variants = [(512, 1, 4, 1, kq) for kq in k_parts] + [
-      (256, 1, 4, 1, base.k_part), (256, 1, 2, 1, base.k_part),
-      (512, 1, 2, 1, base.k_part), (1024, 1, 2, 1, base.k_part),
-      (256, 1, 8, 4, base.k_part), (512, 1, 4, 4, base.k_part),
-      (1024, 2, 4, 2, base.k_part), (256, 1, 4, 1, min(16, base.k_part)),
-      (512, 1, 4, 96, base.k_part), (256, 1, 4, 96, base.k_part)]
-  for elems, warps, sub, groups, k_part in bwd_variants:
-    bv = _tiles(base, elems)
-    groups = math.gcd(groups, (base.v + base.v_pad) // bv)
-    cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=warps, sub=sub,
-                              groups_bwd=groups, k_part_bwd=k_part)
-    trial("walk_bwd", f"bv={bv} w={warps} sub={sub} groups={groups} kpart={k_part}", cfg,
-          _backward_walk_fn(cfg), (qh, kh, vh, betah, gates.step, ip_row, do, ms, bs))
-  b_cfg, f_cfg, w_cfg = (best[s][1] for s in ("boundary", "walk_fwd", "walk_bwd"))
+  b_cfg, f_cfg, w_cfg = (best[s][1] for s in STAGES)
   return dataclasses.replace(
       base, block_v_boundary=b_cfg.block_v_boundary,
-      num_warps_boundary=b_cfg.num_warps_boundary, block_v=f_cfg.block_v,
-      num_warps=f_cfg.num_warps, unroll=f_cfg.unroll, k_part=f_cfg.k_part,
-      block_v_bwd=w_cfg.block_v_bwd, num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub,
-      groups_bwd=w_cfg.groups_bwd, k_part_bwd=w_cfg.k_part_bwd)
+      num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
+      block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
+      k_part=f_cfg.k_part, block_v_bwd=w_cfg.block_v_bwd,
+      num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,
+      k_part_bwd=w_cfg.k_part_bwd)
 
 
 def max_rel_diff(xs, ys):

@@ -30,3 +30,25 @@ def fast_reciprocal(x: jax.Array, *, interpret: bool) -> jax.Array:
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
   )
   return y
+
+
+def fma(x, y, z, *, interpret: bool) -> jax.Array:
+  """x * y + z in float32 with one rounding (fma.rn) inside a Triton kernel.
+
+  The Triton pipeline here does not contract multiplies and adds into FMAs on its own
+  (Nsight Compute counted no fused FP32 instructions in these kernels), so the state
+  updates ask for them. Arguments broadcast against each other; in interpret mode (CPU)
+  the plain expression is used.
+  """
+  if interpret:
+    return x * y + z
+  shape = jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y), jnp.shape(z))
+  args = [jnp.broadcast_to(jnp.asarray(a, jnp.float32), shape) for a in (x, y, z)]
+  (out,) = plgpu_triton.elementwise_inline_asm(
+      "fma.rn.f32 $0, $1, $2, $3;",
+      args=args,
+      constraints="=r,r,r,r",
+      pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+  )
+  return out

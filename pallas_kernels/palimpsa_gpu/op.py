@@ -28,7 +28,13 @@ _DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Static configuration of one call."""
+  """Static configuration of one call.
+
+  K is stored padded to Kp, a multiple of 16. Each stage walks K in equal power-of-two
+  parts (Triton tensors have power-of-two shapes): the forward walk in parts of k_part
+  columns over Kp; the boundary kernel and the backward walk pad K further, to a
+  multiple of k_part_boundary / k_part_bwd (one part when that is a power of two >= Kp).
+  """
 
   b: int
   t: int
@@ -40,6 +46,7 @@ class Config:
   block_v_bwd: int
   block_v_boundary: int
   k_part: int
+  k_part_boundary: int
   k_part_bwd: int
   unroll: int
   sub: int
@@ -63,6 +70,16 @@ class Config:
   @property
   def v_pad(self) -> int:
     return round_up(self.v, _DIM_MULTIPLE) - self.v
+
+  @property
+  def k_boundary(self) -> int:
+    """K width of the boundary kernel and of the saved-state layout it writes."""
+    return round_up(self.k + self.k_pad, self.k_part_boundary)
+
+  @property
+  def k_bwd(self) -> int:
+    """K width of the backward walk."""
+    return round_up(self.k + self.k_pad, self.k_part_bwd)
 
 
 def _largest_power_of_two_dividing(n: int) -> int:
@@ -89,18 +106,24 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, _DIM_MULTIPLE)
-  # Tiles from the H200 sweep (benchmarks/RESULTS.md, run 2): single-warp programs
-  # walking ~1024 (forward) / ~512 (backward) state entries won for K >= 32; tiny
-  # heads (MQAR, K=16) keep 4-warp forward programs over 2048 entries.
-  wide = kp >= 32
+  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2 and 3). Forward walk:
+  # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
+  # kernel: 32- or 64-column parts where K splits so, else K padded to a power of two
+  # (K=48: one 64-column part beat three of 16). Backward walk: K padded to a power
+  # of two, single-warp programs over ~512 entries, sub-chunks of 4 steps.
+  largest = _largest_power_of_two_dividing(kp)
+  kp2 = next_power_of_two(kp)
+  k_part = 8 if kp == 16 else min(largest, 32)
+  num_warps = 2 if k_part == 32 else 1
+  k_part_boundary = largest if largest >= 32 else kp2
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
-                block_v=_block_v(vp, kp, 1024 if wide else 2048),
-                block_v_bwd=_block_v(vp, kp, 512),
-                block_v_boundary=_block_v(vp, kp, 2048, minimum=16),
-                k_part=_largest_power_of_two_dividing(kp),
-                k_part_bwd=_largest_power_of_two_dividing(kp),
-                unroll=2 if wide else 8, sub=4, groups_bwd=1,
-                num_warps=1 if wide else 4, num_warps_bwd=1,
+                block_v=min(_largest_power_of_two_dividing(vp), 256 * num_warps // k_part),
+                block_v_bwd=_block_v(vp, kp2, 512),
+                block_v_boundary=_block_v(vp, round_up(kp, k_part_boundary), 2048,
+                                          minimum=16),
+                k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=kp2,
+                unroll=2, sub=4, groups_bwd=1,
+                num_warps=num_warps, num_warps_bwd=1,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
@@ -115,33 +138,47 @@ def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids
   betah = layout.to_head_major(beta, tp, vp)
   gates = layout.make_gates(log_alpha, segment_ids, cfg.h, tp, cfg.chunk)
   ip = jnp.tile(prior_precision.astype(jnp.float32), cfg.b)  # [BH]
-  ip_row = jnp.broadcast_to(ip[:, None], (cfg.b * cfg.h, cfg.k + kp))
-  return qh, kh, vh, betah, gates, ip, ip_row
+  return qh, kh, vh, betah, gates, ip
 
 
-def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip):
-  """(M0, Ibar0) [BH, Vp, Kp]; padded entries sit at the prior (M=0, Ibar=0)."""
-  mu0 = layout.state_to_head_major(initial_mu.astype(jnp.float32), cfg.v_pad,
-                                   cfg.k_pad)
-  i0 = initial_precision.astype(jnp.float32)
-  i0 = i0.reshape(cfg.b * cfg.h, cfg.v, cfg.k)
-  ibar0 = i0 - ip[:, None, None]
-  ibar0 = jnp.pad(ibar0, ((0, 0), (0, cfg.v_pad), (0, cfg.k_pad)))
-  i0 = jnp.pad(i0, ((0, 0), (0, cfg.v_pad), (0, cfg.k_pad)))
-  return mu0 * i0, ibar0
+def _ip_row(ip: jax.Array, width: int) -> jax.Array:
+  """[BH] -> [BH, width]: the prior precision of every column, padded ones included."""
+  return jnp.broadcast_to(ip[:, None], (ip.shape[0], width))
+
+
+def _pad_k(x: jax.Array, width: int) -> jax.Array:
+  """Zero-pads the last axis to `width`."""
+  pad = ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),)
+  return jnp.pad(x, pad)
+
+
+def _pad_state(cfg: Config, x: jax.Array, k_width: int) -> jax.Array:
+  """[..., V, K] -> [..., Vp, k_width] with zeros in the padding."""
+  pad = ((0, 0),) * (x.ndim - 2) + ((0, cfg.v_pad), (0, k_width - cfg.k))
+  return jnp.pad(x, pad)
+
+
+def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip, k_width):
+  """(M0, Ibar0) [BH, Vp, k_width]; padded entries sit at the prior (M=0, Ibar=0)."""
+  shape = (cfg.b * cfg.h, cfg.v, cfg.k)
+  i0 = initial_precision.astype(jnp.float32).reshape(shape)
+  m0 = initial_mu.astype(jnp.float32).reshape(shape) * i0
+  return _pad_state(cfg, m0, k_width), _pad_state(cfg, i0 - ip[:, None, None], k_width)
 
 
 def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
              initial_precision, segment_ids):
-  qh, kh, vh, betah, gates, ip, ip_row = _prepare(
+  qh, kh, vh, betah, gates, ip = _prepare(
       cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids)
-  m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip)
+  m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   m_starts, b_starts, m_final, b_final = boundary.boundary_states(
-      kh, vh, betah, gates.to_end, gates.chunk, m0, b0, chunk=cfg.chunk,
+      _pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0,
+      chunk=cfg.chunk,
       block_v=cfg.block_v_boundary, num_warps=cfg.num_warps_boundary,
       interpret=cfg.interpret)
   outs = walk.walk_forward(
-      qh, kh, vh, betah, gates.step, ip_row, m_starts, b_starts, chunk=cfg.chunk,
+      qh, kh, vh, betah, gates.step, _ip_row(ip, qh.shape[-1]), m_starts, b_starts,
+      chunk=cfg.chunk,
       block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
       with_var=cfg.return_variance,
       out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
@@ -153,19 +190,13 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   mu_final = layout.state_from_head_major(m_final / i_final, cfg.b, cfg.h, cfg.v,
                                           cfg.k)
   prec_final = layout.state_from_head_major(i_final, cfg.b, cfg.h, cfg.v, cfg.k)
-  # The saved chunk-boundary states drop the V/K padding (zero there: padded
-  # entries stay at the prior), so they take (T/chunk) * V * K * 2 floats per
+  # The saved states drop the V/K padding (zero there: padded entries stay at the
+  # prior), so the chunk-boundary ones take (T/chunk) * V * K * 2 floats per
   # batch-head; the backward pads them again.
-  residuals = (qh, kh, vh, betah, gates, ip, ip_row, m_starts[..., :cfg.v, :cfg.k],
-               b_starts[..., :cfg.v, :cfg.k], m_final, b_final, var_h, initial_mu,
-               initial_precision)
+  unpad = lambda x: x[..., :cfg.v, :cfg.k]
+  residuals = (qh, kh, vh, betah, gates, ip, unpad(m_starts), unpad(b_starts),
+               unpad(m_final), unpad(b_final), var_h, initial_mu, initial_precision)
   return (out, var, mu_final, prec_final), residuals
-
-
-def _pad_state(cfg: Config, x: jax.Array) -> jax.Array:
-  """[..., V, K] -> [..., Vp, Kp] with zeros in the padding."""
-  pad = ((0, 0),) * (x.ndim - 2) + ((0, cfg.v_pad), (0, cfg.k_pad))
-  return jnp.pad(x, pad)
 
 
 def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
@@ -190,10 +221,14 @@ def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
 
 
 def _backward(cfg: Config, residuals, cotangents):
-  (qh, kh, vh, betah, gates, ip, ip_row, m_starts, b_starts, m_final, b_final,
-   var_h, initial_mu, initial_precision) = residuals
+  (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var_h,
+   initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
-  m_starts, b_starts = _pad_state(cfg, m_starts), _pad_state(cfg, b_starts)
+  # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior).
+  kw = cfg.k_bwd
+  qh, kh = _pad_k(qh, kw), _pad_k(kh, kw)
+  m_starts, b_starts = _pad_state(cfg, m_starts, kw), _pad_state(cfg, b_starts, kw)
+  m_final, b_final = _pad_state(cfg, m_final, kw), _pad_state(cfg, b_final, kw)
   f32 = jnp.float32
   bh, tp, kp = qh.shape
   vp = vh.shape[-1]
@@ -202,7 +237,7 @@ def _backward(cfg: Config, residuals, cotangents):
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
   dq, dk, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
-      qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
+      qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
       k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
   dq, dk = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0)
@@ -212,9 +247,9 @@ def _backward(cfg: Config, residuals, cotangents):
   i_final = b_final + ipb
   r_final = 1.0 / i_final
   mu_final = m_final * r_final
-  dmu_f = layout.state_to_head_major(d_mu_final.astype(f32), cfg.v_pad, cfg.k_pad)
+  dmu_f = layout.state_to_head_major(d_mu_final.astype(f32), cfg.v_pad, kw - cfg.k)
   dprec_f = layout.state_to_head_major(d_prec_final.astype(f32), cfg.v_pad,
-                                       cfg.k_pad)
+                                       kw - cfg.k)
   dm_end = dmu_f * r_final
   db_end = dprec_f - dmu_f * mu_final * r_final
   (carry_m, carry_b), (dm0, db0) = boundary.reverse_scan_chunks(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.common import fast_reciprocal
+from pallas_kernels.common import fast_reciprocal, fma
 
 
 def _params(num_warps: int, interpret: bool):
@@ -68,8 +68,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
              beta_ref[t0 + s, :].astype(jnp.float32)[:, None],
              a_ref[t0 + s]) for s in range(unroll)]
     for s, (ks, qs, v, beta, a) in enumerate(rows):
-      ms = [a * m + v * k for m, k in zip(ms, ks)]
-      bs = [a * b + beta * (k * k) for b, k in zip(bs, ks)]
+      ms = [fma(a, m, v * k, interpret=interpret) for m, k in zip(ms, ks)]
+      bs = [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)]
       rs = [fast_reciprocal(b + ip, interpret=interpret) for b, ip in zip(bs, ips)]
       out = _total([jnp.sum(m * r * q, axis=1) for m, r, q in zip(ms, rs, qs)])
       out_ref[t0 + s, :] = out.astype(out_ref.dtype)
@@ -94,11 +94,11 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
     [out [BH, Tp, Vp] out_dtype] + ([var [BH, Tp, Vp] f32] if with_var).
   """
   bh, tp, kp = q.shape
-  vp = v.shape[-1]
+  vp, k_state = v.shape[-1], m_starts.shape[-1]
   nc, nv = tp // chunk, vp // block_v
   row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, j: (n, c, 0))
   row_v = pl.BlockSpec((None, chunk, block_v), lambda n, c, j: (n, c, j))
-  state = pl.BlockSpec((None, None, block_v, kp), lambda n, c, j: (n, c, j, 0))
+  state = pl.BlockSpec((None, None, block_v, k_state), lambda n, c, j: (n, c, j, 0))
   out_shape = [jax.ShapeDtypeStruct((bh, tp, vp), out_dtype)]
   if with_var:
     out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
@@ -143,8 +143,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
 
     def advance(ms, bs, row):
       ks, v, beta, a = row
-      return ([a * m + v * k for m, k in zip(ms, ks)],
-              [a * b + beta * (k * k) for b, k in zip(bs, ks)])
+      return ([fma(a, m, v * k, interpret=interpret) for m, k in zip(ms, ks)],
+              [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)])
 
     def forward(j, carry):  # States before every sub-chunk, into the scratch.
       ms, bs = carry
@@ -187,15 +187,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
           dr = dmu * m
           dq_terms = do * (m * r)
           if with_var:
-            dr = dr + dvar * (q * q)
-            dq_terms = dq_terms + (2.0 * dvar) * (r * q)
+            dr = fma(dvar, q * q, dr, interpret=interpret)
+            dq_terms = fma(2.0 * dvar, r * q, dq_terms, interpret=interpret)
           di = -(r * r) * dr
-          gm = gms[n] + dmu * r
+          gm = fma(dmu, r, gms[n], interpret=interpret)
           gb = gbs[n] + di
           dq_ref[t, p] = acc[s][0][n] + jnp.sum(dq_terms, axis=0)
-          # dk = sum_v (gm v + 2 gb beta k): two reductions over V, k applied after.
-          dk_ref[t, p] = acc[s][1][n] + jnp.sum(gm * v, axis=0) + (2.0 * k[0]) * jnp.sum(
-              gb * beta, axis=0)
+          dk_ref[t, p] = acc[s][1][n] + jnp.sum(
+              fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0)
           dv.append(jnp.sum(gm * k, axis=1))
           dbeta.append(jnp.sum(gb * (k * k), axis=1))
           ds.append(jnp.sum(di, axis=1))
