@@ -106,22 +106,24 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, _DIM_MULTIPLE)
-  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2 and 3). Forward walk:
+  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel: 32- or 64-column parts where K splits so, else K padded to a power of two
   # (K=48: one 64-column part beat three of 16). Backward walk: K padded to a power
-  # of two, single-warp programs over ~512 entries, sub-chunks of 4 steps.
+  # of two (in 8-column parts at K=16), single-warp programs over ~512 entries,
+  # sub-chunks of 4 steps.
   largest = _largest_power_of_two_dividing(kp)
   kp2 = next_power_of_two(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
   num_warps = 2 if k_part == 32 else 1
   k_part_boundary = largest if largest >= 32 else kp2
+  k_part_bwd = 8 if kp == 16 else kp2
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=min(_largest_power_of_two_dividing(vp), 256 * num_warps // k_part),
                 block_v_bwd=_block_v(vp, kp2, 512),
                 block_v_boundary=_block_v(vp, round_up(kp, k_part_boundary), 2048,
                                           minimum=16),
-                k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=kp2,
+                k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
                 unroll=2, sub=4, groups_bwd=1,
                 num_warps=num_warps, num_warps_bwd=1,
                 return_variance=return_variance,

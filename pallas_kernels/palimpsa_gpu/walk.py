@@ -6,6 +6,9 @@ Backward: grid (B*H, chunk, V-tile group); each program loops over its V-tiles,
 recomputes the states of its chunk sub-chunk by sub-chunk (sub-chunk start states go
 through a per-program scratch output), and walks them in reverse, accumulating dq and
 dk over its V-tiles.
+Both hold the state as K-parts ([BV, k_part] tensors: Triton shapes are powers of two,
+so K=48 is three parts of 16 rather than one padded to 64) and write the state and
+adjoint updates as explicit FMAs.
 """
 
 import functools
@@ -31,12 +34,14 @@ def _barrier(interpret: bool):
     plgpu_triton.debug_barrier()
 
 
-def _k_parts(kp: int, k_part: int) -> list[pl.Slice]:
+def _k_parts(kp: int, k_part: int) -> list[pl.Slice | slice]:
   """Static slices cutting the K axis [0, kp) into equal parts of k_part columns.
 
   Triton tensors have power-of-two shapes: a K of 48 is walked as 3 parts of 16
-  instead of being padded to 64.
+  instead of being padded to 64. A single part is the whole axis (`:`).
   """
+  if k_part == kp:
+    return [slice(None)]
   return [pl.ds(i * k_part, k_part) for i in range(kp // k_part)]
 
 
@@ -88,7 +93,9 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
 
   Args:
     q, k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; a: [BH, Tp] step gates;
-    ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Kp].
+    ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Ks] with
+    Ks >= Kp (columns past Kp are padding and not read).
+    k_part: width of the K-parts (a power of two dividing Kp).
 
   Returns:
     [out [BH, Tp, Vp] out_dtype] + ([var [BH, Tp, Vp] f32] if with_var).
@@ -226,6 +233,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
   Args:
     q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
     a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
+    k_part: width of the K-parts (a power of two dividing Kp).
 
   Returns:
     dq, dk [groups, BH, Tp, Kp] (to be summed over groups; dk without the later
