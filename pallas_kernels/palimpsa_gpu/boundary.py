@@ -1,7 +1,7 @@
 """Chunk-boundary states of the linear form (M = mu * I, Ibar = I - Ip) with matmuls.
 
-The Pallas kernel fuses each chunk's write (tensor-core matmuls) with the scan over
-chunks; the backward's adjoint carries use the XLA reverse scan.
+The forward kernel fuses each chunk's write (tensor-core matmuls) with the scan over
+chunks; the backward's adjoint carries are the same scan in reverse, without writes.
 """
 
 import functools
@@ -14,32 +14,67 @@ from jax.experimental.pallas import triton as plgpu_triton
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def reverse_scan_chunks(end, chunk_gate: jax.Array, local):
+def _carries_kernel(g_ref, am_ref, ab_ref, em_ref, eb_ref, cm_ref, cb_ref, m0_ref,
+                    b0_ref, *, num_chunks, unroll):
+  """Reverse over chunks for one (batch*head, V-tile): carry_{c-1} = local_c + g_c carry_c."""
+  kw = em_ref.shape[-1]
+  k_part = kw & -kw
+  parts = [pl.ds(i * k_part, k_part) for i in range(kw // k_part)]
+
+  def steps(i, carry):
+    cms, cbs = carry
+    last = num_chunks - 1 - i * unroll
+    # Loads first: they do not depend on the carry, so their latency overlaps.
+    rows = [(g_ref[last - u], [am_ref[last - u, :, p] for p in parts],
+             [ab_ref[last - u, :, p] for p in parts]) for u in range(unroll)]
+    for u, (g, ams, abs_) in enumerate(rows):
+      for p, cm, cb in zip(parts, cms, cbs):
+        cm_ref[last - u, :, p] = cm
+        cb_ref[last - u, :, p] = cb
+      cms = [a + g * cm for a, cm in zip(ams, cms)]
+      cbs = [a + g * cb for a, cb in zip(abs_, cbs)]
+    return cms, cbs
+
+  initial = ([em_ref[:, p] for p in parts], [eb_ref[:, p] for p in parts])
+  cms, cbs = jax.lax.fori_loop(0, num_chunks // unroll, steps, initial)
+  for p, cm, cb in zip(parts, cms, cbs):
+    m0_ref[:, p] = cm
+    b0_ref[:, p] = cb
+
+
+def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, block_v: int,
+                    interpret: bool):
   """Adjoint carries: the adjoint entering each chunk's last step from later steps.
 
-  carry_{NC-1} = end; carry_{c-1} = local_c + chunk_gate_c * carry_c, applied to
-  every array of the pytrees `end` and `local` (one scan for all of them).
+  carry_{NC-1} = end; carry_{c-1} = local_c + chunk_gate_c * carry_c, for M and Ibar,
+  as one Pallas kernel per (batch*head, V-tile) walking the chunks in reverse.
 
   Args:
-    end: pytree of [BH, Vp, Kp] adjoints of the final state.
+    dm_end, db_end: [BH, Vp, Kw] adjoints of the final state (Kw a multiple of 16).
     chunk_gate: [BH, NC].
-    local: pytree (like end) of [BH, NC, Vp, Kp]: each chunk's own adjoint of the
-      state before it.
+    adj_m, adj_b: [BH, NC, Vp, Kw]: each chunk's own adjoint of the state before it.
+    block_v: V-tile (a power of two dividing Vp).
 
   Returns:
-    (pytree of [BH, NC, Vp, Kp] carries at chunk ends, pytree of [BH, Vp, Kp]
-    adjoints of the initial state).
+    carry_m, carry_b [BH, NC, Vp, Kw] (carries at chunk ends); dm0, db0 [BH, Vp, Kw]
+    (adjoints of the initial state); float32.
   """
-
-  def step(carry, inputs):
-    g, a = inputs
-    new = jax.tree.map(lambda x, c: x + g[:, None, None] * c, a, carry)
-    return new, carry
-
-  local_t = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), local)
-  initial, carries = jax.lax.scan(
-      step, end, (jnp.moveaxis(chunk_gate, 1, 0), local_t), reverse=True)
-  return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), carries), initial
+  bh, nc, vp, kw = adj_m.shape
+  unroll = next(u for u in (4, 2, 1) if nc % u == 0)
+  chunks = pl.BlockSpec((None, nc, block_v, kw), lambda n, j: (n, 0, j, 0))
+  state = pl.BlockSpec((None, block_v, kw), lambda n, j: (n, j, 0))
+  f32 = jnp.float32
+  kernel = functools.partial(_carries_kernel, num_chunks=nc, unroll=unroll)
+  params = None if interpret else plgpu_triton.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(
+      kernel, grid=(bh, vp // block_v),
+      in_specs=[pl.BlockSpec((None, nc), lambda n, j: (n, 0)), chunks, chunks, state,
+                state],
+      out_specs=[chunks, chunks, state, state],
+      out_shape=[jax.ShapeDtypeStruct((bh, nc, vp, kw), f32)] * 2
+      + [jax.ShapeDtypeStruct((bh, vp, kw), f32)] * 2,
+      compiler_params=params, interpret=interpret, name="palimpsa_adjoint_carries",
+  )(chunk_gate, adj_m, adj_b, dm_end, db_end)
 
 
 def _dot_precision(interpret: bool):

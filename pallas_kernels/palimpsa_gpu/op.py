@@ -6,7 +6,7 @@ chunks, giving the boundary states (saved for the backward); (2) a Pallas kernel
 over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out
 at every step.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas) with
-zero adjoint from later chunks, scan the adjoint carries over chunks (XLA), add the
+zero adjoint from later chunks, scan the adjoint carries over chunks (Pallas), add the
 carries' contributions as matmuls (XLA); dlog_alpha from the identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
@@ -254,8 +254,9 @@ def _backward(cfg: Config, residuals, cotangents):
                                        kw - cfg.k)
   dm_end = dmu_f * r_final
   db_end = dprec_f - dmu_f * mu_final * r_final
-  (carry_m, carry_b), (dm0, db0) = boundary.reverse_scan_chunks(
-      (dm_end, db_end), gates.chunk, (adj_m, adj_b))
+  carry_m, carry_b, dm0, db0 = boundary.adjoint_carries(
+      dm_end, db_end, gates.chunk, adj_m, adj_b, block_v=_block_v(vp, kw, 1024),
+      interpret=cfg.interpret)
 
   # Carries are constant inside a chunk: their contributions are matmuls.
   c = cfg.chunk

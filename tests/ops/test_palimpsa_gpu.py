@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.palimpsa_gpu import boundary
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import palimpsa_gpu
 from tests.ops.palimpsa_suite import PalimpsaSuite
@@ -111,3 +112,24 @@ def test_saved_boundary_states_fit_the_residual_budget():
   np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
   # (its K=8 and V=20 are padded to 16 and 32).
+
+
+@pytest.mark.parametrize("num_chunks, k_width", [(8, 48), (6, 16), (3, 32)])
+def test_adjoint_carries_match_a_reverse_loop(num_chunks, k_width):
+  """The carries kernel (unrolled by 4, 2 or 1 chunks; K in parts) against a plain loop."""
+  bh, vp = 2, 32
+  keys = jax.random.split(jax.random.PRNGKey(num_chunks), 5)
+  end_m, end_b = (jax.random.normal(key, (bh, vp, k_width)) for key in keys[:2])
+  gate = jax.random.uniform(keys[2], (bh, num_chunks))
+  local_m, local_b = (jax.random.normal(key, (bh, num_chunks, vp, k_width))
+                      for key in keys[3:])
+  carry_m, carry_b, m0, b0 = boundary.adjoint_carries(
+      end_m, end_b, gate, local_m, local_b, block_v=16, interpret=True)
+  cm, cb = end_m, end_b
+  for c in reversed(range(num_chunks)):
+    np.testing.assert_allclose(carry_m[:, c], cm, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(carry_b[:, c], cb, rtol=1e-6, atol=1e-6)
+    g = gate[:, c, None, None]
+    cm, cb = local_m[:, c] + g * cm, local_b[:, c] + g * cb
+  np.testing.assert_allclose(m0, cm, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(b0, cb, rtol=1e-6, atol=1e-6)
