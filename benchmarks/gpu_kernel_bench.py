@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.op_bench import FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs, time_fn
-from pallas_kernels.common import next_power_of_two
+from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import boundary, walk
 
@@ -108,7 +108,7 @@ def _variants(base):
   """(stage, label, config) of the tile variants the sweep times."""
   kp = base.k + base.k_pad
   kp2 = next_power_of_two(kp)
-  largest = kp & -kp
+  largest = largest_power_of_two_dividing(kp)
   out = []
   for k_part in sorted({kp2, largest, min(largest, 32)}):
     for elems, warps in ((2048, 4), (8192, 8)):
@@ -121,8 +121,7 @@ def _variants(base):
       continue
     for warps in (1, 2):
       for unroll in (2, 4):
-        bv = min(gpu_op._largest_power_of_two_dividing(base.v + base.v_pad),
-                 256 * warps // k_part)
+        bv = gpu_op.forward_block_v(base.v + base.v_pad, k_part, warps)
         cfg = dataclasses.replace(base, block_v=bv, num_warps=warps, unroll=unroll,
                                   k_part=k_part)
         out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))

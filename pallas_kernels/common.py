@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 
@@ -13,6 +14,20 @@ def next_power_of_two(n: int) -> int:
 def round_up(n: int, multiple: int) -> int:
   """Smallest multiple of `multiple` >= n."""
   return -(-n // multiple) * multiple
+
+
+def largest_power_of_two_dividing(n: int) -> int:
+  """The largest power of two that divides n (n >= 1)."""
+  return n & -n
+
+
+def k_parts(width: int, k_part: int) -> list[pl.Slice]:
+  """Static slices cutting an axis [0, width) into equal parts of k_part columns.
+
+  Triton tensors have power-of-two shapes: a K of 48 is walked as 3 parts of 16
+  instead of being padded to 64.
+  """
+  return [pl.ds(i * k_part, k_part) for i in range(width // k_part)]
 
 
 def fast_reciprocal(x: jax.Array, *, interpret: bool) -> jax.Array:

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
+from pallas_kernels.common import k_parts, largest_power_of_two_dividing
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -18,8 +20,7 @@ def _carries_kernel(g_ref, am_ref, ab_ref, em_ref, eb_ref, cm_ref, cb_ref, m0_re
                     b0_ref, *, num_chunks, unroll):
   """Reverse over chunks for one (batch*head, V-tile): carry_{c-1} = local_c + g_c carry_c."""
   kw = em_ref.shape[-1]
-  k_part = kw & -kw
-  parts = [pl.ds(i * k_part, k_part) for i in range(kw // k_part)]
+  parts = k_parts(kw, largest_power_of_two_dividing(kw))
 
   def steps(i, carry):
     cms, cbs = carry
@@ -97,8 +98,7 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
   """
   precision = _dot_precision(interpret)
   kp = k_ref.shape[-1]
-  k_part = kp & -kp
-  parts = [pl.ds(i * k_part, k_part) for i in range(kp // k_part)]
+  parts = k_parts(kp, largest_power_of_two_dividing(kp))
 
   def step(c, carry):
     ms, bs = carry

@@ -18,7 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import next_power_of_two, round_up
+from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
+                                   round_up)
 from pallas_kernels.palimpsa_gpu import boundary, layout, walk
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -82,16 +83,17 @@ class Config:
     return round_up(self.k + self.k_pad, self.k_part_bwd)
 
 
-def _largest_power_of_two_dividing(n: int) -> int:
-  return n & -n
-
-
 def _block_v(v_padded: int, k_padded: int, elements: int, minimum: int = 1) -> int:
   """V-tile: the largest power of two dividing v_padded with <= `elements` per tile."""
   bv = next_power_of_two(v_padded)
   while bv > minimum and (v_padded % bv or bv * k_padded > elements):
     bv //= 2
   return bv
+
+
+def forward_block_v(v_padded: int, k_part: int, num_warps: int) -> int:
+  """Forward-walk V-tile: about 256 state entries per K-part and warp."""
+  return min(largest_power_of_two_dividing(v_padded), 256 * num_warps // k_part)
 
 
 def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,
@@ -112,14 +114,14 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   # (K=48: one 64-column part beat three of 16). Backward walk: K padded to a power
   # of two (in 8-column parts at K=16), single-warp programs over ~512 entries,
   # sub-chunks of 4 steps.
-  largest = _largest_power_of_two_dividing(kp)
+  largest = largest_power_of_two_dividing(kp)
   kp2 = next_power_of_two(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
   num_warps = 2 if k_part == 32 else 1
   k_part_boundary = largest if largest >= 32 else kp2
   k_part_bwd = 8 if kp == 16 else kp2
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
-                block_v=min(_largest_power_of_two_dividing(vp), 256 * num_warps // k_part),
+                block_v=forward_block_v(vp, k_part, num_warps),
                 block_v_bwd=_block_v(vp, kp2, 512),
                 block_v_boundary=_block_v(vp, round_up(kp, k_part_boundary), 2048,
                                           minimum=16),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.common import fast_reciprocal, fma
+from pallas_kernels.common import fast_reciprocal, fma, k_parts
 
 
 def _params(num_warps: int, interpret: bool):
@@ -32,17 +32,6 @@ def _barrier(interpret: bool):
   """Orders a program's global-memory writes before its later reads (GPU only)."""
   if not interpret:
     plgpu_triton.debug_barrier()
-
-
-def _k_parts(kp: int, k_part: int) -> list[pl.Slice | slice]:
-  """Static slices cutting the K axis [0, kp) into equal parts of k_part columns.
-
-  Triton tensors have power-of-two shapes: a K of 48 is walked as 3 parts of 16
-  instead of being padded to 64. A single part is the whole axis (`:`).
-  """
-  if k_part == kp:
-    return [slice(None)]
-  return [pl.ds(i * k_part, k_part) for i in range(kp // k_part)]
 
 
 def _total(xs: list[jax.Array]) -> jax.Array:
@@ -58,7 +47,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
   """
   out_ref = out_refs[0]
   var_ref = out_refs[1] if with_var else None
-  parts = _k_parts(k_ref.shape[-1], k_part)
+  parts = k_parts(k_ref.shape[-1], k_part)
   ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
 
   def row(ref, t, p):
@@ -130,7 +119,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
 
   States and adjoints [BV, Kp] are held as K-parts ([BV, k_part] each).
   """
-  parts = _k_parts(k_ref.shape[-1], k_part)
+  parts = k_parts(k_ref.shape[-1], k_part)
   ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
   n_sub = chunk // sub
   for p in parts:
@@ -257,8 +246,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
   f32 = jnp.float32
   kernel = functools.partial(_backward_kernel, chunk=chunk, sub=sub, block_v=block_v,
                              k_part=k_part, num_tiles=num_tiles // groups,
-                             with_var=with_var,
-                             interpret=interpret)
+                             with_var=with_var, interpret=interpret)
   if with_var:
     dvar_spec = row_v
   else:
