@@ -112,9 +112,8 @@ def _variants(base):
   out = []
   for k_part in sorted({kp2, largest, min(largest, 32)}):
     for elems, warps in ((2048, 4), (8192, 8)):
-      width = -(-kp // k_part) * k_part
-      cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps,
-                                block_v_boundary=_tiles(base, elems, width, 16))
+      cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps)
+      cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, cfg.k_boundary, 16))
       out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
   for k_part in sorted({8, 16, min(largest, 32)}):
     if k_part > largest:
@@ -128,10 +127,10 @@ def _variants(base):
   for k_part in sorted({kp2, largest, 16}):
     if k_part > kp2 or (kp2 // k_part) > 8:
       continue
-    width = -(-kp // k_part) * k_part
+    k_bwd = dataclasses.replace(base, k_part_bwd=k_part).k_bwd
     for elems, warps, sub, groups in ((512, 1, 4, 1), (256, 1, 4, 1), (1024, 1, 2, 1),
                                       (512, 1, 4, 96), (1024, 2, 4, 1)):
-      bv = _tiles(base, elems, width)
+      bv = _tiles(base, elems, k_bwd)
       groups = math.gcd(groups, (base.v + base.v_pad) // bv)
       cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=warps, sub=sub,
                                 groups_bwd=groups, k_part_bwd=k_part)
