@@ -4,8 +4,9 @@ Forward: grid (B*H, chunk, V-tile); each program starts from its chunk-boundary 
 [BV, Kp] (float32, in registers) and steps through the chunk one token at a time.
 Backward: grid (B*H, chunk, V-tile group); each program loops over its V-tiles,
 recomputes the states of its chunk sub-chunk by sub-chunk (sub-chunk start states go
-through a per-program scratch output), and walks them in reverse, accumulating dq and
-dk over its V-tiles.
+through a per-program scratch output; a sub-chunk's rows are loaded once for its
+recompute and its reverse steps), and walks them in reverse, accumulating dq and dk
+over its V-tiles.
 Both hold the state as K-parts ([BV, k_part] tensors: Triton shapes are powers of two,
 so K=48 is three parts of 16 rather than one padded to 64) and write the state and
 adjoint updates as explicit FMAs.
@@ -156,55 +157,65 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
     _barrier(interpret)
 
     def backward(i, carry):
-      gms, gbs = carry
+      # gms, gbs: adjoints of step t0 + sub (not yet decayed by its gate a_next).
+      gms, gbs, a_next = carry
       j = n_sub - 1 - i
       t0 = j * sub
       ms = [sm_ref[j, :, p] for p in parts]
       bs = [sb_ref[j, :, p] for p in parts]
+      # The sub-chunk's rows, loaded once for the recompute and the reverse steps.
+      rows = [load_rows(t0 + s) for s in range(sub)]
+      qs = [[q_ref[t0 + s, p].astype(jnp.float32)[None, :] for p in parts]
+            for s in range(sub)]
+      dos = [do_ref[t0 + s, cols].astype(jnp.float32)[:, None] for s in range(sub)]
       states = []
       for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
-        ms, bs = advance(ms, bs, load_rows(t0 + s))
+        ms, bs = advance(ms, bs, rows[s])
         states.append((ms, bs))
       # Earlier V-tiles' sums, loaded up front so their latency is paid once.
       acc = [([dq_ref[t0 + s, p] for p in parts], [dk_ref[t0 + s, p] for p in parts])
              for s in range(sub)]
       for s in reversed(range(sub)):
         t = t0 + s
-        ks, v, beta, a = load_rows(t)
+        ks, v, beta, a = rows[s]
         ms, bs = states[s]
-        do = do_ref[t, cols].astype(jnp.float32)[:, None]
+        do = dos[s]
         dvar = dvar_ref[t, cols].astype(jnp.float32)[:, None] if with_var else None
         dv, dbeta, ds = [], [], []
         for n, p in enumerate(parts):
-          q = q_ref[t, p].astype(jnp.float32)[None, :]
-          k, m, b = ks[n], ms[n], bs[n]
+          q, k, m, b = qs[s][n], ks[n], ms[n], bs[n]
+          # out = sum_k mu q with mu = m r, r = 1 / (b + Ip): dL/dm = do q r and
+          # dL/db = -(do q r) mu (+ the variance's -dvar (q r)^2).
           r = fast_reciprocal(b + ips[n], interpret=interpret)
-          dmu = do * q
-          dr = dmu * m
-          dq_terms = do * (m * r)
+          mu = m * r
+          dm = (do * q) * r
+          dq_terms = do * mu
+          di = -(dm * mu)
           if with_var:
-            dr = fma(dvar, q * q, dr, interpret=interpret)
-            dq_terms = fma(2.0 * dvar, r * q, dq_terms, interpret=interpret)
-          di = -(r * r) * dr
-          gm = fma(dmu, r, gms[n], interpret=interpret)
-          gb = gbs[n] + di
+            qr = q * r
+            dq_terms = fma(2.0 * dvar, qr, dq_terms, interpret=interpret)
+            di = fma(-dvar, qr * qr, di, interpret=interpret)
+          gm = fma(a_next, gms[n], dm, interpret=interpret)
+          gb = fma(a_next, gbs[n], di, interpret=interpret)
           dq_ref[t, p] = acc[s][0][n] + jnp.sum(dq_terms, axis=0)
           dk_ref[t, p] = acc[s][1][n] + jnp.sum(
               fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0)
           dv.append(jnp.sum(gm * k, axis=1))
           dbeta.append(jnp.sum(gb * (k * k), axis=1))
           ds.append(jnp.sum(di, axis=1))
-          gms[n], gbs[n] = a * gm, a * gb
+          gms[n], gbs[n] = gm, gb
+        a_next = a
         dv_ref[t, cols] = _total(dv)
         dbeta_ref[t, cols] = _total(dbeta)
         s_ref[t, cols] = _total(ds)
-      return gms, gbs
+      return gms, gbs, a_next
 
     zeros = [jnp.zeros((block_v, k_part), jnp.float32) for _ in parts]
-    gms, gbs = jax.lax.fori_loop(0, n_sub, backward, (zeros, list(zeros)))
+    gms, gbs, a_first = jax.lax.fori_loop(0, n_sub, backward,
+                                          (zeros, list(zeros), jnp.float32(0.0)))
     for p, gm, gb in zip(parts, gms, gbs):
-      am_ref[cols, p] = gm
-      ab_ref[cols, p] = gb
+      am_ref[cols, p] = a_first * gm
+      ab_ref[cols, p] = a_first * gb
     _barrier(interpret)
     return 0
 
