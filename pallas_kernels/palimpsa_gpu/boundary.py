@@ -78,8 +78,8 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, block_v: int,
   )(chunk_gate, adj_m, adj_b, dm_end, db_end)
 
 
-def _dot_precision(interpret: bool):
-  # fp32-accurate products on tensor cores (3 TF32 passes); plain f32 on CPU.
+def dot_precision(interpret: bool):
+  """float32-accurate products on tensor cores (3 TF32 passes); plain f32 on CPU."""
   return _HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
@@ -96,7 +96,7 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
   The state [BV, Kp] is held as equal K-parts, each the largest power of two that
   divides Kp (Triton tensors have power-of-two shapes; Kp is a multiple of 16).
   """
-  precision = _dot_precision(interpret)
+  precision = dot_precision(interpret)
   kp = k_ref.shape[-1]
   parts = k_parts(kp, largest_power_of_two_dividing(kp))
 
