@@ -121,6 +121,33 @@ class Block(nnx.Module):
     return h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
 
 
+@jax.custom_vjp
+def tied_head_logits(h: jax.Array, table: jax.Array) -> jax.Array:
+  """Logits [B, T, vocab] float32 of h [B, T, d] against table [vocab, d].
+
+  The products accumulate in float32. The backward rounds the logits' cotangent to
+  h's dtype, so with bf16 compute both gradient matmuls run in bf16 (accumulated in
+  float32); plain autodiff would promote them to float32 matmuls against the float32
+  cotangent, which on an H200 took 5 ms of a 174 ms Palimpsa-D 170M step.
+  """
+  return jnp.einsum("btd,vd->btv", h, table, preferred_element_type=jnp.float32)
+
+
+def _tied_head_fwd(h, table):
+  return tied_head_logits(h, table), (h, table)
+
+
+def _tied_head_bwd(residuals, d_logits):
+  h, table = residuals
+  g = d_logits.astype(h.dtype)
+  dh = jnp.einsum("btv,vd->btd", g, table, preferred_element_type=jnp.float32)
+  d_table = jnp.einsum("btv,btd->vd", g, h, preferred_element_type=jnp.float32)
+  return dh.astype(h.dtype), d_table.astype(table.dtype)
+
+
+tied_head_logits.defvjp(_tied_head_fwd, _tied_head_bwd)
+
+
 class LanguageModel(nnx.Module):
   """Decoder-only LM with a head tied to the token embedding.
 
@@ -183,9 +210,7 @@ class LanguageModel(nnx.Module):
         self.residual_dtype)
 
   def _logits(self, h):
-    h = self.final_norm(h)
-    return jnp.einsum("btd,vd->btv", h, self.embed[...].astype(self.dtype),
-                      preferred_element_type=jnp.float32)
+    return tied_head_logits(self.final_norm(h), self.embed[...].astype(self.dtype))
 
   def __call__(self, tokens: jax.Array, *,
                segment_ids: jax.Array | None = None,

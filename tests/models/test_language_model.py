@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from palimpsa_jax.layers import Attention
-from palimpsa_jax.models import build_model, generate, model_config
+from palimpsa_jax.models import build_model, generate, language_model, model_config
 from palimpsa_jax.models.config import MODELS
 
 BATCH, LENGTH, PREFIX = 2, 10, 4
@@ -120,3 +120,22 @@ def test_kv_cache_overflow_raises():
   _, cache = attention.step(x[:, :1], cache)
   with pytest.raises(ValueError, match="holds 4 of 4 positions"):
     attention.step(x[:, :1], cache)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tied_head_gradients_match_autodiff(dtype):
+  h = jax.random.normal(jax.random.key(0), (2, 5, 16))
+  table = jax.random.normal(jax.random.key(1), (40, 16))
+  cot = jax.random.normal(jax.random.key(2), (2, 5, 40))
+
+  def loss(head, h, table):
+    return jnp.sum(head(h.astype(dtype), table.astype(dtype)) * cot)
+
+  plain = lambda h, t: jnp.einsum("btd,vd->btv", h, t,
+                                  preferred_element_type=jnp.float32)
+  want = jax.grad(loss, argnums=(1, 2))(plain, h, table)
+  got = jax.grad(loss, argnums=(1, 2))(language_model.tied_head_logits, h, table)
+  tol = 1e-6 if dtype == jnp.float32 else 2e-2
+  for g, w in zip(got, want):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w))))
