@@ -188,8 +188,8 @@ def bench_shape(name, shape, impls, args, log):
         ok = err < grad_tol
         if ref_t < shape[1]:  # the full-length gradients must at least be written and finite
           poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
-          full = jax.tree.map(np.asarray, call(*arg_sets[0]))
-          ok = ok and all(np.all(np.isfinite(g.astype(np.float32))) for g in full)
+          full = jax.tree.leaves(call(*arg_sets[0]))
+          ok = ok and all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in full)
       tag = "ref" if mode == "fwd" or ref_t == shape[1] else f"ref, T={ref_t}"
       if not ok:
         rows.append((name, shape, impl, mode, None, f"WRONG: rel. error {err:.1e} ({tag})", None))

@@ -1,0 +1,33 @@
+"""benchmarks/op_bench.py on CPU: correctness gate and timing rows of one small shape."""
+
+import argparse
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def op_bench():
+  spec = importlib.util.spec_from_file_location("op_bench", ROOT / "benchmarks" / "op_bench.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_shape_checks_truncated_gradients_then_times(op_bench):
+  # A tiny --max-ref-gib makes the float64 gradients cover only the first chunk, so the
+  # full-length gradients go through the finite check as well.
+  args = argparse.Namespace(dtype="float32", rotate=1, chunk_size=16, max_ref_gib=1e-9,
+                            max_state_gib=16.0, variance=False, memory=True, warmup=1,
+                            iters=1)
+  logs = []
+  rows = op_bench.bench_shape("tiny", (1, 64, 2, 16, 16), ["chunked"], args, logs.append)
+  assert [(r[2], r[3]) for r in rows] == [("chunked", "fwd"), ("chunked", "fwd+bwd")]
+  for _, _, _, mode, ms, err, mem in rows:
+    assert ms is not None and ms > 0, (mode, err)
+    assert mem is not None
+  assert "T=16" in rows[1][5]
+  assert "WRONG" not in op_bench.format_table(rows, True)
