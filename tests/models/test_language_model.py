@@ -139,3 +139,24 @@ def test_tied_head_gradients_match_autodiff(dtype):
   for g, w in zip(got, want):
     assert g.dtype == jnp.float32
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w))))
+
+
+def test_tied_head_backward_matmuls_stay_bf16():
+  h = jnp.ones((2, 5, 16), jnp.bfloat16)
+  table = jnp.ones((40, 16), jnp.bfloat16)
+  loss = lambda h, t: jnp.sum(language_model.tied_head_logits(h, t))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, table)
+
+  def dots(jaxpr):  # dot_general equations, nested jaxprs included
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        yield eqn
+      for param in eqn.params.values():
+        inner = getattr(param, "jaxpr", param)
+        if hasattr(inner, "eqns"):
+          yield from dots(inner)
+
+  found = list(dots(jaxpr.jaxpr))
+  assert len(found) == 3  # the forward and the two gradient matmuls
+  for eqn in found:
+    assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
