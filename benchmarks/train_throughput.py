@@ -26,7 +26,7 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -150,10 +150,23 @@ def random_batch(args: argparse.Namespace, vocab_size: int,
   return sharding_lib.global_batch(local, mesh)
 
 
-def bench_model(model: str, implementation: str, scan_layers: bool,
-                args: argparse.Namespace, mesh: jax.sharding.Mesh,
-                label: str) -> dict[str, Any]:
-  """Builds, compiles and times one model; returns its result row."""
+class BuiltStep(NamedTuple):
+  """A compiled train step with its initial state and batch."""
+
+  compiled: Any
+  state: Any
+  batch: dict[str, jax.Array]
+  config: ml_collections.ConfigDict
+  num_params: int
+  init_s: float
+  compile_s: float
+  temp_gib: float | None
+
+
+def build_train_step(model: str, implementation: str, scan_layers: bool,
+                     args: argparse.Namespace, mesh: jax.sharding.Mesh,
+                     label: str) -> BuiltStep:
+  """Builds the model's state and batch and compiles its train step (configs/lm.py)."""
   config = load_lm_config(model, args)
   config.model.implementation = model_implementation(model, implementation)
   config.model.remat = args.remat
@@ -184,13 +197,21 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   temp_gib = getattr(memory, "temp_size_in_bytes", 0) / 2**30 if memory else None
-  log(f"{label} compiled in {compile_s:.1f} s; {args.warmup_steps} warm-up + "
+  return BuiltStep(compiled, state, batch, config, num_params, init_s, compile_s, temp_gib)
+
+
+def bench_model(model: str, implementation: str, scan_layers: bool,
+                args: argparse.Namespace, mesh: jax.sharding.Mesh,
+                label: str) -> dict[str, Any]:
+  """Builds, compiles and times one model; returns its result row."""
+  built = build_train_step(model, implementation, scan_layers, args, mesh, label)
+  log(f"{label} compiled in {built.compile_s:.1f} s; {args.warmup_steps} warm-up + "
       f"{args.steps} timed steps ...")
 
-  all_metrics, times = [], []
+  state, all_metrics, times = built.state, [], []
   for index in range(args.warmup_steps + args.steps):
     start = time.perf_counter()
-    state, step_metrics = compiled(state, batch)
+    state, step_metrics = built.compiled(state, built.batch)
     jax.block_until_ready((state, step_metrics))
     if index >= args.warmup_steps:
       times.append(time.perf_counter() - start)
@@ -206,10 +227,11 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   step_s = statistics.median(times)
   tokens_per_s = args.batch_size * args.seq_len / step_s
   peak = metrics_lib.peak_flops_per_device()
-  mfu = (6 * num_params * tokens_per_s / (peak * mesh.size)) if peak else None
-  row = {"model": model, "implementation": config.model.implementation,
-         "scan_layers": scan_layers, "params": num_params, "layers": int(config.model.num_layers),
-         "init_s": init_s, "compile_s": compile_s, "temp_gib": temp_gib,
+  mfu = (6 * built.num_params * tokens_per_s / (peak * mesh.size)) if peak else None
+  row = {"model": model, "implementation": built.config.model.implementation,
+         "scan_layers": scan_layers, "params": built.num_params,
+         "layers": int(built.config.model.num_layers), "init_s": built.init_s,
+         "compile_s": built.compile_s, "temp_gib": built.temp_gib,
          "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
          "step_ms_max": 1e3 * max(times), "tokens_per_s": tokens_per_s,
          "mfu": mfu, "final_loss": float(all_metrics[-1]["train/loss"]),

@@ -1,0 +1,251 @@
+"""Where a training step's device time goes: per-kernel times from a profiler trace.
+
+    python benchmarks/step_profile.py                          # Palimpsa-D 170m, 4 x 4096 tokens
+    python benchmarks/step_profile.py --model mamba2 --top 30 --output mamba2_profile.json
+
+Builds and compiles the train step of benchmarks/train_throughput.py (same flags), runs
+--warmup_steps steps, then traces --steps steps with jax.profiler (a perfetto trace under
+--trace_dir). Every device kernel (GPU) or XLA operation (CPU) is summed over the traced
+steps and divided by their number. Each one is matched, by name, to the instruction of the
+compiled step's optimized HLO that launched it, which gives its shape, its JAX operation
+and the innermost line of this project's code that produced it. Pallas kernels are found
+by the name their custom call carries; library GEMMs (cuBLAS) have no HLO name of their
+own. The table lists the largest entries and the total per category; --output writes JSON.
+"""
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import pathlib
+import re
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+
+from benchmarks import train_throughput
+
+CATEGORIES = ("Pallas kernel", "GEMM", "XLA fusion", "copy / memset", "other")
+_CONTROL_FLOW = re.compile(r"\b(while|conditional|call)\(")
+_LIBRARY_GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)
+
+
+@dataclasses.dataclass
+class KernelTime:
+  """One kernel's time per step and what launched it."""
+
+  name: str
+  ms_per_step: float
+  calls_per_step: float
+  category: str
+  shape: str = ""
+  op: str = ""
+  source: str = ""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", default="palimpsa_d")
+  parser.add_argument("--size", default="170m")
+  parser.add_argument("--seq_len", type=int, default=4096)
+  parser.add_argument("--batch_size", type=int, default=4, help="global batch in sequences")
+  parser.add_argument("--implementation", default="auto")
+  parser.add_argument("--scan_layers", action="store_true")
+  parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--steps", type=int, default=3, help="traced steps")
+  parser.add_argument("--warmup_steps", type=int, default=2)
+  parser.add_argument("--top", type=int, default=40, help="kernels listed in the table")
+  parser.add_argument("--trace_dir", default="/tmp/palimpsa_step_profile")
+  parser.add_argument("--output", default="", help="JSON file for the results")
+  args = parser.parse_args(argv)
+  for name in ("seq_len", "batch_size", "steps", "top"):
+    if getattr(args, name) <= 0:
+      parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+  if args.warmup_steps < 0:
+    parser.error(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+  return args
+
+
+def _sections(hlo: str) -> dict[str, dict[str, str]]:
+  """The FileNames / FunctionNames / FileLocations / StackFrames tables of an HLO text."""
+  tables = {}
+  for title in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+    match = re.search(title + r"\n(.*?)\n\n", hlo, re.S)
+    lines = match.group(1).splitlines() if match else []
+    tables[title] = dict(line.split(" ", 1) for line in lines if " " in line)
+  return tables
+
+
+def _source_line(frame_id: str, tables: dict[str, dict[str, str]], project: str) -> str:
+  """The innermost stack frame in this project: 'path/file.py:line (function)'."""
+  frames, locations = tables["StackFrames"], tables["FileLocations"]
+  seen = set()
+  while frame_id in frames and frame_id not in seen:
+    seen.add(frame_id)
+    frame = frames[frame_id]
+    location = locations.get(re.search(r"file_location_id=(\d+)", frame).group(1), "")
+    match = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", location)
+    if match:
+      path = tables["FileNames"].get(match.group(1), "").strip('"')
+      if project in path and "site-packages" not in path:
+        function = tables["FunctionNames"].get(match.group(2), "").strip('"')
+        return f"{path.split(project, 1)[1].lstrip('/')}:{match.group(3)} ({function})"
+    frame_id = re.search(r"parent_frame_id=(\d+)", frame).group(1)
+  return ""
+
+
+def hlo_index(hlo: str) -> dict[str, str]:
+  """Instruction name (with '.' and '-' as '_', as kernels are named) -> its HLO line."""
+  index = {}
+  for match in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", hlo, re.M):
+    index.setdefault(re.sub(r"[.\-]", "_", match.group(1)), match.group(2))
+  return index
+
+
+def attribute(name: str, index: dict[str, str], hlo: str, tables, project: str):
+  """(category, shape, JAX op, source line) of a kernel named `name`."""
+  line = index.get(re.sub(r"[.\-]", "_", name))
+  category = "XLA fusion"
+  if line is None:  # A Pallas custom call carries its kernel's name in its config.
+    named = re.compile(r'\bname\s*[=:]\s*\\?"' + re.escape(name) + r'\\?"')
+    line = next((l.split(" = ", 1)[1] for l in hlo.splitlines()
+                 if "custom-call(" in l and named.search(l)), None)
+    category = "Pallas kernel"
+  if line is None:
+    low = name.lower()
+    if "memcpy" in low or "memset" in low:
+      return "copy / memset", "", "", ""
+    return ("GEMM" if _LIBRARY_GEMM.search(name) else "other"), "", "", ""
+  head = re.match(r"(\([^)]*\)|\S+)\s+([\w\-]+)\(", line)
+  shape, opcode = (head.group(1), head.group(2)) if head else ("", "")
+  if category != "Pallas kernel":
+    if opcode == "dot" or "gemm" in name or "__cublas" in line:
+      category = "GEMM"
+    elif opcode in ("copy", "copy-start", "transpose"):
+      category = "copy / memset"
+  op = re.search(r'op_name="([^"]*)"', line)
+  frame = re.search(r"stack_frame_id=(\d+)", line)
+  return (category, shape[:60], op.group(1) if op else "",
+          _source_line(frame.group(1), tables, project) if frame else "")
+
+
+def kernel_times(trace_events: list[dict], hlo: str, module: str, steps: int,
+                 project: str) -> list[KernelTime]:
+  """Per-step time of each kernel in a trace, largest first.
+
+  GPU kernels are the complete events on "/device:GPU" processes; on CPU, the XLA
+  operations of `module` that are not control flow (a while loop's time is its body's).
+  """
+  processes = {e["pid"]: e["args"]["name"] for e in trace_events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+  index = hlo_index(hlo)
+  gpu = any("GPU" in name for name in processes.values())
+  totals = collections.defaultdict(lambda: [0, 0.0])
+  for event in trace_events:
+    if event.get("ph") != "X":
+      continue
+    args = event.get("args", {})
+    if gpu:
+      if "GPU" not in processes.get(event["pid"], ""):
+        continue
+      name = event["name"]
+    else:
+      if args.get("hlo_module") != module or "hlo_op" not in args:
+        continue
+      name = args["hlo_op"]
+      line = index.get(re.sub(r"[.\-]", "_", name), "")
+      if _CONTROL_FLOW.search(line):
+        continue
+    totals[name][0] += 1
+    totals[name][1] += event.get("dur", 0.0)
+  tables = _sections(hlo)
+  rows = []
+  for name, (count, micros) in totals.items():
+    category, shape, op, source = attribute(name, index, hlo, tables, project)
+    rows.append(KernelTime(name, micros / 1e3 / steps, count / steps, category, shape, op,
+                           source))
+  return sorted(rows, key=lambda r: -r.ms_per_step)
+
+
+def read_trace(trace_dir: str) -> list[dict]:
+  """Events of the newest perfetto trace under trace_dir."""
+  paths = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True),
+                 key=lambda p: pathlib.Path(p).stat().st_mtime)
+  if not paths:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+  events = json.load(gzip.open(paths[-1]))
+  return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def format_table(rows: list[KernelTime], top: int, step_ms: float) -> str:
+  total = sum(r.ms_per_step for r in rows)
+  lines = [f"device time {total:.2f} ms per step (step wall time {step_ms:.2f} ms)", "",
+           "| category | ms per step | share |", "|---|---|---|"]
+  by_category = collections.Counter()
+  for r in rows:
+    by_category[r.category] += r.ms_per_step
+  for category in CATEGORIES:
+    if by_category[category]:
+      lines.append(f"| {category} | {by_category[category]:.2f} | "
+                   f"{by_category[category] / total:.1%} |")
+  lines += ["", "| kernel | ms per step | share | calls per step | category | shape | "
+            "JAX op | source |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows[:top]:
+    lines.append(f"| {r.name[:60]} | {r.ms_per_step:.3f} | {r.ms_per_step / total:.1%} | "
+                 f"{r.calls_per_step:g} | {r.category} | {r.shape} | {r.op[-60:]} | "
+                 f"{r.source} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  throughput_args = train_throughput.parse_args([
+      "--size", args.size, "--seq_len", str(args.seq_len), "--batch_size",
+      str(args.batch_size), "--num_devices", "1"] + (["--remat"] if args.remat else []))
+  devices = jax.devices()[:1]
+  mesh = train_throughput.sharding_lib.make_mesh(
+      ml_collections.ConfigDict(dict(train_throughput.MESHES["data"], rules=())), devices)
+  label = f"{args.model} ({args.implementation})"
+  built = train_throughput.build_train_step(args.model, args.implementation,
+                                            args.scan_layers, throughput_args, mesh, label)
+  train_throughput.log(f"{label} compiled in {built.compile_s:.1f} s; "
+                       f"{args.warmup_steps} warm-up + {args.steps} traced steps ...")
+  state = built.state
+  for _ in range(args.warmup_steps):
+    state, _ = built.compiled(state, built.batch)
+  jax.block_until_ready(state)
+  jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, metrics = built.compiled(state, built.batch)
+  jax.block_until_ready((state, metrics))
+  step_ms = 1e3 * (time.perf_counter() - start) / args.steps
+  jax.profiler.stop_trace()
+  if not jax.device_get(metrics["train/finite"]):
+    raise train_throughput.trainer.NonFiniteError(f"{label}: non-finite loss or gradient")
+
+  hlo = built.compiled.as_text()
+  module = re.match(r"HloModule (\S+?),", hlo).group(1)
+  project = str(pathlib.Path(__file__).resolve().parents[1])
+  rows = kernel_times(read_trace(args.trace_dir), hlo, module, args.steps, project)
+  table = format_table(rows, args.top, step_ms)
+  print(f"{label}, {devices[0].device_kind}, jax {jax.__version__}, "
+        f"{args.batch_size} x {args.seq_len} tokens\n\n{table}")
+  result = {"model": args.model, "implementation": args.implementation,
+            "device": devices[0].device_kind, "jax": jax.__version__,
+            "command": " ".join(["python", "benchmarks/step_profile.py"]
+                                + (sys.argv[1:] if argv is None else argv)),
+            "step_ms": step_ms, "kernels": [dataclasses.asdict(r) for r in rows]}
+  if args.output:
+    pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
+    train_throughput.log(f"wrote {args.output}")
+  return result
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,85 @@
+"""benchmarks/step_profile.py: kernel attribution (synthetic GPU trace) and a CPU run."""
+
+import json
+
+import pytest
+
+from benchmarks import step_profile
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+FileNames
+1 "/repo/palimpsa_jax/layers/mlp.py"
+2 "/usr/lib/python3.12/site-packages/jax/_src/numpy.py"
+
+FunctionNames
+1 "SwiGLU.__call__"
+2 "einsum"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=33 end_line=33 column=1 end_column=9}
+2 {file_name_id=2 function_name_id=2 line=10 end_line=10 column=1 end_column=9}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+
+ENTRY %main (p: f32[8,16]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %loop_multiply_fusion.3 = bf16[8,16]{1,0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(step)/mul" stack_frame_id=2}
+  %custom-call.7 = (f32[8,16]{1,0}, f32[8]{0}) custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/pallas_call" stack_frame_id=1}, backend_config={grid_x = 4 : i32, name = "my_walk", num_warps = 1 : i32}
+  ROOT %copy.2 = f32[8,16]{0,1} copy(%p)
+}
+"""
+
+
+def _event(name, dur, pid=1):
+  return {"ph": "X", "pid": pid, "tid": 1, "name": name, "dur": dur, "ts": 0}
+
+
+def test_kernel_times_per_step_categories_and_sources():
+  events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+  for _ in range(2):  # two traced steps
+    events += [_event("loop_multiply_fusion_3", 100.0), _event("my_walk", 300.0),
+               _event("my_walk", 100.0), _event("nvjet_sm90_tst_128x128", 50.0),
+               _event("MemcpyD2D", 10.0), _event("copy_2", 20.0),
+               _event("PjitFunction(step)", 9999.0, pid=2)]
+  rows = step_profile.kernel_times(events, HLO, "jit_step", 2, "/repo")
+  by_name = {r.name: r for r in rows}
+  assert [r.name for r in rows][0] == "my_walk"
+  walk = by_name["my_walk"]
+  assert (walk.ms_per_step, walk.calls_per_step, walk.category) == (0.4, 2, "Pallas kernel")
+  assert walk.source == "palimpsa_jax/layers/mlp.py:33 (SwiGLU.__call__)"
+  assert walk.shape.startswith("(f32[8,16]")
+  fusion = by_name["loop_multiply_fusion_3"]
+  assert (fusion.category, fusion.shape, fusion.op) == ("XLA fusion", "bf16[8,16]{1,0}",
+                                                         "jit(step)/mul")
+  # The innermost frame is in site-packages: the source is its project caller.
+  assert fusion.source == "palimpsa_jax/layers/mlp.py:33 (SwiGLU.__call__)"
+  assert by_name["nvjet_sm90_tst_128x128"].category == "GEMM"
+  assert by_name["MemcpyD2D"].category == "copy / memset"
+  assert by_name["copy_2"].category == "copy / memset"
+  assert "PjitFunction(step)" not in by_name
+  table = step_profile.format_table(rows, 3, step_ms=1.0)
+  assert "| Pallas kernel | 0.40 |" in table
+
+
+def test_cpu_run_writes_json(tmp_path):
+  out = tmp_path / "profile.json"
+  result = step_profile.main([
+      "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
+      "--warmup_steps", "1", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
+      "--output", str(out)])
+  saved = json.loads(out.read_text())
+  assert saved["kernels"] == result["kernels"] and saved["step_ms"] > 0
+  kernels = saved["kernels"]
+  assert kernels and all(k["ms_per_step"] >= 0 for k in kernels)
+  assert {k["category"] for k in kernels} <= set(step_profile.CATEGORIES)
+  assert any(k["source"].startswith("palimpsa_jax/") for k in kernels)
+
+
+def test_bad_arguments_exit():
+  with pytest.raises(SystemExit):
+    step_profile.parse_args(["--steps", "0"])
