@@ -51,7 +51,7 @@ class KernelTime:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="palimpsa_d")
-  parser.add_argument("--size", default="170m")
+  parser.add_argument("--size", default="170m", choices=train_throughput.models.config.SIZES)
   parser.add_argument("--seq_len", type=int, default=4096)
   parser.add_argument("--batch_size", type=int, default=4, help="global batch in sequences")
   parser.add_argument("--implementation", default="auto")
@@ -68,6 +68,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       parser.error(f"--{name} must be positive, got {getattr(args, name)}")
   if args.warmup_steps < 0:
     parser.error(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
+  if args.model not in train_throughput.models.config.MODELS:
+    parser.error(f"--model must be one of {train_throughput.models.config.MODELS}, "
+                 f"got {args.model!r}")
+  if args.implementation not in train_throughput.palimpsa_validation.IMPLEMENTATIONS:
+    parser.error(f"--implementation must be one of "
+                 f"{train_throughput.palimpsa_validation.IMPLEMENTATIONS}, "
+                 f"got {args.implementation!r}")
   return args
 
 

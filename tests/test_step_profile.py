@@ -80,6 +80,8 @@ def test_cpu_run_writes_json(tmp_path):
   assert any(k["source"].startswith("palimpsa_jax/") for k in kernels)
 
 
-def test_bad_arguments_exit():
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--model", "gpt"],
+                                  ["--implementation", "fast"], ["--size", "1b"]])
+def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
-    step_profile.parse_args(["--steps", "0"])
+    step_profile.parse_args(argv)
