@@ -242,11 +242,11 @@ def _backward(cfg: Config, residuals, cotangents):
   doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad, f32)
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
-  dq, dk, dv, dbeta, s_rows, adj_m, adj_b = walk.walk_backward(
+  dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
       qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
       k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
-  dq, dk = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0)
+  dq, dk, s = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(s, axis=0)
 
   # Adjoint of the final linear state.
   ipb = ip[:, None, None]
@@ -276,7 +276,7 @@ def _backward(cfg: Config, residuals, cotangents):
   dk = dk + (w * dk_carry).reshape(bh, tp, kp)
 
   # dlog_alpha via the scaling identity (segment-wise reverse sums).
-  s = jnp.sum(s_rows, axis=-1)  # [BH, Tp]: sum_{v,k} dL/dI_t (local)
+  # s [BH, Tp]: sum_{v,k} dL/dI_t (local).
   m_term = -ip[:, None] * s - jnp.sum(vh.astype(f32) * dv, -1) - jnp.sum(
       betah.astype(f32) * dbeta, -1)
   if cfg.return_variance:

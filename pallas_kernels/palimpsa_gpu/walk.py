@@ -126,6 +126,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
   for p in parts:
     dq_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
     dk_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
+  s_ref[...] = jnp.zeros((chunk,), jnp.float32)
 
   first_tile = pl.program_id(2) * num_tiles
 
@@ -173,8 +174,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
         ms, bs = advance(ms, bs, rows[s])
         states.append((ms, bs))
       # Earlier V-tiles' sums, loaded up front so their latency is paid once.
-      acc = [([dq_ref[t0 + s, p] for p in parts], [dk_ref[t0 + s, p] for p in parts])
-             for s in range(sub)]
+      acc = [([dq_ref[t0 + s, p] for p in parts], [dk_ref[t0 + s, p] for p in parts],
+              s_ref[t0 + s]) for s in range(sub)]
       for s in reversed(range(sub)):
         t = t0 + s
         ks, v, beta, a = rows[s]
@@ -202,12 +203,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
               fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0)
           dv.append(jnp.sum(gm * k, axis=1))
           dbeta.append(jnp.sum(gb * (k * k), axis=1))
-          ds.append(jnp.sum(di, axis=1))
+          # Only sum_{v,k} dL/dI_t is needed: reduce over V first (within a thread
+          # and a lane pair), then the K row, instead of a K-reduction per V-row.
+          ds.append(jnp.sum(jnp.sum(di, axis=0)))
           gms[n], gbs[n] = gm, gb
         a_next = a
         dv_ref[t, cols] = _total(dv)
         dbeta_ref[t, cols] = _total(dbeta)
-        s_ref[t, cols] = _total(ds)
+        s_ref[t] = acc[s][2] + _total(ds)
       return gms, gbs, a_next
 
     zeros = [jnp.zeros((block_v, k_part), jnp.float32) for _ in parts]
@@ -237,8 +240,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
 
   Returns:
     dq, dk [groups, BH, Tp, Kp] (to be summed over groups; dk without the later
-    chunks' part); dv, dbeta, s
-    [BH, Tp, Vp] (chunk-local parts; s = sum_k dL/dI_t); adj_m, adj_b
+    chunks' part); dv, dbeta [BH, Tp, Vp] (chunk-local parts); s [groups, BH, Tp]
+    (sum_{v,k} dL/dI_t, chunk-local, to be summed over groups); adj_m, adj_b
     [BH, NC, Vp, Kp]: each chunk's adjoint of the state before its first step.
   """
   bh, tp, kp = q.shape
@@ -269,9 +272,12 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
                 pl.BlockSpec((None, chunk), lambda n, c, g: (n, c)),
                 pl.BlockSpec((None, kp), lambda n, c, g: (n, 0)),
                 row_v, dvar_spec, state, state],
-      out_specs=[part_k, part_k, row_v, row_v, row_v, state, state, scratch, scratch],
+      out_specs=[part_k, part_k, row_v, row_v,
+                 pl.BlockSpec((None, None, chunk), lambda n, c, g: (g, n, c)),
+                 state, state, scratch, scratch],
       out_shape=[jax.ShapeDtypeStruct((groups, bh, tp, kp), f32)] * 2
-      + [jax.ShapeDtypeStruct((bh, tp, vp), f32)] * 3
+      + [jax.ShapeDtypeStruct((bh, tp, vp), f32)] * 2
+      + [jax.ShapeDtypeStruct((groups, bh, tp), f32)]
       + [jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
       + [jax.ShapeDtypeStruct((bh, nc, groups, chunk // sub, block_v, kp), f32)] * 2,
       compiler_params=_params(num_warps, interpret), interpret=interpret,
