@@ -203,8 +203,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
               fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0)
           dv.append(jnp.sum(gm * k, axis=1))
           dbeta.append(jnp.sum(gb * (k * k), axis=1))
-          # Only sum_{v,k} dL/dI_t is needed: reduce over V first (within a thread
-          # and a lane pair), then the K row, instead of a K-reduction per V-row.
+          # Only sum_{v,k} dL/dI_t is needed: over V first, then the one K row, is
+          # fewer cross-lane shuffles than a K-reduction of every V-row (ptxas: 252
+          # against 284 per 4-step body at D170).
           ds.append(jnp.sum(jnp.sum(di, axis=0)))
           gms[n], gbs[n] = gm, gb
         a_next = a
