@@ -31,7 +31,7 @@ import ml_collections
 from benchmarks import train_throughput
 
 CATEGORIES = ("Pallas kernel", "GEMM", "XLA fusion", "copy / memset", "other")
-_CONTROL_FLOW = re.compile(r"\b(while|conditional|call)\(")
+_CONTROL_FLOW = ("while", "conditional", "call")
 _LIBRARY_GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)
 
 
@@ -106,42 +106,65 @@ def _source_line(frame_id: str, tables: dict[str, dict[str, str]], project: str)
   return ""
 
 
-def hlo_index(hlo: str) -> dict[str, str]:
-  """Instruction name (with '.' and '-' as '_', as kernels are named) -> its HLO line."""
-  index = {}
-  for match in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", hlo, re.M):
-    index.setdefault(re.sub(r"[.\-]", "_", match.group(1)), match.group(2))
-  return index
+def _key(name: str) -> str:
+  """An HLO instruction name as a kernel is named ('.' and '-' become '_')."""
+  return re.sub(r"[.\-]", "_", name)
 
 
-def attribute(name: str, index: dict[str, str], hlo: str, tables, project: str):
+def _opcode(line: str) -> tuple[str, str]:
+  """(shape, opcode) of an HLO instruction line (the part after 'name = ')."""
+  # The opcode is the first lower-case word followed by '(' (shapes, tuples included,
+  # hold none).
+  head = re.search(r"(?<![\w\[])([a-z][a-z\-]*)\(", line)
+  return (line[:head.start()].strip(), head.group(1)) if head else ("", "")
+
+
+@dataclasses.dataclass
+class Hlo:
+  """An optimized HLO text, indexed once."""
+
+  instructions: dict[str, str]  # _key(name) -> the line after 'name = '
+  custom_calls: list[str]  # the custom-call lines, for Pallas kernel names
+  tables: dict[str, dict[str, str]]
+
+  @classmethod
+  def parse(cls, text: str) -> "Hlo":
+    instructions = {}
+    for match in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", text, re.M):
+      instructions.setdefault(_key(match.group(1)), match.group(2))
+    custom_calls = [line for line in instructions.values()
+                    if _opcode(line)[1] == "custom-call"]
+    return cls(instructions, custom_calls, _sections(text))
+
+
+def attribute(name: str, hlo: Hlo, project: str):
   """(category, shape, JAX op, source line) of a kernel named `name`."""
-  line = index.get(re.sub(r"[.\-]", "_", name))
+  line = hlo.instructions.get(_key(name))
   category = "XLA fusion"
   if line is None:  # A Pallas custom call carries its kernel's name in its config.
     named = re.compile(r'\bname\s*[=:]\s*\\?"' + re.escape(name) + r'\\?"')
-    line = next((l.split(" = ", 1)[1] for l in hlo.splitlines()
-                 if "custom-call(" in l and named.search(l)), None)
+    line = next((l for l in hlo.custom_calls if named.search(l)), None)
     category = "Pallas kernel"
   if line is None:
     low = name.lower()
     if "memcpy" in low or "memset" in low:
       return "copy / memset", "", "", ""
     return ("GEMM" if _LIBRARY_GEMM.search(name) else "other"), "", "", ""
-  head = re.match(r"(\([^)]*\)|\S+)\s+([\w\-]+)\(", line)
-  shape, opcode = (head.group(1), head.group(2)) if head else ("", "")
+  shape, opcode = _opcode(line)
   if category != "Pallas kernel":
     if opcode == "dot" or "gemm" in name or "__cublas" in line:
       category = "GEMM"
     elif opcode in ("copy", "copy-start", "transpose"):
       category = "copy / memset"
+    elif opcode != "fusion":
+      category = "other"
   op = re.search(r'op_name="([^"]*)"', line)
   frame = re.search(r"stack_frame_id=(\d+)", line)
   return (category, shape[:60], op.group(1) if op else "",
-          _source_line(frame.group(1), tables, project) if frame else "")
+          _source_line(frame.group(1), hlo.tables, project) if frame else "")
 
 
-def kernel_times(trace_events: list[dict], hlo: str, module: str, steps: int,
+def kernel_times(trace_events: list[dict], hlo_text: str, module: str, steps: int,
                  project: str) -> list[KernelTime]:
   """Per-step time of each kernel in a trace, largest first.
 
@@ -150,7 +173,7 @@ def kernel_times(trace_events: list[dict], hlo: str, module: str, steps: int,
   """
   processes = {e["pid"]: e["args"]["name"] for e in trace_events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
-  index = hlo_index(hlo)
+  hlo = Hlo.parse(hlo_text)
   gpu = any("GPU" in name for name in processes.values())
   totals = collections.defaultdict(lambda: [0, 0.0])
   for event in trace_events:
@@ -165,15 +188,13 @@ def kernel_times(trace_events: list[dict], hlo: str, module: str, steps: int,
       if args.get("hlo_module") != module or "hlo_op" not in args:
         continue
       name = args["hlo_op"]
-      line = index.get(re.sub(r"[.\-]", "_", name), "")
-      if _CONTROL_FLOW.search(line):
+      if _opcode(hlo.instructions.get(_key(name), ""))[1] in _CONTROL_FLOW:
         continue
     totals[name][0] += 1
     totals[name][1] += event.get("dur", 0.0)
-  tables = _sections(hlo)
   rows = []
   for name, (count, micros) in totals.items():
-    category, shape, op, source = attribute(name, index, hlo, tables, project)
+    category, shape, op, source = attribute(name, hlo, project)
     rows.append(KernelTime(name, micros / 1e3 / steps, count / steps, category, shape, op,
                            source))
   return sorted(rows, key=lambda r: -r.ms_per_step)

@@ -29,6 +29,7 @@ ENTRY %main (p: f32[8,16]) -> f32[8,16] {
   %p = f32[8,16]{1,0} parameter(0)
   %loop_multiply_fusion.3 = bf16[8,16]{1,0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(step)/mul" stack_frame_id=2}
   %custom-call.7 = (f32[8,16]{1,0}, f32[8]{0}) custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/pallas_call" stack_frame_id=1}, backend_config={grid_x = 4 : i32, name = "my_walk", num_warps = 1 : i32}
+  %while.4 = (s32[], f32[8,16]{1,0}, (f32[], s32[])) while(%t), condition=%c, body=%b
   ROOT %copy.2 = f32[8,16]{0,1} copy(%p)
 }
 """
@@ -64,6 +65,19 @@ def test_kernel_times_per_step_categories_and_sources():
   assert "PjitFunction(step)" not in by_name
   table = step_profile.format_table(rows, 3, step_ms=1.0)
   assert "| Pallas kernel | 0.40 |" in table
+
+
+def test_cpu_trace_skips_control_flow_but_keeps_custom_calls():
+  events = [{"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+  for name, dur in (("while.4", 500.0), ("custom-call.7", 40.0),
+                    ("loop_multiply_fusion.3", 30.0)):
+    events.append({"ph": "X", "pid": 2, "tid": 1, "name": name, "dur": dur, "ts": 0,
+                   "args": {"hlo_module": "jit_step", "hlo_op": name}})
+  events.append({"ph": "X", "pid": 2, "tid": 1, "name": "other", "dur": 9.0, "ts": 0,
+                 "args": {"hlo_module": "jit_other", "hlo_op": "copy.2"}})
+  rows = step_profile.kernel_times(events, HLO, "jit_step", 1, "/repo")
+  assert [(r.name, r.ms_per_step, r.category) for r in rows] == [
+      ("custom-call.7", 0.04, "other"), ("loop_multiply_fusion.3", 0.03, "XLA fusion")]
 
 
 def test_cpu_run_writes_json(tmp_path):
