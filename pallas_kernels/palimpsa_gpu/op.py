@@ -221,11 +221,6 @@ def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
   return jnp.flip(vals, -1)
 
 
-def _carry_precision(interpret: bool):
-  """Precision of the carry matmuls in the backward (float32-accurate)."""
-  return boundary.dot_precision(interpret)
-
-
 def _backward(cfg: Config, residuals, cotangents):
   (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var_h,
    initial_mu, initial_precision) = residuals
@@ -268,7 +263,7 @@ def _backward(cfg: Config, residuals, cotangents):
   vf = vh.astype(f32).reshape(bh, nc, c, vp)
   betaf = betah.astype(f32).reshape(bh, nc, c, vp)
   w = gates.to_end.reshape(bh, nc, c, 1)
-  ein = functools.partial(jnp.einsum, precision=_carry_precision(cfg.interpret))
+  ein = functools.partial(jnp.einsum, precision=boundary.dot_precision(cfg.interpret))
   dv = dv + (w * ein("nctk,ncvk->nctv", kf, carry_m)).reshape(bh, tp, vp)
   dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_b)).reshape(bh, tp, vp)
   dk_carry = ein("nctv,ncvk->nctk", vf, carry_m) + 2.0 * kf * ein(
