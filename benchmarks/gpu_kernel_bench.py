@@ -16,7 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from benchmarks.op_bench import FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs, time_fn
+from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
+                                 time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import boundary, walk
@@ -96,7 +97,7 @@ def _stage_fn(stage, cfg, dtype):
 
 def stage_times(cfg, args):
   """ms of (boundary, forward walk, backward walk), each jitted alone."""
-  return tuple(time_fn(_stage_fn(stage, cfg, args[2].dtype), [stage_args], 2, 10)
+  return tuple(time_queued(_stage_fn(stage, cfg, args[2].dtype), [stage_args], 2, 10)
                for stage, stage_args in zip(STAGES, _stage_args(cfg, args)))
 
 
@@ -145,7 +146,7 @@ def sweep(base, base_times, args, log):
   for stage, label, cfg in _variants(base):
     stage_args = _stage_args(cfg, args)[STAGES.index(stage)]
     try:
-      t = time_fn(_stage_fn(stage, cfg, args[2].dtype), [stage_args], warmup=1, iters=5)
+      t = time_queued(_stage_fn(stage, cfg, args[2].dtype), [stage_args], warmup=1, iters=5)
     except Exception as e:  # A variant that does not compile is reported, not fatal.
       log(f"    {stage} {label}: failed {type(e).__name__}: {str(e)[:200]}")
       continue
@@ -205,7 +206,7 @@ def main():
       log(f"  best tiles: {best}")
     f2, fb2 = pallas_fns(best)
     fb2 = fb2.lower(*fb_sets[0]).compile()
-    tf, tfb = time_fn(f2, fwd_sets, 2, 10), time_fn(fb2, fb_sets, 2, 10)
+    tf, tfb = time_queued(f2, fwd_sets, 2, 10), time_queued(fb2, fb_sets, 2, 10)
     report("best" if args_ns.sweep else "base", name, elem, tf, tfb, log)
     mem = fb2.memory_analysis()
     if mem is not None:

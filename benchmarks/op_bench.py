@@ -6,10 +6,15 @@
 Every implementation is first checked against the float64 sequential reference on the same inputs
 (outputs, variance, final state; gradients on the first steps whose float64 backward fits in
 --max-ref-gib, all of them when it fits), after poisoning the allocator with NaNs so a kernel
-that leaves elements unwritten fails. Then: warm-up, block_until_ready, medians over rotating
-input sets. The table gives ms (median), element-steps/s (B*T*H*K*V per second), the speed-up
-over the best OTHER implementation in the same run (>1: this one is faster) and the fraction of
-the PERF.md floor reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
+that leaves elements unwritten fails. Then, after warm-up, over rotating input sets, two timings:
+- "ms": per call, with --iters calls queued back to back and one block_until_ready at the end
+  (median of 3 such batches). That is the device time of a call, gaps between its kernels
+  included, without the host's dispatch and sync round trip; it is what triton's do_bench (the
+  PERF.md reference timings) measures with CUDA events, and what the ratios below use.
+- "ms synced": the median of --iters single calls, each blocked on (adds the round trip).
+The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
+implementation in the same run (>1: this one is faster) and the fraction of the PERF.md floor
+reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
 A markdown section with the date, device, JAX version and the exact command is appended to
 benchmarks/RESULTS.md.
 """
@@ -130,7 +135,7 @@ def poison(nbytes: int):
 
 
 def time_fn(fn, arg_sets, warmup, iters) -> float:
-  """Median milliseconds of fn over rotating argument sets."""
+  """Median milliseconds of single calls of fn (each blocked on), rotating argument sets."""
   for i in range(warmup):
     jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
   times = []
@@ -140,6 +145,22 @@ def time_fn(fn, arg_sets, warmup, iters) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return 1e3 * statistics.median(times)
+
+
+def time_queued(fn, arg_sets, warmup, iters, batches=3) -> float:
+  """Milliseconds per call of fn with `iters` calls queued back to back (median of batches).
+
+  One block at the end of each batch, so the host's dispatch overlaps the device's work:
+  this is the device time of a call, like triton.testing.do_bench's CUDA-event timing.
+  """
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  per_call = []
+  for _ in range(batches):
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(iters)])
+    per_call.append((time.perf_counter() - start) / iters)
+  return 1e3 * statistics.median(per_call)
 
 
 def state_gib(shape, bytes_per=4) -> float:
@@ -172,7 +193,8 @@ def bench_shape(name, shape, impls, args, log):
     for mode in ("fwd", "fwd+bwd"):
       materialises = impl == "associative" or (impl == "sequential" and mode == "fwd+bwd")
       if materialises and 6 * state_gib(shape) > args.max_state_gib:
-        rows.append((name, shape, impl, mode, None, "skipped: stores all T states", None))
+        rows.append((name, shape, impl, mode, None, None, "skipped: stores all T states",
+                     None))
         continue
       fn = (fwd_fn(impl, args.chunk_size, args.variance) if mode == "fwd"
             else fwd_bwd_fn(impl, args.chunk_size))
@@ -192,7 +214,8 @@ def bench_shape(name, shape, impls, args, log):
           ok = ok and all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in full)
       tag = "ref" if mode == "fwd" or ref_t == shape[1] else f"ref, T={ref_t}"
       if not ok:
-        rows.append((name, shape, impl, mode, None, f"WRONG: rel. error {err:.1e} ({tag})", None))
+        rows.append((name, shape, impl, mode, None, None,
+                     f"WRONG: rel. error {err:.1e} ({tag})", None))
         log(f"[{name}] {impl} {mode}: WRONG rel. error {err:.2e} ({tag})")
         continue
       mem = None
@@ -200,30 +223,32 @@ def bench_shape(name, shape, impls, args, log):
         mem = (temp_mib(fn, *arg_sets[0]) if mode == "fwd"
                else temp_mib(fn, arg_sets[0], cot))
       timed_sets = [tuple(s) for s in arg_sets]
-      ms = time_fn(call, timed_sets, args.warmup, args.iters)
-      log(f"[{name}] {impl} {mode}: {ms:.3f} ms (err {err:.1e}, {tag})")
-      rows.append((name, shape, impl, mode, ms, f"{err:.1e} ({tag})", mem))
+      ms = time_queued(call, timed_sets, args.warmup, args.iters)
+      ms_synced = time_fn(call, timed_sets, 0, args.iters)
+      log(f"[{name}] {impl} {mode}: {ms:.3f} ms ({ms_synced:.3f} synced; err {err:.1e}, {tag})")
+      rows.append((name, shape, impl, mode, ms, ms_synced, f"{err:.1e} ({tag})", mem))
   return rows
 
 
 def format_table(rows, with_memory) -> str:
-  header = ("| shape | (B, T, H, K, V) | implementation | mode | ms (median) | elem-steps/s | "
-            "speed-up vs best other | fraction of floor | rel. error |")
-  sep = "|---|---|---|---|---|---|---|---|---|"
+  header = ("| shape | (B, T, H, K, V) | implementation | mode | ms | ms synced | "
+            "elem-steps/s | speed-up vs best other | fraction of floor | rel. error |")
+  sep = "|---|---|---|---|---|---|---|---|---|---|"
   if with_memory:
     header += " temp MiB |"
     sep += "---|"
   lines = [header, sep]
-  for name, shape, impl, mode, ms, err, mem in rows:
+  for name, shape, impl, mode, ms, ms_synced, err, mem in rows:
     steps = float(np.prod(shape))
     if ms is None:
-      cells = ["-", "-", "-", "-", err]
+      cells = ["-", "-", "-", "-", "-", err]
     else:
       others = [r[4] for r in rows if r[0] == name and r[3] == mode and r[2] != impl
                 and r[4] is not None]
       ratio = f"{min(others) / ms:.2f}x" if others else "-"
       floor_ms = 1e3 * steps / (FWD_FLOOR_RATE if mode == "fwd" else FWD_BWD_FLOOR_RATE)
-      cells = [f"{ms:.3f}", f"{steps / (ms * 1e-3):.2e}", ratio, f"{floor_ms / ms:.3g}", err]
+      cells = [f"{ms:.3f}", f"{ms_synced:.3f}", f"{steps / (ms * 1e-3):.2e}", ratio,
+               f"{floor_ms / ms:.3g}", err]
     line = f"| {name} | {shape} | {impl} | {mode} | " + " | ".join(cells) + " |"
     if with_memory:
       line += f" {'-' if mem is None else f'{mem:.1f}'} |"
@@ -269,9 +294,11 @@ def main():
     section = (f"\n## op_bench {args.shapes} shapes, {args.dtype} inputs: {now}\n\n"
                f"- device: {device.device_kind} ({jax.default_backend()}), "
                f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size {args.chunk_size}, "
-               f"{args.iters} timed iterations after {args.warmup} warm-up, {args.rotate} "
-               f"rotating input sets, forward {'with' if args.variance else 'without'} "
-               f"variance\n" + (f"- note: {args.note}\n" if args.note else "")
+               f"{args.warmup} warm-up calls, {args.rotate} rotating input sets, forward "
+               f"{'with' if args.variance else 'without'} variance\n- ms: per call with "
+               f"{args.iters} calls queued and one block at the end (median of 3 batches; "
+               f"device time per call, as triton's do_bench measures); ms synced: median of "
+               f"{args.iters} single calls, each blocked on\n" + (f"- note: {args.note}\n" if args.note else "")
                + f"\n{table}\n")
     if not RESULTS.exists():
       RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")

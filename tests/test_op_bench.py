@@ -26,8 +26,21 @@ def test_bench_shape_checks_truncated_gradients_then_times(op_bench):
   logs = []
   rows = op_bench.bench_shape("tiny", (1, 64, 2, 16, 16), ["chunked"], args, logs.append)
   assert [(r[2], r[3]) for r in rows] == [("chunked", "fwd"), ("chunked", "fwd+bwd")]
-  for _, _, _, mode, ms, err, mem in rows:
-    assert ms is not None and ms > 0, (mode, err)
+  for _, _, _, mode, ms, ms_synced, err, mem in rows:
+    assert ms is not None and ms > 0 and ms_synced > 0, (mode, err)
     assert mem is not None
-  assert "T=16" in rows[1][5]
-  assert "WRONG" not in op_bench.format_table(rows, True)
+  assert "T=16" in rows[1][6]
+  table = op_bench.format_table(rows, True)
+  assert "WRONG" not in table and "| ms | ms synced |" in table
+
+
+def test_time_queued_counts_every_call(op_bench):
+  calls = []
+
+  def fn(x):
+    calls.append(x)
+    return x
+
+  ms = op_bench.time_queued(fn, [(1,), (2,)], warmup=1, iters=4, batches=3)
+  assert ms >= 0
+  assert calls == [1] + [1, 2, 1, 2] * 3
