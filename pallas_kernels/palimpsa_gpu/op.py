@@ -111,21 +111,23 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel: 32- or 64-column parts where K splits so, else K padded to a power of two
   # (K=48: one 64-column part beat three of 16). Backward walk: K padded to a power
-  # of two (in 8-column parts at K=16), single-warp programs over ~512 entries,
-  # sub-chunks of 4 steps.
+  # of two (in 8-column parts at K=16), single-warp programs over ~512 entries with
+  # sub-chunks of 4 steps; at K padded to 64, ~1024 entries with sub-chunks of 2
+  # (1.05x fwd+bwd at D170 and M170 in run 11; within 0.5% at K=128).
   largest = largest_power_of_two_dividing(kp)
   kp2 = next_power_of_two(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
   num_warps = 2 if k_part == 32 else 1
   k_part_boundary = largest if largest >= 32 else kp2
   k_part_bwd = 8 if kp == 16 else kp2
+  wide_bwd = kp2 == 64 and _block_v(vp, kp2, 1024) * kp2 == 1024
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=forward_block_v(vp, k_part, num_warps),
-                block_v_bwd=_block_v(vp, kp2, 512),
+                block_v_bwd=_block_v(vp, kp2, 1024 if wide_bwd else 512),
                 block_v_boundary=_block_v(vp, round_up(kp, k_part_boundary), 2048,
                                           minimum=16),
                 k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
-                unroll=2, sub=4, groups_bwd=1,
+                unroll=2, sub=2 if wide_bwd else 4, groups_bwd=1,
                 num_warps=num_warps, num_warps_bwd=1,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
