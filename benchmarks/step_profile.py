@@ -23,7 +23,7 @@ import pathlib
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -210,10 +210,32 @@ def read_trace(trace_dir: str) -> list[dict]:
   return events["traceEvents"] if isinstance(events, dict) else events
 
 
-def format_table(rows: list[KernelTime], top: int, step_ms: float) -> str:
+def trace_calls(run: Callable[[], Any], compiled: Any, calls: int,
+                trace_dir: str) -> tuple[list[KernelTime], float, Any]:
+  """Traces `calls` runs of `run` (each one call of `compiled`, queued back to back).
+
+  Returns each kernel's time per call (largest first), the wall milliseconds per call
+  and the last call's output.
+  """
+  jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+  start = time.perf_counter()
+  out = None
+  for _ in range(calls):
+    out = run()
+  jax.block_until_ready(out)
+  wall_ms = 1e3 * (time.perf_counter() - start) / calls
+  jax.profiler.stop_trace()
+  hlo = compiled.as_text()
+  module = re.match(r"HloModule (\S+?),", hlo).group(1)
+  project = str(pathlib.Path(__file__).resolve().parents[1])
+  return kernel_times(read_trace(trace_dir), hlo, module, calls, project), wall_ms, out
+
+
+def format_table(rows: list[KernelTime], top: int, step_ms: float, unit: str = "step") -> str:
+  """Markdown: totals per category, then the `top` kernels; times are per `unit`."""
   total = sum(r.ms_per_step for r in rows)
-  lines = [f"device time {total:.2f} ms per step (step wall time {step_ms:.2f} ms)", "",
-           "| category | ms per step | share |", "|---|---|---|"]
+  lines = [f"device time {total:.2f} ms per {unit} ({unit} wall time {step_ms:.2f} ms)", "",
+           f"| category | ms per {unit} | share |", "|---|---|---|"]
   by_category = collections.Counter()
   for r in rows:
     by_category[r.category] += r.ms_per_step
@@ -221,7 +243,7 @@ def format_table(rows: list[KernelTime], top: int, step_ms: float) -> str:
     if by_category[category]:
       lines.append(f"| {category} | {by_category[category]:.2f} | "
                    f"{by_category[category] / total:.1%} |")
-  lines += ["", "| kernel | ms per step | share | calls per step | category | shape | "
+  lines += ["", f"| kernel | ms per {unit} | share | launches per {unit} | category | shape | "
             "JAX op | source |", "|---|---|---|---|---|---|---|---|"]
   for r in rows[:top]:
     lines.append(f"| {r.name[:60]} | {r.ms_per_step:.3f} | {r.ms_per_step / total:.1%} | "
@@ -244,23 +266,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   train_throughput.log(f"{label} compiled in {built.compile_s:.1f} s; "
                        f"{args.warmup_steps} warm-up + {args.steps} traced steps ...")
   state = built.state
-  for _ in range(args.warmup_steps):
-    state, _ = built.compiled(state, built.batch)
-  jax.block_until_ready(state)
-  jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
-  start = time.perf_counter()
-  for _ in range(args.steps):
+
+  def step():
+    nonlocal state
     state, metrics = built.compiled(state, built.batch)
-  jax.block_until_ready((state, metrics))
-  step_ms = 1e3 * (time.perf_counter() - start) / args.steps
-  jax.profiler.stop_trace()
+    return state, metrics
+
+  for _ in range(args.warmup_steps):
+    step()
+  jax.block_until_ready(state)
+  rows, step_ms, (_, metrics) = trace_calls(step, built.compiled, args.steps, args.trace_dir)
   if not jax.device_get(metrics["train/finite"]):
     raise train_throughput.trainer.NonFiniteError(f"{label}: non-finite loss or gradient")
-
-  hlo = built.compiled.as_text()
-  module = re.match(r"HloModule (\S+?),", hlo).group(1)
-  project = str(pathlib.Path(__file__).resolve().parents[1])
-  rows = kernel_times(read_trace(args.trace_dir), hlo, module, args.steps, project)
   table = format_table(rows, args.top, step_ms)
   print(f"{label}, {devices[0].device_kind}, jax {jax.__version__}, "
         f"{args.batch_size} x {args.seq_len} tokens\n\n{table}")

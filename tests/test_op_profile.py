@@ -1,0 +1,34 @@
+"""benchmarks/op_profile.py: a CPU run of both modes, and argument checks."""
+
+import json
+
+import pytest
+
+from benchmarks import op_profile, step_profile
+
+
+def test_cpu_run_profiles_both_modes(tmp_path):
+  out = tmp_path / "profile.json"
+  result = op_profile.main([
+      "--shapes", "small", "--shape", "tiny", "--impl", "chunked", "--calls", "2",
+      "--warmup", "1", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
+      "--output", str(out)])
+  saved = json.loads(out.read_text())
+  assert saved == json.loads(json.dumps(result))
+  assert saved["dims"] == [1, 256, 2, 16, 16] and set(saved["modes"]) == {"fwd", "fwd+bwd"}
+  for mode in saved["modes"].values():
+    kernels = mode["kernels"]
+    assert mode["wall_ms"] > 0 and kernels
+    assert all(k["ms_per_step"] >= 0 for k in kernels)
+    assert {k["category"] for k in kernels} <= set(step_profile.CATEGORIES)
+    assert any(k["source"].startswith("palimpsa_jax/ops/") for k in kernels)
+  # The backward adds kernels of its own.
+  assert len(saved["modes"]["fwd+bwd"]["kernels"]) > len(saved["modes"]["fwd"]["kernels"])
+
+
+@pytest.mark.parametrize("argv", [["--shape", "D999"], ["--shapes", "small", "--shape", "D170"],
+                                  ["--impl", "fast"], ["--calls", "0"], ["--warmup", "-1"],
+                                  ["--modes", "bwd"]])
+def test_bad_arguments_exit(argv):
+  with pytest.raises(SystemExit):
+    op_profile.parse_args(argv)
