@@ -298,8 +298,8 @@ def main():
                f"{'with' if args.variance else 'without'} variance\n- ms: per call with "
                f"{args.iters} calls queued and one block at the end (median of 3 batches; "
                f"device time per call, as triton's do_bench measures); ms synced: median of "
-               f"{args.iters} single calls, each blocked on\n" + (f"- note: {args.note}\n" if args.note else "")
-               + f"\n{table}\n")
+               f"{args.iters} single calls, each blocked on\n"
+               + (f"- note: {args.note}\n" if args.note else "") + f"\n{table}\n")
     if not RESULTS.exists():
       RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")
     with RESULTS.open("a") as f:

@@ -107,7 +107,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, _DIM_MULTIPLE)
-  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4). Forward walk:
+  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4 and 11). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel: 32- or 64-column parts where K splits so, else K padded to a power of two
   # (K=48: one 64-column part beat three of 16). Backward walk: K padded to a power

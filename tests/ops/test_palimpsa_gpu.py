@@ -74,7 +74,9 @@ def test_tile_variants_agree(k_dim):
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
   if k_dim == 48:
+    # K=48 pads to 64 in the backward, which then takes ~1024-entry V-tiles, sub-chunks of 2.
     assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 64, 64)
+    assert (base.block_v_bwd, base.sub) == (16, 2)
   variant = dataclasses.replace(base, block_v=16, unroll=1, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
                                 k_part_bwd=16)
