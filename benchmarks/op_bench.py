@@ -12,6 +12,7 @@ that leaves elements unwritten fails. Then, after warm-up, over rotating input s
   included, without the host's dispatch and sync round trip; it is what triton's do_bench (the
   PERF.md reference timings) measures with CUDA events, and what the ratios below use.
 - "ms synced": the median of --iters single calls, each blocked on (adds the round trip).
+  On CPU the host runs the calls itself: queuing gains nothing there and the two differ by noise.
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
 implementation in the same run (>1: this one is faster) and the fraction of the PERF.md floor
 reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
