@@ -15,16 +15,55 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.common import k_parts, largest_power_of_two_dividing
+from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import boundary
 
-_MAX_PART = 32  # Widest K- or V-part of the kernel's [chunk, part] tiles.
+# Widest [chunk, width] tile over V and over K. Fewer, larger matmuls are faster (each
+# is a round trip through shared memory) until the registers spill.
+_MAX_TILE_V, _MAX_TILE_K = 128, 128
 
 
 def _dot(x, y, contract, precision):
   """x [M, A] . y with `contract` = ((x axis,), (y axis,)); float32 out."""
   return jax.lax.dot_general(x, y, (contract, ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
+
+
+def _tiles(size: int, cap: int) -> list[tuple[int, int]]:
+  """(start, width) tiles covering [0, size) with power-of-two widths <= cap.
+
+  One tile from 0 if size rounds up to a power of two <= cap (masked past size: Pallas
+  takes a masked slice past the end only from start 0), else equal tiles dividing size.
+  """
+  if next_power_of_two(size) <= cap:
+    return [(0, next_power_of_two(size))]
+  width = min(largest_power_of_two_dividing(size), cap)
+  return [(start, width) for start in range(0, size, width)]
+
+
+def _in_bounds(start: int, width: int, limit: int, axis: int):
+  """Mask [1, width] (axis 1) or [width, 1] (axis 0) of indices < limit; None if all are."""
+  if start + width <= limit:
+    return None
+  idx = start + jax.lax.broadcasted_iota(jnp.int32, (width,), 0)
+  return jnp.expand_dims(idx < limit, 1 - axis)
+
+
+def _load(ref, rows, cols, mask):
+  """ref[rows, cols] as float32, zero where `mask` is False (mask None: no mask)."""
+  view = ref.at[rows, cols]
+  if mask is None:
+    return view[...].astype(jnp.float32)
+  return plgpu_triton.load(view, mask=mask, other=0).astype(jnp.float32)
+
+
+def _store(ref, cols, value, mask):
+  """ref[:, cols] = value in ref's dtype, only where `mask` (None: everywhere)."""
+  value = value.astype(ref.dtype)
+  if mask is None:
+    ref[:, cols] = value
+  else:
+    plgpu_triton.store(ref.at[:, cols], value, mask=mask)
 
 
 def _segmented_reverse_sum(x, reset):
@@ -47,43 +86,54 @@ def _gradients_kernel(k_ref, v_ref, beta_ref, w_ref, reset_ref, ip_ref, cm_ref, 
                       dq_ref, dk_ref, dv_ref, dbeta_ref, s_ref, extra_ref,
                       dq_out, dk_out, dv_out, dbeta_out, dla_out, tail_out, *,
                       k_width, groups, interpret):
-  f32 = jnp.float32
   precision = boundary.dot_precision(interpret)
-  kparts = k_parts(k_width, min(largest_power_of_two_dividing(k_width), _MAX_PART))
   vp = v_ref.shape[-1]
-  vparts = k_parts(vp, min(largest_power_of_two_dividing(vp), _MAX_PART))
+  v_tiles = _tiles(vp, _MAX_TILE_V)
+  # Over the first k_width columns only (k is zero past them); k_ref and the carries are
+  # at least next_power_of_two(k_width) wide, the outputs are masked past k_width.
+  k_tiles = _tiles(k_width, _MAX_TILE_K)
+  all_rows = slice(None)
   w = w_ref[...][:, None]
 
-  def rows(ref, p):
-    return ref[:, p].astype(f32)
-
-  def group_sum(ref, idx):
+  def group_sum(ref, *idx):
     return functools.reduce(lambda a, g: a + ref[(g,) + idx], range(1, groups),
                             ref[(0,) + idx])
 
-  for p in kparts:
-    dq_out[:, p] = group_sum(dq_ref, (slice(None), p)).astype(dq_out.dtype)
+  for k0, kt in k_tiles:
+    _store(dq_out, pl.ds(k0, kt), group_sum(dq_ref, all_rows, pl.ds(k0, kt)),
+           _in_bounds(k0, kt, k_width, 1))
   # dL/dlog a_t's per-step term (see op.py): -Ip s_t - v_t.dv_t - beta_t.dbeta_t + extra.
-  # Two loop nests, so that one [chunk, part] pair of sums is live at a time; operands
-  # are loaded where they are used.
-  m_term = extra_ref[...] - ip_ref[0] * group_sum(s_ref, (slice(None),))
-  for pv in vparts:
-    dv, dbeta = dv_ref[:, pv], dbeta_ref[:, pv]
-    for pk in kparts:
-      k = rows(k_ref, pk)
-      dv += w * _dot(k, cm_ref[pv, pk], ((1,), (1,)), precision)
-      dbeta += w * _dot(k * k, cb_ref[pv, pk], ((1,), (1,)), precision)
-    m_term -= (jnp.sum(rows(v_ref, pv) * dv, axis=1)
-               + jnp.sum(rows(beta_ref, pv) * dbeta, axis=1))
-    dv_out[:, pv] = dv.astype(dv_out.dtype)
-    dbeta_out[:, pv] = dbeta.astype(dbeta_out.dtype)
-  for pk in kparts:
+  # Two loop nests, so that one [chunk, tile] pair of sums is live at a time. V is
+  # zero past Vp (masked loads), so padded columns add nothing.
+  m_term = extra_ref[...] - ip_ref[0] * group_sum(s_ref, all_rows)
+
+  def carries(v0, vt, k0, kt):
+    rows, cols = pl.ds(v0, vt), pl.ds(k0, kt)
+    mask = _in_bounds(v0, vt, vp, 0)
+    return _load(cm_ref, rows, cols, mask), _load(cb_ref, rows, cols, mask)
+
+  for v0, vt in v_tiles:
+    cols, mask = pl.ds(v0, vt), _in_bounds(v0, vt, vp, 1)
+    dv, dbeta = _load(dv_ref, all_rows, cols, mask), _load(dbeta_ref, all_rows, cols, mask)
+    for k0, kt in k_tiles:
+      k = _load(k_ref, all_rows, pl.ds(k0, kt), None)
+      cm, cb = carries(v0, vt, k0, kt)
+      dv += w * _dot(k, cm, ((1,), (1,)), precision)
+      dbeta += w * _dot(k * k, cb, ((1,), (1,)), precision)
+    m_term -= (jnp.sum(_load(v_ref, all_rows, cols, mask) * dv, axis=1)
+               + jnp.sum(_load(beta_ref, all_rows, cols, mask) * dbeta, axis=1))
+    _store(dv_out, cols, dv, mask)
+    _store(dbeta_out, cols, dbeta, mask)
+  for k0, kt in k_tiles:
     from_m = from_b = 0.0
-    for pv in vparts:
-      from_m += _dot(rows(v_ref, pv), cm_ref[pv, pk], ((1,), (0,)), precision)
-      from_b += _dot(rows(beta_ref, pv), cb_ref[pv, pk], ((1,), (0,)), precision)
-    dk = group_sum(dk_ref, (slice(None), pk)) + w * (from_m + 2.0 * rows(k_ref, pk) * from_b)
-    dk_out[:, pk] = dk.astype(dk_out.dtype)
+    for v0, vt in v_tiles:
+      cols, mask = pl.ds(v0, vt), _in_bounds(v0, vt, vp, 1)
+      cm, cb = carries(v0, vt, k0, kt)
+      from_m += _dot(_load(v_ref, all_rows, cols, mask), cm, ((1,), (0,)), precision)
+      from_b += _dot(_load(beta_ref, all_rows, cols, mask), cb, ((1,), (0,)), precision)
+    k = _load(k_ref, all_rows, pl.ds(k0, kt), None)
+    dk = group_sum(dk_ref, all_rows, pl.ds(k0, kt)) + w * (from_m + 2.0 * k * from_b)
+    _store(dk_out, pl.ds(k0, kt), dk, _in_bounds(k0, kt, k_width, 1))
   reset = reset_ref[...]
   y, in_last = _segmented_reverse_sum(m_term, reset)
   keep = reset == 0.0
