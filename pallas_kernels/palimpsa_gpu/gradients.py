@@ -9,6 +9,7 @@ in the inputs' dtype. XLA then only adds the later chunks' part of dlog_alpha
 """
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -49,21 +50,30 @@ def _in_bounds(start: int, width: int, limit: int, axis: int):
   return jnp.expand_dims(idx < limit, 1 - axis)
 
 
-def _load(ref, rows, cols, mask):
-  """ref[rows, cols] as float32, zero where `mask` is False (mask None: no mask)."""
-  view = ref.at[rows, cols]
-  if mask is None:
+def _read(ref, cols, rows=None):
+  """ref[rows, cols] as float32, zero past the ref's extents.
+
+  cols, rows: (start, width) tiles (rows None: all rows).
+  """
+  masks = [_in_bounds(*cols, ref.shape[-1], 1)]
+  if rows is not None:
+    masks.append(_in_bounds(*rows, ref.shape[-2], 0))
+  masks = [m for m in masks if m is not None]
+  view = ref.at[slice(None) if rows is None else pl.ds(*rows), pl.ds(*cols)]
+  if not masks:
     return view[...].astype(jnp.float32)
+  mask = functools.reduce(operator.and_, masks)
   return plgpu_triton.load(view, mask=mask, other=0).astype(jnp.float32)
 
 
-def _store(ref, cols, value, mask):
-  """ref[:, cols] = value in ref's dtype, only where `mask` (None: everywhere)."""
+def _write(ref, cols, value):
+  """ref[:, cols] = value in ref's dtype, up to the ref's last extent."""
+  mask, view = _in_bounds(*cols, ref.shape[-1], 1), ref.at[:, pl.ds(*cols)]
   value = value.astype(ref.dtype)
   if mask is None:
-    ref[:, cols] = value
+    view[...] = value
   else:
-    plgpu_triton.store(ref.at[:, cols], value, mask=mask)
+    plgpu_triton.store(view, value, mask=mask)
 
 
 def _segmented_reverse_sum(x, reset):
@@ -89,51 +99,38 @@ def _gradients_kernel(k_ref, v_ref, beta_ref, w_ref, reset_ref, ip_ref, cm_ref, 
   precision = boundary.dot_precision(interpret)
   vp = v_ref.shape[-1]
   v_tiles = _tiles(vp, _MAX_TILE_V)
-  # Over the first k_width columns only (k is zero past them); k_ref and the carries are
-  # at least next_power_of_two(k_width) wide, the outputs are masked past k_width.
+  # Over the first k_width columns only (k is zero past them).
   k_tiles = _tiles(k_width, _MAX_TILE_K)
-  all_rows = slice(None)
   w = w_ref[...][:, None]
 
-  def group_sum(ref, *idx):
-    return functools.reduce(lambda a, g: a + ref[(g,) + idx], range(1, groups),
-                            ref[(0,) + idx])
+  def group_sum(ref, cols):
+    return functools.reduce(operator.add,
+                            [_read(ref.at[g], cols) for g in range(groups)])
 
-  for k0, kt in k_tiles:
-    _store(dq_out, pl.ds(k0, kt), group_sum(dq_ref, all_rows, pl.ds(k0, kt)),
-           _in_bounds(k0, kt, k_width, 1))
+  for kt in k_tiles:
+    _write(dq_out, kt, group_sum(dq_ref, kt))
   # dL/dlog a_t's per-step term (see op.py): -Ip s_t - v_t.dv_t - beta_t.dbeta_t + extra.
-  # Two loop nests, so that one [chunk, tile] pair of sums is live at a time. V is
-  # zero past Vp (masked loads), so padded columns add nothing.
-  m_term = extra_ref[...] - ip_ref[0] * group_sum(s_ref, all_rows)
-
-  def carries(v0, vt, k0, kt):
-    rows, cols = pl.ds(v0, vt), pl.ds(k0, kt)
-    mask = _in_bounds(v0, vt, vp, 0)
-    return _load(cm_ref, rows, cols, mask), _load(cb_ref, rows, cols, mask)
-
-  for v0, vt in v_tiles:
-    cols, mask = pl.ds(v0, vt), _in_bounds(v0, vt, vp, 1)
-    dv, dbeta = _load(dv_ref, all_rows, cols, mask), _load(dbeta_ref, all_rows, cols, mask)
-    for k0, kt in k_tiles:
-      k = _load(k_ref, all_rows, pl.ds(k0, kt), None)
-      cm, cb = carries(v0, vt, k0, kt)
-      dv += w * _dot(k, cm, ((1,), (1,)), precision)
-      dbeta += w * _dot(k * k, cb, ((1,), (1,)), precision)
-    m_term -= (jnp.sum(_load(v_ref, all_rows, cols, mask) * dv, axis=1)
-               + jnp.sum(_load(beta_ref, all_rows, cols, mask) * dbeta, axis=1))
-    _store(dv_out, cols, dv, mask)
-    _store(dbeta_out, cols, dbeta, mask)
-  for k0, kt in k_tiles:
+  # Two loop nests, so that one [chunk, tile] pair of sums is live at a time. Reads are
+  # zero past the arrays' V and K extents, so padded columns add nothing.
+  s_sum = functools.reduce(operator.add, [s_ref[g, :] for g in range(groups)])
+  m_term = extra_ref[...] - ip_ref[0] * s_sum
+  for vt in v_tiles:
+    dv, dbeta = _read(dv_ref, vt), _read(dbeta_ref, vt)
+    for kt in k_tiles:
+      k = _read(k_ref, kt)
+      dv += w * _dot(k, _read(cm_ref, kt, vt), ((1,), (1,)), precision)
+      dbeta += w * _dot(k * k, _read(cb_ref, kt, vt), ((1,), (1,)), precision)
+    m_term -= (jnp.sum(_read(v_ref, vt) * dv, axis=1)
+               + jnp.sum(_read(beta_ref, vt) * dbeta, axis=1))
+    _write(dv_out, vt, dv)
+    _write(dbeta_out, vt, dbeta)
+  for kt in k_tiles:
     from_m = from_b = 0.0
-    for v0, vt in v_tiles:
-      cols, mask = pl.ds(v0, vt), _in_bounds(v0, vt, vp, 1)
-      cm, cb = carries(v0, vt, k0, kt)
-      from_m += _dot(_load(v_ref, all_rows, cols, mask), cm, ((1,), (0,)), precision)
-      from_b += _dot(_load(beta_ref, all_rows, cols, mask), cb, ((1,), (0,)), precision)
-    k = _load(k_ref, all_rows, pl.ds(k0, kt), None)
-    dk = group_sum(dk_ref, all_rows, pl.ds(k0, kt)) + w * (from_m + 2.0 * k * from_b)
-    _store(dk_out, pl.ds(k0, kt), dk, _in_bounds(k0, kt, k_width, 1))
+    for vt in v_tiles:
+      from_m += _dot(_read(v_ref, vt), _read(cm_ref, kt, vt), ((1,), (0,)), precision)
+      from_b += _dot(_read(beta_ref, vt), _read(cb_ref, kt, vt), ((1,), (0,)), precision)
+    k = _read(k_ref, kt)
+    _write(dk_out, kt, group_sum(dk_ref, kt) + w * (from_m + 2.0 * k * from_b))
   reset = reset_ref[...]
   y, in_last = _segmented_reverse_sum(m_term, reset)
   keep = reset == 0.0
