@@ -50,8 +50,8 @@ def _in_bounds(start: int, width: int, limit: int, axis: int):
   return jnp.expand_dims(idx < limit, 1 - axis)
 
 
-def _read(ref, cols, rows=None):
-  """ref[rows, cols] as float32, zero past the ref's extents.
+def _read(ref, cols, rows=None, lead=()):
+  """ref[*lead, rows, cols] as float32, zero past the ref's last two extents.
 
   cols, rows: (start, width) tiles (rows None: all rows).
   """
@@ -59,7 +59,8 @@ def _read(ref, cols, rows=None):
   if rows is not None:
     masks.append(_in_bounds(*rows, ref.shape[-2], 0))
   masks = [m for m in masks if m is not None]
-  view = ref.at[slice(None) if rows is None else pl.ds(*rows), pl.ds(*cols)]
+  # One indexer: Pallas' Triton lowering loads through a single one.
+  view = ref.at[lead + (slice(None) if rows is None else pl.ds(*rows), pl.ds(*cols))]
   if not masks:
     return view[...].astype(jnp.float32)
   mask = functools.reduce(operator.and_, masks)
@@ -99,13 +100,14 @@ def _gradients_kernel(k_ref, v_ref, beta_ref, w_ref, reset_ref, ip_ref, cm_ref, 
   precision = boundary.dot_precision(interpret)
   vp = v_ref.shape[-1]
   v_tiles = _tiles(vp, _MAX_TILE_V)
-  # Over the first k_width columns only (k is zero past them).
-  k_tiles = _tiles(k_width, _MAX_TILE_K)
+  # Over the first k_width columns only (k is zero past them), within the inputs' width
+  # (the K reads need no mask: masked group reads would need a second indexer).
+  k_tiles = _tiles(k_width, min(_MAX_TILE_K, k_ref.shape[-1]))
   w = w_ref[...][:, None]
 
   def group_sum(ref, cols):
     return functools.reduce(operator.add,
-                            [_read(ref.at[g], cols) for g in range(groups)])
+                            [_read(ref, cols, lead=(g,)) for g in range(groups)])
 
   for kt in k_tiles:
     _write(dq_out, kt, group_sum(dq_ref, kt))
