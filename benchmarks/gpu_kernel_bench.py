@@ -52,31 +52,29 @@ def pallas_fns(cfg):
 def _stage_args(cfg, args):
   """Each stage's inputs as the op passes them: (boundary, forward walk, backward walk)."""
   q, k, v, beta, la, ip, mu0, p0 = args
-  prepare = lambda *a: gpu_op._prepare(cfg, *a, None, cfg.k_stored(for_backward=True))
-  qh, kh, vh, betah, gates, ipv = jax.jit(prepare)(q, k, v, beta, la, ip)
+  qh, kh, vh, betah, gates, ipv = jax.jit(
+      lambda *a: gpu_op._prepare(cfg, *a, None))(q, k, v, beta, la, ip)
   m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
-  bnd = (kh, vh, betah, gates.to_end, gates.chunk, m0, b0)
+  bnd = (gpu_op._pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0)
   ms, bs, _, _ = _boundary_fn(cfg)(*bnd)
   fwd = (qh, kh, vh, betah, gates.step, gpu_op._ip_row(ipv, qh.shape[-1]), ms, bs)
   kw = cfg.k_bwd
   to_bwd = lambda x: gpu_op._pad_state(cfg, x[..., :cfg.v, :cfg.k], kw)
-  bwd = (gpu_op._fit_k(qh, kw), gpu_op._fit_k(kh, kw), vh, betah, gates.step,
+  bwd = (gpu_op._pad_k(qh, kw), gpu_op._pad_k(kh, kw), vh, betah, gates.step,
          gpu_op._ip_row(ipv, kw), jnp.ones(vh.shape, jnp.float32), to_bwd(ms), to_bwd(bs))
   return bnd, fwd, bwd
 
 
 def _boundary_fn(cfg):
   return jax.jit(functools.partial(
-      boundary.boundary_states, chunk=cfg.chunk, k_width=cfg.k_boundary,
-      block_v=cfg.block_v_boundary,
+      boundary.boundary_states, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
       num_warps=cfg.num_warps_boundary, interpret=False))
 
 
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
       walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-      k_part=cfg.k_part, k_width=cfg.k + cfg.k_pad, with_var=False, out_dtype=dtype,
-      num_warps=cfg.num_warps,
+      k_part=cfg.k_part, with_var=False, out_dtype=dtype, num_warps=cfg.num_warps,
       interpret=False))
 
 

@@ -90,15 +90,15 @@ def _dot_t(x, y, precision):
 
 
 def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
-                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, k_width,
-                     interpret):
+                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, interpret):
   """Sequential over chunks for one (batch*head, V-tile): state += chunk writes.
 
   The state [BV, Kp] is held as equal K-parts, each the largest power of two that
   divides Kp (Triton tensors have power-of-two shapes; Kp is a multiple of 16).
   """
   precision = dot_precision(interpret)
-  parts = k_parts(k_width, largest_power_of_two_dividing(k_width))
+  kp = k_ref.shape[-1]
+  parts = k_parts(kp, largest_power_of_two_dividing(kp))
 
   def step(c, carry):
     ms, bs = carry
@@ -121,34 +121,32 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
     bf_ref[:, p] = b
 
 
-def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int, k_width: int,
+def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
                     block_v: int, num_warps: int, interpret: bool):
   """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
 
   Args:
-    k: [BH, Tp, Kq] with Kq >= k_width (columns past k_width are not read); v, beta:
-    [BH, Tp, Vp]; to_end: [BH, Tp]; chunk_gate: [BH, NC];
-    m0, b0: [BH, Vp, k_width] initial state.
-    k_width: the state's K width, Kp (a multiple of 16) or more.
+    k: [BH, Tp, Kp] (Kp a multiple of 16); v, beta: [BH, Tp, Vp]; to_end: [BH, Tp];
+    chunk_gate: [BH, NC];
+    m0, b0: [BH, Vp, Kp] initial state.
 
   Returns:
-    m_starts, b_starts [BH, NC, Vp, k_width]; m_final, b_final [BH, Vp, k_width];
-    float32.
+    m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
   """
-  bh, tp, k_rows = k.shape
-  vp, kp = v.shape[-1], k_width
+  bh, tp, kp = k.shape
+  vp = v.shape[-1]
   nc = tp // chunk
   seq_v = pl.BlockSpec((None, tp, block_v), lambda n, j: (n, 0, j))
   state = pl.BlockSpec((None, block_v, kp), lambda n, j: (n, j, 0))
   starts = pl.BlockSpec((None, nc, block_v, kp), lambda n, j: (n, 0, j, 0))
   f32 = jnp.float32
   kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc,
-                             k_width=k_width, interpret=interpret)
+                             interpret=interpret)
   params = None if interpret else plgpu_triton.CompilerParams(
       num_warps=num_warps, num_stages=2)
   return pl.pallas_call(
       kernel, grid=(bh, vp // block_v),
-      in_specs=[pl.BlockSpec((None, tp, k_rows), lambda n, j: (n, 0, 0)), seq_v, seq_v,
+      in_specs=[pl.BlockSpec((None, tp, kp), lambda n, j: (n, 0, 0)), seq_v, seq_v,
                 pl.BlockSpec((None, tp), lambda n, j: (n, 0)),
                 pl.BlockSpec((None, nc), lambda n, j: (n, 0)), state, state],
       out_specs=[starts, starts, state, state],

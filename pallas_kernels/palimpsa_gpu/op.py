@@ -81,11 +81,6 @@ class Config:
     """K width of the backward walk."""
     return round_up(self.k + self.k_pad, self.k_part_bwd)
 
-  def k_stored(self, for_backward: bool) -> int:
-    """K width of q and k in the head-major layout: wide enough for every stage that
-    reads them, so they are padded once (each kernel reads only its own width)."""
-    return max(self.k_boundary, self.k_bwd) if for_backward else self.k_boundary
-
 
 def _block_v(v_padded: int, k_padded: int, elements: int, minimum: int = 1) -> int:
   """V-tile: the largest power of two dividing v_padded with <= `elements` per tile."""
@@ -140,11 +135,10 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
                 interpret=interpret)
 
 
-def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids,
-             k_width):
-  tp, vp = cfg.t_pad, cfg.v_pad
-  qh = layout.to_head_major(q, tp, k_width - cfg.k)
-  kh = layout.to_head_major(k, tp, k_width - cfg.k)
+def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids):
+  tp, kp, vp = cfg.t_pad, cfg.k_pad, cfg.v_pad
+  qh = layout.to_head_major(q, tp, kp)
+  kh = layout.to_head_major(k, tp, kp)
   vh = layout.to_head_major(v, tp, vp)
   betah = layout.to_head_major(beta, tp, vp)
   gates = layout.make_gates(log_alpha, segment_ids, cfg.h, tp, cfg.chunk)
@@ -157,11 +151,10 @@ def _ip_row(ip: jax.Array, width: int) -> jax.Array:
   return jnp.broadcast_to(ip[:, None], (ip.shape[0], width))
 
 
-def _fit_k(x: jax.Array, width: int) -> jax.Array:
-  """Zero-pads or cuts the last axis to `width` (no copy when it already is)."""
-  if x.shape[-1] >= width:
-    return x[..., :width]
-  return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),))
+def _pad_k(x: jax.Array, width: int) -> jax.Array:
+  """Zero-pads the last axis to `width`."""
+  pad = ((0, 0),) * (x.ndim - 1) + ((0, width - x.shape[-1]),)
+  return jnp.pad(x, pad)
 
 
 def _pad_state(cfg: Config, x: jax.Array, k_width: int) -> jax.Array:
@@ -179,20 +172,19 @@ def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip, k_widt
 
 
 def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
-             initial_precision, segment_ids, *, for_backward: bool):
+             initial_precision, segment_ids):
   qh, kh, vh, betah, gates, ip = _prepare(
-      cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids,
-      cfg.k_stored(for_backward))
+      cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids)
   m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   m_starts, b_starts, m_final, b_final = boundary.boundary_states(
-      kh, vh, betah, gates.to_end, gates.chunk, m0, b0, chunk=cfg.chunk,
-      k_width=cfg.k_boundary, block_v=cfg.block_v_boundary,
-      num_warps=cfg.num_warps_boundary, interpret=cfg.interpret)
+      _pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0,
+      chunk=cfg.chunk, block_v=cfg.block_v_boundary, num_warps=cfg.num_warps_boundary,
+      interpret=cfg.interpret)
   outs = walk.walk_forward(
       qh, kh, vh, betah, gates.step, _ip_row(ip, qh.shape[-1]), m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
-      k_width=cfg.k + cfg.k_pad, with_var=cfg.return_variance, out_dtype=v.dtype,
-      num_warps=cfg.num_warps, interpret=cfg.interpret)
+      with_var=cfg.return_variance, out_dtype=v.dtype, num_warps=cfg.num_warps,
+      interpret=cfg.interpret)
   out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
   var_h = outs[1] if cfg.return_variance else None
   var = (layout.from_head_major(var_h, cfg.b, cfg.h, cfg.t, cfg.v)
@@ -210,36 +202,25 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   return (out, var, mu_final, prec_final), residuals
 
 
-def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array, chunk: int) -> jax.Array:
+def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
   """y_t = sum of x_u over u >= t up to (excluding) the next restart after t.
 
-  x, reset: [BH, Tp] (Tp a multiple of chunk); reset_u True starts a new segment at u.
-  Inside each chunk as masked [chunk, chunk] sums; then each chunk's last segment gains
-  what follows it in later chunks, a reverse scan over chunks (few, small XLA ops).
+  x, reset: [BH, Tp]; reset_u True starts a new segment at u.
   """
-  bh, tp = x.shape
-  nc = tp // chunk
-  restarts = reset.reshape(bh, nc, chunk).astype(jnp.int32)
-  upto = jnp.cumsum(restarts, -1)  # restarts in the chunk up to and including t
-  pos = jnp.arange(chunk)
-  same = (upto[..., :, None] == upto[..., None, :]) & (pos[None, :] >= pos[:, None])
-  local = jnp.sum(jnp.where(same, x.reshape(bh, nc, chunk)[..., None, :], 0.0), -1)
-  # after_c: the sum over later chunks that chunk c's last segment runs into,
-  # after_c = open_c * (head_{c+1} + through_{c+1} * after_{c+1}), where open_c: no
-  # restart at chunk c+1's first step; through_c: none in chunk c after its first step.
-  head, through = local[..., 0], upto[..., -1] == restarts[..., 0]
-  is_open = jnp.concatenate(
-      [restarts[:, 1:, 0] == 0, jnp.zeros((bh, 1), bool)], axis=-1)
-  shift = lambda z: jnp.concatenate([z[:, 1:], jnp.zeros_like(z[:, :1])], axis=-1)
-  gain = jnp.where(is_open, shift(through.astype(x.dtype)), 0.0)
-  add = jnp.where(is_open, shift(head), 0.0)
+  # Reverse time; a restart at u ends the reversed segment after position u.
+  xr = jnp.flip(x, -1)
+  stop = jnp.flip(reset, -1)
 
-  def compose(inner, outer):  # X -> add + gain X, the inner map applied first
-    return outer[0] * inner[0], outer[1] + outer[0] * inner[1]
+  def combine(left, right):
+    lv, ls = left
+    rv, rs = right
+    return jnp.where(rs, rv, lv + rv), ls | rs
 
-  _, after = jax.lax.associative_scan(compose, (gain, add), reverse=True, axis=1)
-  in_tail = upto == upto[..., -1:]  # no restart after t in its chunk
-  return (local + jnp.where(in_tail, after[..., None], 0.0)).reshape(bh, tp)
+  # Segmented inclusive scan where a flag on an element starts a new segment at it:
+  # the reversed sequence starts a new segment right after each restart.
+  starts = jnp.concatenate([jnp.zeros_like(stop[:, :1]), stop[:, :-1]], axis=-1)
+  vals, _ = jax.lax.associative_scan(combine, (xr, starts), axis=-1)
+  return jnp.flip(vals, -1)
 
 
 def _backward(cfg: Config, residuals, cotangents):
@@ -247,16 +228,15 @@ def _backward(cfg: Config, residuals, cotangents):
    initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
   # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior).
-  # q and k were stored that wide by the forward (k_stored), so no copy here.
   kw = cfg.k_bwd
-  qh, kh = _fit_k(qh, kw), _fit_k(kh, kw)
+  qh, kh = _pad_k(qh, kw), _pad_k(kh, kw)
   m_starts, b_starts = _pad_state(cfg, m_starts, kw), _pad_state(cfg, b_starts, kw)
   m_final, b_final = _pad_state(cfg, m_final, kw), _pad_state(cfg, b_final, kw)
   f32 = jnp.float32
   bh, tp, kp = qh.shape
   vp = vh.shape[-1]
   nc = tp // cfg.chunk
-  doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad)  # The walk reads it as f32.
+  doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad, f32)
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
   dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
@@ -300,7 +280,7 @@ def _backward(cfg: Config, residuals, cotangents):
     m_term = m_term - jnp.sum(dvarh * var_h, -1)
   final_term = jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2))
   m_term = m_term.at[:, -1].add(final_term)
-  dla = _segmented_reverse_cumsum(m_term, gates.reset, cfg.chunk)
+  dla = _segmented_reverse_cumsum(m_term, gates.reset)
   dla = jnp.where(gates.reset, 0.0, dla)
 
   # Prior precision: I_t = Ibar_t + Ip at every step, Ibar_0 = I_0 - Ip.
@@ -330,15 +310,14 @@ def _backward(cfg: Config, residuals, cotangents):
 def _palimpsa(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
               initial_precision, segment_ids):
   outputs, _ = _forward(cfg, q, k, v, beta, log_alpha, prior_precision,
-                        initial_mu, initial_precision, segment_ids, for_backward=False)
+                        initial_mu, initial_precision, segment_ids)
   return outputs
 
 
 def _palimpsa_fwd(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
                   initial_precision, segment_ids):
   outputs, residuals = _forward(cfg, q, k, v, beta, log_alpha, prior_precision,
-                                initial_mu, initial_precision, segment_ids,
-                                for_backward=True)
+                                initial_mu, initial_precision, segment_ids)
   return outputs, residuals
 
 

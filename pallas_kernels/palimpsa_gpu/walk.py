@@ -41,14 +41,14 @@ def _total(xs: list[jax.Array]) -> jax.Array:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref,
-                    *out_refs, chunk, unroll, k_part, k_width, with_var, interpret):
+                    *out_refs, chunk, unroll, k_part, with_var, interpret):
   """Walks one chunk for one V-tile, writing readouts (and variances).
 
   The state [BV, Kp] is held as K-parts ([BV, k_part] each) in registers.
   """
   out_ref = out_refs[0]
   var_ref = out_refs[1] if with_var else None
-  parts = k_parts(k_width, k_part)
+  parts = k_parts(k_ref.shape[-1], k_part)
   ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
 
   def row(ref, t, p):
@@ -77,15 +77,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
 
 
 def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
-                 block_v: int, unroll: int, k_part: int, k_width: int, with_var: bool,
-                 out_dtype, num_warps: int, interpret: bool):
+                 block_v: int, unroll: int, k_part: int, with_var: bool, out_dtype,
+                 num_warps: int, interpret: bool):
   """Readouts of every step.
 
   Args:
-    q, k: [BH, Tp, Kq] with Kq >= k_width; v, beta: [BH, Tp, Vp]; a: [BH, Tp] step
-    gates; ip_row: [BH, Kq] prior precision; m_starts, b_starts: [BH, NC, Vp, Ks] with
-    Ks >= k_width. Columns past k_width are padding and not read.
-    k_part: width of the K-parts (a power of two dividing k_width).
+    q, k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; a: [BH, Tp] step gates;
+    ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Ks] with
+    Ks >= Kp (columns past Kp are padding and not read).
+    k_part: width of the K-parts (a power of two dividing Kp).
 
   Returns:
     [out [BH, Tp, Vp] out_dtype] + ([var [BH, Tp, Vp] f32] if with_var).
@@ -100,8 +100,7 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
   if with_var:
     out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
   kernel = functools.partial(_forward_kernel, chunk=chunk, unroll=unroll,
-                             k_part=k_part, k_width=k_width, with_var=with_var,
-                             interpret=interpret)
+                             k_part=k_part, with_var=with_var, interpret=interpret)
   return pl.pallas_call(
       kernel, grid=(bh, nc, nv),
       in_specs=[row_k, row_k, row_v, row_v,
