@@ -54,14 +54,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
   def row(ref, t, p):
     return ref[t, p].astype(jnp.float32)[None, :]
 
-  def steps(i, carry):
-    ms, bs = carry
-    t0 = i * unroll
-    rows = [([row(k_ref, t0 + s, p) for p in parts],
+  def load(t0):  # The rows of steps t0 .. t0 + unroll - 1.
+    return [([row(k_ref, t0 + s, p) for p in parts],
              [row(q_ref, t0 + s, p) for p in parts],
              v_ref[t0 + s, :].astype(jnp.float32)[:, None],
              beta_ref[t0 + s, :].astype(jnp.float32)[:, None],
              a_ref[t0 + s]) for s in range(unroll)]
+
+  def steps(i, carry):
+    ms, bs, rows = carry
+    t0 = i * unroll
+    # The next steps' rows are loaded now, so their latency overlaps this body (the
+    # last body reloads its own rows).
+    next_rows = load(jnp.minimum(t0 + unroll, chunk - unroll))
     for s, (ks, qs, v, beta, a) in enumerate(rows):
       ms = [fma(a, m, v * k, interpret=interpret) for m, k in zip(ms, ks)]
       bs = [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)]
@@ -70,9 +75,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
       out_ref[t0 + s, :] = out.astype(out_ref.dtype)
       if with_var:
         var_ref[t0 + s, :] = _total([jnp.sum(r * (q * q), axis=1) for r, q in zip(rs, qs)])
-    return ms, bs
+    return ms, bs, next_rows
 
-  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] for p in parts])
+  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] for p in parts], load(0))
   jax.lax.fori_loop(0, chunk // unroll, steps, initial)
 
 

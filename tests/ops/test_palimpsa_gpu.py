@@ -135,3 +135,23 @@ def test_adjoint_carries_match_a_reverse_loop(num_chunks, k_width):
     cm, cb = local_m[:, c] + g * cm, local_b[:, c] + g * cb
   np.testing.assert_allclose(m0, cm, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(b0, cb, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("restart_rate", [0.0, 0.05, 0.4])
+def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
+  """dlog_alpha's segment-wise reverse sums against a loop."""
+  rng = np.random.default_rng(7)
+  bh, chunk, nc = 3, 8, 7
+  x = rng.normal(size=(bh, chunk * nc)).astype(np.float32)
+  reset = rng.random(x.shape) < restart_rate
+  reset[0, chunk] = True  # a restart on a chunk boundary
+  got = np.asarray(gpu_op._segmented_reverse_cumsum(jnp.asarray(x), jnp.asarray(reset)))
+  want = np.zeros_like(x)
+  for n in range(bh):
+    total = 0.0
+    for t in reversed(range(x.shape[1])):
+      total += x[n, t]
+      want[n, t] = total
+      if reset[n, t]:
+        total = 0.0
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
