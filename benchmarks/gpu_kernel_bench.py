@@ -68,12 +68,14 @@ def _stage_args(cfg, args):
 def _boundary_fn(cfg):
   return jax.jit(functools.partial(
       boundary.boundary_states, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
-      num_warps=cfg.num_warps_boundary, interpret=False))
+      num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
+      interpret=False))
 
 
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
       walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
+      prefetch=cfg.prefetch,
       k_part=cfg.k_part, with_var=False, out_dtype=dtype, num_warps=cfg.num_warps,
       interpret=False))
 

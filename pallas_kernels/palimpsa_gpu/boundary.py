@@ -122,7 +122,7 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
 
 
 def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
-                    block_v: int, num_warps: int, interpret: bool):
+                    block_v: int, num_warps: int, num_stages: int, interpret: bool):
   """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
 
   Args:
@@ -143,7 +143,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
   kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc,
                              interpret=interpret)
   params = None if interpret else plgpu_triton.CompilerParams(
-      num_warps=num_warps, num_stages=2)
+      num_warps=num_warps, num_stages=num_stages)
   return pl.pallas_call(
       kernel, grid=(bh, vp // block_v),
       in_specs=[pl.BlockSpec((None, tp, kp), lambda n, j: (n, 0, 0)), seq_v, seq_v,

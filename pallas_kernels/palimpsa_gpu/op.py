@@ -58,6 +58,8 @@ class Config:
   num_warps: int = 4
   num_warps_bwd: int = 1
   num_warps_boundary: int = 4
+  num_stages_boundary: int = 2  # Triton software pipelining of its chunk loop.
+  prefetch: int = 1  # Forward walk: loop bodies ahead that its rows are loaded.
 
   @property
   def t_pad(self) -> int:
@@ -179,12 +181,12 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   m_starts, b_starts, m_final, b_final = boundary.boundary_states(
       _pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0,
       chunk=cfg.chunk, block_v=cfg.block_v_boundary, num_warps=cfg.num_warps_boundary,
-      interpret=cfg.interpret)
+      num_stages=cfg.num_stages_boundary, interpret=cfg.interpret)
   outs = walk.walk_forward(
       qh, kh, vh, betah, gates.step, _ip_row(ip, qh.shape[-1]), m_starts, b_starts,
-      chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
-      with_var=cfg.return_variance, out_dtype=v.dtype, num_warps=cfg.num_warps,
-      interpret=cfg.interpret)
+      chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch,
+      k_part=cfg.k_part, with_var=cfg.return_variance, out_dtype=v.dtype,
+      num_warps=cfg.num_warps, interpret=cfg.interpret)
   out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
   var_h = outs[1] if cfg.return_variance else None
   var = (layout.from_head_major(var_h, cfg.b, cfg.h, cfg.t, cfg.v)

@@ -41,7 +41,7 @@ def _total(xs: list[jax.Array]) -> jax.Array:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref,
-                    *out_refs, chunk, unroll, k_part, with_var, interpret):
+                    *out_refs, chunk, unroll, prefetch, k_part, with_var, interpret):
   """Walks one chunk for one V-tile, writing readouts (and variances).
 
   The state [BV, Kp] is held as K-parts ([BV, k_part] each) in registers.
@@ -62,11 +62,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
              a_ref[t0 + s]) for s in range(unroll)]
 
   def steps(i, carry):
-    ms, bs, rows = carry
+    ms, bs, queue = carry
     t0 = i * unroll
-    # The next steps' rows are loaded now, so their latency overlaps this body (the
-    # last body reloads its own rows).
-    next_rows = load(jnp.minimum(t0 + unroll, chunk - unroll))
+    # Rows are loaded `prefetch` bodies ahead, so their latency overlaps the arithmetic
+    # (the last bodies reload the chunk's last rows, unused).
+    rows, queue = queue[0], queue[1:] + [
+        load(jnp.minimum(t0 + prefetch * unroll, chunk - unroll))]
     for s, (ks, qs, v, beta, a) in enumerate(rows):
       ms = [fma(a, m, v * k, interpret=interpret) for m, k in zip(ms, ks)]
       bs = [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)]
@@ -75,15 +76,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
       out_ref[t0 + s, :] = out.astype(out_ref.dtype)
       if with_var:
         var_ref[t0 + s, :] = _total([jnp.sum(r * (q * q), axis=1) for r, q in zip(rs, qs)])
-    return ms, bs, next_rows
+    return ms, bs, queue
 
-  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] for p in parts], load(0))
+  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] for p in parts],
+             [load(j * unroll) for j in range(prefetch)])
   jax.lax.fori_loop(0, chunk // unroll, steps, initial)
 
 
 def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
-                 block_v: int, unroll: int, k_part: int, with_var: bool, out_dtype,
-                 num_warps: int, interpret: bool):
+                 block_v: int, unroll: int, prefetch: int, k_part: int, with_var: bool,
+                 out_dtype, num_warps: int, interpret: bool):
   """Readouts of every step.
 
   Args:
@@ -91,6 +93,7 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
     ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Ks] with
     Ks >= Kp (columns past Kp are padding and not read).
     k_part: width of the K-parts (a power of two dividing Kp).
+    unroll: steps per loop body; prefetch: bodies ahead that rows are loaded.
 
   Returns:
     [out [BH, Tp, Vp] out_dtype] + ([var [BH, Tp, Vp] f32] if with_var).
@@ -104,8 +107,11 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
   out_shape = [jax.ShapeDtypeStruct((bh, tp, vp), out_dtype)]
   if with_var:
     out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
+  if chunk < prefetch * unroll:
+    raise ValueError(f"chunk={chunk} must hold prefetch={prefetch} bodies of {unroll}")
   kernel = functools.partial(_forward_kernel, chunk=chunk, unroll=unroll,
-                             k_part=k_part, with_var=with_var, interpret=interpret)
+                             prefetch=prefetch, k_part=k_part, with_var=with_var,
+                             interpret=interpret)
   return pl.pallas_call(
       kernel, grid=(bh, nc, nv),
       in_specs=[row_k, row_k, row_v, row_v,

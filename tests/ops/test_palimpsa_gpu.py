@@ -55,7 +55,7 @@ def test_declines_compiled_call_without_nvidia_gpu():
 
 @pytest.mark.parametrize("k_dim", [16, 48])
 def test_tile_variants_agree(k_dim):
-  """Other tilings (V-tile groups, sub-chunks, unrolling, K-parts) give the same results.
+  """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) agree.
 
   At K=48 the default pads K to 64 for the boundary kernel and the backward walk; the
   variant walks all three stages in 16-column parts without padding.
@@ -77,7 +77,7 @@ def test_tile_variants_agree(k_dim):
     # K=48 pads to 64 in the backward, which then takes ~1024-entry V-tiles, sub-chunks of 2.
     assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 64, 64)
     assert (base.block_v_bwd, base.sub) == (16, 2)
-  variant = dataclasses.replace(base, block_v=16, unroll=1, block_v_bwd=16, sub=8,
+  variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
                                 k_part_bwd=16)
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim)
