@@ -75,9 +75,8 @@ def _boundary_fn(cfg):
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
       walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-      prefetch=cfg.prefetch,
-      k_part=cfg.k_part, with_var=False, out_dtype=dtype, num_warps=cfg.num_warps,
-      interpret=False))
+      prefetch=cfg.prefetch, k_part=cfg.k_part, with_var=False, out_dtype=dtype,
+      num_warps=cfg.num_warps, interpret=False))
 
 
 def _backward_walk_fn(cfg):

@@ -107,8 +107,9 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
   out_shape = [jax.ShapeDtypeStruct((bh, tp, vp), out_dtype)]
   if with_var:
     out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
-  if chunk < prefetch * unroll:
-    raise ValueError(f"chunk={chunk} must hold prefetch={prefetch} bodies of {unroll}")
+  if prefetch < 1 or chunk < prefetch * unroll:
+    raise ValueError(f"prefetch={prefetch} must be >= 1 with prefetch * unroll <= chunk "
+                     f"(unroll={unroll}, chunk={chunk})")
   kernel = functools.partial(_forward_kernel, chunk=chunk, unroll=unroll,
                              prefetch=prefetch, k_part=k_part, with_var=with_var,
                              interpret=interpret)

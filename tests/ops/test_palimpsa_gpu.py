@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.palimpsa_gpu import boundary
+from pallas_kernels.palimpsa_gpu import boundary, walk
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import palimpsa_gpu
 from tests.ops.palimpsa_suite import PalimpsaSuite
@@ -155,3 +155,12 @@ def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
       if reset[n, t]:
         total = 0.0
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
+  x = jnp.zeros((1, 16, 16))
+  with pytest.raises(ValueError, match="prefetch=0"):
+    walk.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
+                      jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), chunk=16,
+                      block_v=16, unroll=2, prefetch=0, k_part=16, with_var=False,
+                      out_dtype=jnp.float32, num_warps=1, interpret=True)
