@@ -135,10 +135,15 @@ def poison(nbytes: int):
   jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
 
 
+def _warm_up(fn, arg_sets, calls) -> None:
+  """Runs fn `calls` times over the rotating argument sets, blocking on each."""
+  for i in range(calls):
+    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+
+
 def time_fn(fn, arg_sets, warmup, iters) -> float:
   """Median milliseconds of single calls of fn (each blocked on), rotating argument sets."""
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  _warm_up(fn, arg_sets, warmup)
   times = []
   for i in range(iters):
     args = arg_sets[i % len(arg_sets)]
@@ -154,8 +159,7 @@ def time_queued(fn, arg_sets, warmup, iters, batches=3) -> float:
   One block at the end of each batch, so the host's dispatch overlaps the device's work:
   this is the device time of a call, like triton.testing.do_bench's CUDA-event timing.
   """
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+  _warm_up(fn, arg_sets, warmup)
   per_call = []
   for _ in range(batches):
     start = time.perf_counter()
