@@ -157,20 +157,16 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
               [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)])
 
     def forward(j, carry):  # States before every sub-chunk, into the scratch.
-      ms, bs, rows = carry
-      # The next sub-chunk's rows are loaded first, so their latency overlaps this one
-      # (the last sub-chunk reloads its own rows, unused).
-      next_rows = [load_rows(jnp.minimum(j + 1, n_sub - 1) * sub + s) for s in range(sub)]
+      ms, bs = carry
       for p, m, b in zip(parts, ms, bs):
         sm_ref[j, :, p] = m
         sb_ref[j, :, p] = b
-      for row in rows:
-        ms, bs = advance(ms, bs, row)
-      return ms, bs, next_rows
+      for s in range(sub):
+        ms, bs = advance(ms, bs, load_rows(j * sub + s))
+      return ms, bs
 
     jax.lax.fori_loop(0, n_sub, forward, ([m0_ref[cols, p] for p in parts],
-                                          [b0_ref[cols, p] for p in parts],
-                                          [load_rows(s) for s in range(sub)]))
+                                          [b0_ref[cols, p] for p in parts]))
     _barrier(interpret)
 
     def backward(i, carry):
