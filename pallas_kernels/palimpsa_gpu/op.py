@@ -6,9 +6,8 @@ chunks, giving the boundary states (saved for the backward); (2) a Pallas kernel
 over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out
 at every step.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas) with
-zero adjoint from later chunks, scan the adjoint carries over chunks (Pallas), form the
-carries' contributions as matmuls (XLA), add them and write the gradients out (Pallas,
-gradients.py); dlog_alpha from the identity
+zero adjoint from later chunks, scan the adjoint carries over chunks (Pallas), add the
+carries' contributions as matmuls (XLA); dlog_alpha from the identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
 """
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
                                    round_up)
-from pallas_kernels.palimpsa_gpu import boundary, gradients, layout, walk
+from pallas_kernels.palimpsa_gpu import boundary, layout, walk
 
 _MAX_DIM = 256
 _DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
@@ -207,6 +206,27 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   return (out, var, mu_final, prec_final), residuals
 
 
+def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
+  """y_t = sum of x_u over u >= t up to (excluding) the next restart after t.
+
+  x, reset: [BH, Tp]; reset_u True starts a new segment at u.
+  """
+  # Reverse time; a restart at u ends the reversed segment after position u.
+  xr = jnp.flip(x, -1)
+  stop = jnp.flip(reset, -1)
+
+  def combine(left, right):
+    lv, ls = left
+    rv, rs = right
+    return jnp.where(rs, rv, lv + rv), ls | rs
+
+  # Segmented inclusive scan where a flag on an element starts a new segment at it:
+  # the reversed sequence starts a new segment right after each restart.
+  starts = jnp.concatenate([jnp.zeros_like(stop[:, :1]), stop[:, :-1]], axis=-1)
+  vals, _ = jax.lax.associative_scan(combine, (xr, starts), axis=-1)
+  return jnp.flip(vals, -1)
+
+
 def _backward(cfg: Config, residuals, cotangents):
   (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var_h,
    initial_mu, initial_precision) = residuals
@@ -223,11 +243,11 @@ def _backward(cfg: Config, residuals, cotangents):
   doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad, f32)
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
-  ip_row = _ip_row(ip, kw)
   dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
-      qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
+      qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
       k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
+  dq, dk, s = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(s, axis=0)
 
   # Adjoint of the final linear state.
   ipb = ip[:, None, None]
@@ -243,34 +263,32 @@ def _backward(cfg: Config, residuals, cotangents):
       dm_end, db_end, gates.chunk, adj_m, adj_b, block_v=_block_v(vp, kw, 1024),
       interpret=cfg.interpret)
 
-  # Carries are constant inside a chunk: their contributions are matmuls (XLA), which
-  # assemble_gradients adds with the decay to the chunk end.
+  # Carries are constant inside a chunk: their contributions are matmuls.
   c = cfg.chunk
   kf = kh.astype(f32).reshape(bh, nc, c, kp)
+  vf = vh.astype(f32).reshape(bh, nc, c, vp)
+  betaf = betah.astype(f32).reshape(bh, nc, c, vp)
+  w = gates.to_end.reshape(bh, nc, c, 1)
   ein = functools.partial(jnp.einsum, precision=boundary.dot_precision(cfg.interpret))
-  per_step = lambda x: x.reshape(bh, tp, x.shape[-1])
-  carry_v = per_step(ein("nctk,ncvk->nctv", kf, carry_m))
-  carry_beta = per_step(ein("nctk,ncvk->nctv", kf * kf, carry_b))
-  carry_km = per_step(ein("nctv,ncvk->nctk", vh.astype(f32).reshape(bh, nc, c, vp),
-                          carry_m))
-  carry_kb = per_step(ein("nctv,ncvk->nctk", betah.astype(f32).reshape(bh, nc, c, vp),
-                          carry_b))
+  dv = dv + (w * ein("nctk,ncvk->nctv", kf, carry_m)).reshape(bh, tp, vp)
+  dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_b)).reshape(bh, tp, vp)
+  dk_carry = ein("nctv,ncvk->nctk", vf, carry_m) + 2.0 * kf * ein(
+      "nctv,ncvk->nctk", betaf, carry_b)
+  dk = dk + (w * dk_carry).reshape(bh, tp, kp)
 
-  # dlog_alpha via the scaling identity (segment-wise reverse sums); assemble_gradients
-  # forms the per-step terms but the final state's and the variance's, added here.
-  extra = jnp.zeros((bh, tp), f32).at[:, -1].set(
-      jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2)))
+  # dlog_alpha via the scaling identity (segment-wise reverse sums).
+  # s [BH, Tp]: sum_{v,k} dL/dI_t (local).
+  m_term = -ip[:, None] * s - jnp.sum(vh.astype(f32) * dv, -1) - jnp.sum(
+      betah.astype(f32) * dbeta, -1)
   if cfg.return_variance:
-    extra = extra - jnp.sum(dvarh * var_h, -1)
-  dq, dk, dv, dbeta, dla_local, in_tail = gradients.assemble_gradients(
-      kh, vh, betah, gates.to_end, gates.reset.astype(f32), ip_row, dq, dk, dv, dbeta, s,
-      extra, carry_v, carry_beta, carry_km, carry_kb, chunk=c, b=cfg.b, h=cfg.h,
-      k_width=cfg.k + cfg.k_pad, dtypes=(qh.dtype, kh.dtype, vh.dtype, betah.dtype),
-      interpret=cfg.interpret)
-  dla = gradients.finish_dlog_alpha(dla_local, in_tail, gates.reset, c)
+    m_term = m_term - jnp.sum(dvarh * var_h, -1)
+  final_term = jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2))
+  m_term = m_term.at[:, -1].add(final_term)
+  dla = _segmented_reverse_cumsum(m_term, gates.reset)
+  dla = jnp.where(gates.reset, 0.0, dla)
 
   # Prior precision: I_t = Ibar_t + Ip at every step, Ibar_0 = I_0 - Ip.
-  d_ip = jnp.sum(s, (0, 2)) + jnp.sum(db_end, (1, 2)) - jnp.sum(db0, (1, 2))
+  d_ip = jnp.sum(s, -1) + jnp.sum(db_end, (1, 2)) - jnp.sum(db0, (1, 2))
   d_ip = d_ip.reshape(cfg.b, cfg.h).sum(0)
 
   # Initial state: M_0 = mu_0 * I_0, Ibar_0 = I_0 - Ip.
@@ -282,12 +300,12 @@ def _backward(cfg: Config, residuals, cotangents):
   d_mu0 = dm0 * i0
   d_i0 = dm0 * mu0 + db0
 
-  def unpad(x, d):  # [B, Tp, H, Dp] -> [B, T, H, D]; no copy where nothing is padded.
-    return x if x.shape[1] == cfg.t and x.shape[-1] == d else x[:, :cfg.t, :, :d]
+  def back(x, d, dtype):
+    return layout.from_head_major(x, b, h, cfg.t, d).astype(dtype)
 
   dla = jnp.transpose(dla[:, :cfg.t].reshape(b, h, cfg.t), (0, 2, 1))
-  return (unpad(dq, k), unpad(dk, k), unpad(dv, v), unpad(dbeta, v),
-          dla.astype(cfg.log_alpha_dtype),
+  return (back(dq, k, qh.dtype), back(dk, k, kh.dtype), back(dv, v, vh.dtype),
+          back(dbeta, v, betah.dtype), dla.astype(cfg.log_alpha_dtype),
           d_ip.astype(cfg.prior_dtype), d_mu0.astype(initial_mu.dtype),
           d_i0.astype(initial_precision.dtype))
 
