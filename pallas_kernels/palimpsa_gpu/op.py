@@ -48,7 +48,6 @@ class Config:
   k_part: int
   k_part_boundary: int
   k_part_bwd: int
-  v_part_bwd: int
   unroll: int
   sub: int
   groups_bwd: int
@@ -124,13 +123,15 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   k_part = 8 if kp == 16 else min(largest, 32)
   num_warps = 2 if k_part == 32 else 1
   k_part_boundary = largest if largest >= 32 else kp2
+  k_part_bwd = 8 if kp == 16 else kp2
+  wide_bwd = kp2 == 64 and _block_v(vp, kp2, 1024) * kp2 == 1024
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=forward_block_v(vp, k_part, num_warps),
-                block_v_bwd=_block_v(vp, kp, 1024),
+                block_v_bwd=_block_v(vp, kp2, 1024 if wide_bwd else 512),
                 block_v_boundary=_block_v(vp, round_up(kp, k_part_boundary), 2048,
                                           minimum=16),
-                k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=8,
-                v_part_bwd=4, unroll=2, sub=2, groups_bwd=1,
+                k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
+                unroll=2, sub=2 if wide_bwd else 4, groups_bwd=1,
                 num_warps=num_warps, num_warps_bwd=1,
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
@@ -245,8 +246,7 @@ def _backward(cfg: Config, residuals, cotangents):
   dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
       qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-      v_part=cfg.v_part_bwd, k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd,
-      interpret=cfg.interpret)
+      k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
   dq, dk, s = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(s, axis=0)
 
   # Adjoint of the final linear state.

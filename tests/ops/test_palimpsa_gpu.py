@@ -74,12 +74,12 @@ def test_tile_variants_agree(k_dim):
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
   if k_dim == 48:
-    # K=48 pads to 64 in the boundary kernel only; the backward walks it in 8-column tiles.
-    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 64, 48)
+    # K=48 pads to 64 in the backward, which then takes ~1024-entry V-tiles, sub-chunks of 2.
+    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 64, 64)
     assert (base.block_v_bwd, base.sub) == (16, 2)
   variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
-                                v_part_bwd=2, k_part_bwd=16)
+                                k_part_bwd=16)
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim)
 
   def grads(cfg):
@@ -110,7 +110,7 @@ def test_saved_boundary_states_fit_the_residual_budget():
   m_starts, b_starts = residuals[6], residuals[7]
   assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
   padded = gpu_op._pad_state(cfg, m_starts, cfg.k_bwd)
-  assert padded.shape == (b * h, t // 64, vd + 8, kd + 8)
+  assert padded.shape == (b * h, t // 64, vd + 8, 64)
   np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
   # (its K=8 and V=20 are padded to 16 and 32).
