@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import op_bench, step_profile
+from benchmarks.train_throughput import non_negative_int, positive_int
 from palimpsa_jax.ops.palimpsa import validation
 
 MODES = ("fwd", "fwd+bwd")
@@ -36,10 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--shape", default="D170", help="a shape name of that set")
   parser.add_argument("--impl", default="pallas_gpu")
   parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-  parser.add_argument("--chunk-size", type=int, default=64)
-  parser.add_argument("--calls", type=int, default=5, help="traced calls")
-  parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--top", type=int, default=25, help="kernels listed per table")
+  parser.add_argument("--chunk-size", type=positive_int, default=64)
+  parser.add_argument("--calls", type=positive_int, default=5, help="traced calls")
+  parser.add_argument("--warmup", type=non_negative_int, default=3)
+  parser.add_argument("--top", type=positive_int, default=25, help="kernels listed per table")
   parser.add_argument("--trace_dir", default="/tmp/palimpsa_op_profile")
   parser.add_argument("--output", default="", help="JSON file for the results")
   args = parser.parse_args(argv)
@@ -48,11 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  f"(--shapes {args.shapes}), got {args.shape!r}")
   if args.impl not in validation.IMPLEMENTATIONS:
     parser.error(f"--impl must be one of {validation.IMPLEMENTATIONS}, got {args.impl!r}")
-  for name in ("calls", "top", "chunk_size"):
-    if getattr(args, name) <= 0:
-      parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-  if args.warmup < 0:
-    parser.error(f"--warmup must be >= 0, got {args.warmup}")
   return args
 
 

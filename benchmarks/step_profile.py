@@ -29,6 +29,7 @@ import jax
 import ml_collections
 
 from benchmarks import train_throughput
+from benchmarks.train_throughput import non_negative_int, positive_int
 
 CATEGORIES = ("Pallas kernel", "GEMM", "XLA fusion", "copy / memset", "other")
 _CONTROL_FLOW = ("while", "conditional", "call")
@@ -52,22 +53,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default="palimpsa_d")
   parser.add_argument("--size", default="170m", choices=train_throughput.models.config.SIZES)
-  parser.add_argument("--seq_len", type=int, default=4096)
-  parser.add_argument("--batch_size", type=int, default=4, help="global batch in sequences")
+  parser.add_argument("--seq_len", type=positive_int, default=4096)
+  parser.add_argument("--batch_size", type=positive_int, default=4,
+                      help="global batch in sequences")
   parser.add_argument("--implementation", default="auto")
   parser.add_argument("--scan_layers", action="store_true")
   parser.add_argument("--remat", action="store_true")
-  parser.add_argument("--steps", type=int, default=3, help="traced steps")
-  parser.add_argument("--warmup_steps", type=int, default=2)
-  parser.add_argument("--top", type=int, default=40, help="kernels listed in the table")
+  parser.add_argument("--steps", type=positive_int, default=3, help="traced steps")
+  parser.add_argument("--warmup_steps", type=non_negative_int, default=2)
+  parser.add_argument("--top", type=positive_int, default=40, help="kernels listed in the table")
   parser.add_argument("--trace_dir", default="/tmp/palimpsa_step_profile")
   parser.add_argument("--output", default="", help="JSON file for the results")
   args = parser.parse_args(argv)
-  for name in ("seq_len", "batch_size", "steps", "top"):
-    if getattr(args, name) <= 0:
-      parser.error(f"--{name} must be positive, got {getattr(args, name)}")
-  if args.warmup_steps < 0:
-    parser.error(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
   if args.model not in train_throughput.models.config.MODELS:
     parser.error(f"--model must be one of {train_throughput.models.config.MODELS}, "
                  f"got {args.model!r}")

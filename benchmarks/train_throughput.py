@@ -56,6 +56,26 @@ def log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
+def _int_at_least(text: str, low: int, what: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+  if value < low:
+    raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+  return value
+
+
+def positive_int(text: str) -> int:
+  """argparse type for counts >= 1 (argparse's error names the flag)."""
+  return _int_at_least(text, 1, "positive")
+
+
+def non_negative_int(text: str) -> int:
+  """argparse type for counts >= 0."""
+  return _int_at_least(text, 0, ">= 0")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -63,11 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--meta_mamba2", action="store_true",
                       help="also time meta_mamba2 (Palimpsa-M)")
   parser.add_argument("--size", default="170m", choices=models.config.SIZES)
-  parser.add_argument("--seq_len", type=int, default=4096)
-  parser.add_argument("--batch_size", type=int, default=4,
+  parser.add_argument("--seq_len", type=positive_int, default=4096)
+  parser.add_argument("--batch_size", type=positive_int, default=4,
                       help="global batch in sequences")
-  parser.add_argument("--steps", type=int, default=10, help="timed steps")
-  parser.add_argument("--warmup_steps", type=int, default=2)
+  parser.add_argument("--steps", type=positive_int, default=10, help="timed steps")
+  parser.add_argument("--warmup_steps", type=non_negative_int, default=2)
   parser.add_argument("--implementation", default="auto",
                       help="op implementation of every model that accepts it "
                            f"(Palimpsa family: {palimpsa_validation.IMPLEMENTATIONS})")
@@ -90,11 +110,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--no_record", action="store_true",
                       help="do not append to the results file")
   args = parser.parse_args(argv)
-  for name in ("seq_len", "batch_size", "steps"):
-    if getattr(args, name) <= 0:
-      parser.error(f"--{name} must be positive, got {getattr(args, name)}")
-  if args.warmup_steps < 0:
-    parser.error(f"--warmup_steps must be >= 0, got {args.warmup_steps}")
   return args
 
 
