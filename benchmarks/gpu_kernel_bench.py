@@ -11,6 +11,7 @@ which is also the table that compares implementations.
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -68,7 +69,8 @@ def _stage_args(cfg, args):
 def _boundary_fn(cfg):
   return jax.jit(functools.partial(
       boundary.boundary_states, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
-      num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
+      k_part=cfg.k_part_boundary, split=cfg.split_boundary,
+      bf16_products=cfg.boundary_bf16, num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
       interpret=False))
 
 
@@ -112,11 +114,13 @@ def _variants(base):
   kp2 = next_power_of_two(kp)
   largest = largest_power_of_two_dividing(kp)
   out = []
-  for k_part in sorted({kp2, largest, min(largest, 32)}):
-    for elems, warps in ((2048, 4), (8192, 8)):
-      cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps)
-      cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, cfg.k_boundary, 16))
-      out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
+  for k_part, (elems, warps), split in itertools.product(
+      sorted({16, min(largest, 32), min(kp2, 64)}), ((512, 1), (2048, 4)), (True, False)):
+    cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps,
+                              split_boundary=split)
+    cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, k_part, 16))
+    out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part} "
+                f"split={split}", cfg))
   for k_part in sorted({8, 16, min(largest, 32)}):
     if k_part > largest:
       continue
@@ -158,6 +162,7 @@ def sweep(base, base_times, args, log):
   return dataclasses.replace(
       base, block_v_boundary=b_cfg.block_v_boundary,
       num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
+      split_boundary=b_cfg.split_boundary,
       block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
       k_part=f_cfg.k_part, block_v_bwd=w_cfg.block_v_bwd,
       num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,

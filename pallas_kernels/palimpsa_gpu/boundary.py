@@ -89,46 +89,80 @@ def _dot_t(x, y, precision):
                              preferred_element_type=jnp.float32)
 
 
-def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
-                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, interpret):
-  """Sequential over chunks for one (batch*head, V-tile): state += chunk writes.
+def _bf16_terms(y: jax.Array, n: int = 3) -> list[jax.Array]:
+  """y (float32) as n bfloat16 terms whose sum is y to about 8n bits."""
+  terms = []
+  for _ in range(n):
+    t = y.astype(jnp.bfloat16)
+    terms.append(t)
+    y = y - t.astype(jnp.float32)
+  return terms
 
-  The state [BV, Kp] is held as equal K-parts, each the largest power of two that
-  divides Kp (Triton tensors have power-of-two shapes; Kp is a multiple of 16).
+
+def _chunk_write(x, y, *, exact_bf16: bool, interpret: bool):
+  """x^T y [BV, Kpart] float32-accurate, for x [C, BV] (input dtype), y [C, Kpart] f32.
+
+  With exact_bf16 (x is bfloat16, so exactly representable) y is split into three
+  bfloat16 terms and each product runs on bfloat16 tensor cores (exact products, f32
+  accumulation); otherwise one 3xTF32 dot.
   """
-  precision = dot_precision(interpret)
-  kp = k_ref.shape[-1]
-  parts = k_parts(kp, largest_power_of_two_dividing(kp))
+  if exact_bf16:
+    terms = _bf16_terms(y)
+    return sum(_dot_t(x, t, None) for t in reversed(terms))
+  return _dot_t(x.astype(jnp.float32), y, dot_precision(interpret))
 
-  def step(c, carry):
-    ms, bs = carry
-    for p, m, b in zip(parts, ms, bs):
-      ms_ref[c, :, p] = m
-      bs_ref[c, :, p] = b
-    rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
-    w = w_ref[rows][:, None]
-    vw = v_ref[rows, :].astype(jnp.float32) * w
-    bw = beta_ref[rows, :].astype(jnp.float32) * w
-    g = g_ref[c]
-    ks = [k_ref[rows, p].astype(jnp.float32) for p in parts]
-    return ([g * m + _dot_t(vw, k, precision) for m, k in zip(ms, ks)],
-            [g * b + _dot_t(bw, k * k, precision) for b, k in zip(bs, ks)])
 
-  ms, bs = jax.lax.fori_loop(0, num_chunks, step, ([m0_ref[:, p] for p in parts],
-                                                   [b0_ref[:, p] for p in parts]))
-  for p, m, b in zip(parts, ms, bs):
-    mf_ref[:, p] = m
-    bf_ref[:, p] = b
+def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
+                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, split,
+                     exact_bf16, interpret):
+  """Sequential over chunks for one (batch*head, V-tile, K-part): state += chunk writes.
+
+  With split, program axis 3 picks the state: 0 walks M (writes v (x) k), 1 walks Ibar
+  (writes beta (x) k^2); otherwise one program walks both.
+  """
+  write = functools.partial(_chunk_write, exact_bf16=exact_bf16, interpret=interpret)
+
+  def walk(init_refs, value_refs, powers, start_refs, final_refs):
+    def step(c, states):
+      for state, ref in zip(states, start_refs):
+        ref[c] = state
+      rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+      k = k_ref[rows, :].astype(jnp.float32)
+      wk = w_ref[rows][:, None] * k
+      g = g_ref[c]
+      return tuple(
+          g * state + write(ref[rows, :], wk * k if power == 2 else wk)
+          for state, ref, power in zip(states, value_refs, powers))
+
+    finals = jax.lax.fori_loop(0, num_chunks, step, tuple(r[...] for r in init_refs))
+    for state, ref in zip(finals, final_refs):
+      ref[...] = state
+
+  both = ((m0_ref, b0_ref), (v_ref, beta_ref), (1, 2), (ms_ref, bs_ref), (mf_ref, bf_ref))
+  if not split:
+    walk(*both)
+    return
+  for which in (0, 1):
+    @pl.when(pl.program_id(3) == which)
+    def _():
+      walk(*(pair[which:which + 1] for pair in both))
 
 
 def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
-                    block_v: int, num_warps: int, num_stages: int, interpret: bool):
+                    block_v: int, k_part: int, split: bool, bf16_products: bool,
+                    num_warps: int, num_stages: int, interpret: bool):
   """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
 
+  Grid (batch*head, V-tile, K-part[, state]): each program walks the chunks in order.
+
   Args:
-    k: [BH, Tp, Kp] (Kp a multiple of 16); v, beta: [BH, Tp, Vp]; to_end: [BH, Tp];
-    chunk_gate: [BH, NC];
+    k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; to_end: [BH, Tp]; chunk_gate: [BH, NC];
     m0, b0: [BH, Vp, Kp] initial state.
+    block_v, k_part: V-tile and K-part (powers of two dividing Vp and Kp).
+    split: M and Ibar in separate programs (fewer registers, twice the programs).
+    bf16_products: with bfloat16 v and beta, chunk writes as bfloat16 tensor-core
+      products (exact) of v or beta with w * k^p split into three bfloat16 terms,
+      instead of 3xTF32.
 
   Returns:
     m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
@@ -136,19 +170,22 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
   bh, tp, kp = k.shape
   vp = v.shape[-1]
   nc = tp // chunk
-  seq_v = pl.BlockSpec((None, tp, block_v), lambda n, j: (n, 0, j))
-  state = pl.BlockSpec((None, block_v, kp), lambda n, j: (n, j, 0))
-  starts = pl.BlockSpec((None, nc, block_v, kp), lambda n, j: (n, 0, j, 0))
+  grid = (bh, vp // block_v, kp // k_part) + ((2,) if split else ())
+  seq_k = pl.BlockSpec((None, tp, k_part), lambda n, j, p, *_: (n, 0, p))
+  seq_v = pl.BlockSpec((None, tp, block_v), lambda n, j, p, *_: (n, 0, j))
+  state = pl.BlockSpec((None, block_v, k_part), lambda n, j, p, *_: (n, j, p))
+  starts = pl.BlockSpec((None, nc, block_v, k_part), lambda n, j, p, *_: (n, 0, j, p))
   f32 = jnp.float32
-  kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc,
-                             interpret=interpret)
+  exact_bf16 = bf16_products and v.dtype == beta.dtype == jnp.bfloat16
+  kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc, split=split,
+                             exact_bf16=exact_bf16, interpret=interpret)
   params = None if interpret else plgpu_triton.CompilerParams(
       num_warps=num_warps, num_stages=num_stages)
   return pl.pallas_call(
-      kernel, grid=(bh, vp // block_v),
-      in_specs=[pl.BlockSpec((None, tp, kp), lambda n, j: (n, 0, 0)), seq_v, seq_v,
-                pl.BlockSpec((None, tp), lambda n, j: (n, 0)),
-                pl.BlockSpec((None, nc), lambda n, j: (n, 0)), state, state],
+      kernel, grid=grid,
+      in_specs=[seq_k, seq_v, seq_v,
+                pl.BlockSpec((None, tp), lambda n, *_: (n, 0)),
+                pl.BlockSpec((None, nc), lambda n, *_: (n, 0)), state, state],
       out_specs=[starts, starts, state, state],
       out_shape=[jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
       + [jax.ShapeDtypeStruct((bh, vp, kp), f32)] * 2,

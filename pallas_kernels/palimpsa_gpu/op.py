@@ -61,6 +61,10 @@ class Config:
   # Boundary kernel: Triton software pipelining of its chunk loop. Forward walk: loop
   # bodies ahead that its rows are loaded. 3 stages and 2 bodies were no faster (run 12).
   num_stages_boundary: int = 2
+  # Boundary kernel: M and Ibar in separate programs; with bfloat16 v and beta, chunk
+  # writes as exact bfloat16 tensor-core products instead of 3xTF32 (run 14: 1.7-2.5x).
+  split_boundary: bool = True
+  boundary_bf16: bool = True
   prefetch: int = 1
 
   @property
@@ -113,8 +117,8 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   vp = round_up(vdim, _DIM_MULTIPLE)
   # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4 and 11). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
-  # kernel: 32- or 64-column parts where K splits so, else K padded to a power of two
-  # (K=48: one 64-column part beat three of 16). Backward walk: K padded to a power
+  # kernel (run 14): one program per K-part of 16 or 32 columns (no padding) and V-tile
+  # of up to 2048 entries, a warp per 512 entries. Backward walk: K padded to a power
   # of two (in 8-column parts at K=16), single-warp programs over ~512 entries with
   # sub-chunks of 4 steps; at K padded to 64, ~1024 entries with sub-chunks of 2
   # (1.05x fwd+bwd at D170 and M170 in run 11; within 0.5% at K=128).
@@ -122,17 +126,18 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   kp2 = next_power_of_two(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
   num_warps = 2 if k_part == 32 else 1
-  k_part_boundary = largest if largest >= 32 else kp2
+  k_part_boundary = min(largest, 32)
+  block_v_boundary = _block_v(vp, k_part_boundary, 2048, minimum=16)
   k_part_bwd = 8 if kp == 16 else kp2
   wide_bwd = kp2 == 64 and _block_v(vp, kp2, 1024) * kp2 == 1024
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=forward_block_v(vp, k_part, num_warps),
                 block_v_bwd=_block_v(vp, kp2, 1024 if wide_bwd else 512),
-                block_v_boundary=_block_v(vp, round_up(kp, k_part_boundary), 2048,
-                                          minimum=16),
+                block_v_boundary=block_v_boundary,
                 k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
                 unroll=2, sub=2 if wide_bwd else 4, groups_bwd=1,
                 num_warps=num_warps, num_warps_bwd=1,
+                num_warps_boundary=max(1, block_v_boundary * k_part_boundary // 512),
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
@@ -182,8 +187,10 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   m_starts, b_starts, m_final, b_final = boundary.boundary_states(
       _pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0,
-      chunk=cfg.chunk, block_v=cfg.block_v_boundary, num_warps=cfg.num_warps_boundary,
-      num_stages=cfg.num_stages_boundary, interpret=cfg.interpret)
+      chunk=cfg.chunk, block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
+      split=cfg.split_boundary, bf16_products=cfg.boundary_bf16,
+      num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
+      interpret=cfg.interpret)
   outs = walk.walk_forward(
       qh, kh, vh, betah, gates.step, _ip_row(ip, qh.shape[-1]), m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch,

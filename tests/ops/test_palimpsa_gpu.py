@@ -57,8 +57,9 @@ def test_declines_compiled_call_without_nvidia_gpu():
 def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) agree.
 
-  At K=48 the default pads K to 64 for the boundary kernel and the backward walk; the
-  variant walks all three stages in 16-column parts without padding.
+  At K=48 the default pads K to 64 for the backward walk; the variant walks all three
+  stages in 16-column parts without padding, and one boundary program walks both M and
+  Ibar (the default splits them).
   """
   shape = (1, 40, 1, k_dim, 48)
   keys = jax.random.split(jax.random.PRNGKey(0), 8)
@@ -75,12 +76,12 @@ def test_tile_variants_agree(k_dim):
                             chunk_size=16, interpret=True)
   if k_dim == 48:
     # K=48 pads to 64 in the backward, which then takes ~1024-entry V-tiles, sub-chunks of 2.
-    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 64, 64)
+    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 64)
     assert (base.block_v_bwd, base.sub) == (16, 2)
   variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
-                                k_part_bwd=16)
-  assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim)
+                                split_boundary=False, k_part_bwd=16)
+  assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim) and base.split_boundary
 
   def grads(cfg):
     def loss(*a):
@@ -114,6 +115,34 @@ def test_saved_boundary_states_fit_the_residual_budget():
   np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
   # (its K=8 and V=20 are padded to 16 and 32).
+
+
+def test_bf16_chunk_writes_match_float32_products():
+  """bfloat16 v, beta: chunk writes as exact bf16 products of a 3-term split of w * k^p.
+
+  The final state (float32) must agree with float32 products to float32 accuracy.
+  """
+  b, t, h, kd, vd = 1, 256, 2, 48, 32
+  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  bf16 = jnp.bfloat16
+  q = (jax.random.normal(keys[0], (b, t, h, kd)) / 4).astype(bf16)
+  k = (jax.random.normal(keys[1], (b, t, h, kd)) / 4).astype(bf16)
+  v = jax.random.normal(keys[2], (b, t, h, vd)).astype(bf16)
+  beta = jax.random.uniform(keys[3], (b, t, h, vd)).astype(bf16)
+  log_alpha = -jax.random.uniform(keys[4], (b, t, h)) * 0.1
+  ip = jnp.ones((h,))
+  state = (jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)))
+  base = gpu_op.make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
+                            interpret=True)
+  assert base.boundary_bf16
+
+  def final_state(cfg):
+    return gpu_op._palimpsa(cfg, q, k, v, beta, log_alpha, ip, *state, None)[2:]
+
+  split = final_state(base)
+  full = final_state(dataclasses.replace(base, boundary_bf16=False))
+  for a, b_ in zip(split, full):
+    np.testing.assert_allclose(a, b_, rtol=2e-6, atol=2e-6 * float(jnp.max(jnp.abs(b_))))
 
 
 @pytest.mark.parametrize("num_chunks, k_width", [(8, 48), (6, 16), (3, 32)])
