@@ -68,17 +68,17 @@ def _stage_args(cfg, args):
 
 def _boundary_fn(cfg):
   return jax.jit(functools.partial(
-      boundary.boundary_states, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
-      k_part=cfg.k_part_boundary, split=cfg.split_boundary,
-      bf16_products=cfg.boundary_bf16, num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
-      interpret=False))
+      boundary.boundary_states, heads=None, chunk=cfg.chunk,
+      block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary, split=cfg.split_boundary,
+      bf16_products=cfg.boundary_bf16, num_warps=cfg.num_warps_boundary,
+      num_stages=cfg.num_stages_boundary, interpret=False))
 
 
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
-      walk.walk_forward, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-      prefetch=cfg.prefetch, k_part=cfg.k_part, with_var=False, out_dtype=dtype,
-      num_warps=cfg.num_warps, interpret=False))
+      walk.walk_forward, heads=cfg.h, caller_rows=False, chunk=cfg.chunk,
+      block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch, k_part=cfg.k_part,
+      with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
 
 
 def _backward_walk_fn(cfg):

@@ -30,6 +30,20 @@ def k_parts(width: int, k_part: int) -> list[pl.Slice]:
   return [pl.ds(i * k_part, k_part) for i in range(width // k_part)]
 
 
+def bf16_terms(y: jax.Array, n: int = 3) -> list[jax.Array]:
+  """float32 y as n bfloat16 terms, largest first, whose sum is y to about 8n bits.
+
+  Three terms carry float32's 24: a product of an exactly-bfloat16 x with y then runs
+  as three bfloat16 tensor-core products (exact, float32 accumulation).
+  """
+  terms = []
+  for _ in range(n):
+    t = y.astype(jnp.bfloat16)
+    terms.append(t)
+    y = y - t.astype(jnp.float32)
+  return terms
+
+
 def fast_reciprocal(x: jax.Array, *, interpret: bool) -> jax.Array:
   """1/x for float32 x > 0 inside a Triton kernel (rcp.approx.ftz: <= 1 ulp).
 

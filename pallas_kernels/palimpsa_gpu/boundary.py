@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.common import k_parts, largest_power_of_two_dividing
+from pallas_kernels.common import bf16_terms, k_parts, largest_power_of_two_dividing
+from pallas_kernels.palimpsa_gpu import layout
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -89,16 +90,6 @@ def _dot_t(x, y, precision):
                              preferred_element_type=jnp.float32)
 
 
-def _bf16_terms(y: jax.Array, n: int = 3) -> list[jax.Array]:
-  """y (float32) as n bfloat16 terms whose sum is y to about 8n bits."""
-  terms = []
-  for _ in range(n):
-    t = y.astype(jnp.bfloat16)
-    terms.append(t)
-    y = y - t.astype(jnp.float32)
-  return terms
-
-
 def _chunk_write(x, y, *, exact_bf16: bool, interpret: bool):
   """x^T y [BV, Kpart] float32-accurate, for x [C, BV] (input dtype), y [C, Kpart] f32.
 
@@ -107,7 +98,7 @@ def _chunk_write(x, y, *, exact_bf16: bool, interpret: bool):
   accumulation); otherwise one 3xTF32 dot.
   """
   if exact_bf16:
-    terms = _bf16_terms(y)
+    terms = bf16_terms(y)
     return sum(_dot_t(x, t, None) for t in reversed(terms))
   return _dot_t(x.astype(jnp.float32), y, dot_precision(interpret))
 
@@ -148,15 +139,17 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
       walk(*(pair[which:which + 1] for pair in both))
 
 
-def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
-                    block_v: int, k_part: int, split: bool, bf16_products: bool,
-                    num_warps: int, num_stages: int, interpret: bool):
+def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int | None,
+                    chunk: int, block_v: int, k_part: int, split: bool,
+                    bf16_products: bool, num_warps: int, num_stages: int,
+                    interpret: bool):
   """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
 
   Grid (batch*head, V-tile, K-part[, state]): each program walks the chunks in order.
 
   Args:
-    k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; to_end: [BH, Tp]; chunk_gate: [BH, NC];
+    k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp] (with heads: [B, Tp, H, Kp],
+    [B, Tp, H, Vp], the caller's layout); to_end: [BH, Tp]; chunk_gate: [BH, NC];
     m0, b0: [BH, Vp, Kp] initial state.
     block_v, k_part: V-tile and K-part (powers of two dividing Vp and Kp).
     split: M and Ibar in separate programs (fewer registers, twice the programs).
@@ -167,12 +160,12 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, chunk: int,
   Returns:
     m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
   """
-  bh, tp, kp = k.shape
-  vp = v.shape[-1]
+  bh, tp = to_end.shape
+  kp, vp = k.shape[-1], v.shape[-1]
   nc = tp // chunk
   grid = (bh, vp // block_v, kp // k_part) + ((2,) if split else ())
-  seq_k = pl.BlockSpec((None, tp, k_part), lambda n, j, p, *_: (n, 0, p))
-  seq_v = pl.BlockSpec((None, tp, block_v), lambda n, j, p, *_: (n, 0, j))
+  seq_k = layout.rows_spec(heads, tp, k_part, lambda n, j, p, *_: (n, 0, p))
+  seq_v = layout.rows_spec(heads, tp, block_v, lambda n, j, p, *_: (n, 0, j))
   state = pl.BlockSpec((None, block_v, k_part), lambda n, j, p, *_: (n, j, p))
   starts = pl.BlockSpec((None, nc, block_v, k_part), lambda n, j, p, *_: (n, 0, j, p))
   f32 = jnp.float32

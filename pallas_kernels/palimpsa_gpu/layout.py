@@ -6,10 +6,11 @@ Padding is exact: padded steps have gate 1 and zero writes, padded K/V entries s
 the prior and are read out with zero queries.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 
 class Gates(NamedTuple):
@@ -34,6 +35,31 @@ def to_head_major(x: jax.Array, t_pad: int, d_pad: int, dtype=None) -> jax.Array
   if dtype is not None:
     x = x.astype(dtype)
   return jnp.pad(x, ((0, 0), (0, t_pad), (0, d_pad)))
+
+
+def pad_rows(x: jax.Array, t_pad: int, d_pad: int) -> jax.Array:
+  """[B, T, H, D] -> [B, T + t_pad, H, D + d_pad] (zero padding; no copy without any)."""
+  if not (t_pad or d_pad):
+    return x
+  return jnp.pad(x, ((0, 0), (0, t_pad), (0, 0), (0, d_pad)))
+
+
+def rows_spec(heads: int | None, t_block: int, d_block: int,
+              index: Callable[..., tuple]) -> pl.BlockSpec:
+  """BlockSpec of a [t_block, d_block] block of rows of one batch*head.
+
+  heads=None: the array is head-major [BH, Tp, D]; otherwise it is in the caller's layout
+  [B, Tp, H, D] and batch*head n is batch n // heads, head n % heads.
+  index(*program ids) -> (n, block index along T, block index along D).
+  """
+  if heads is None:
+    return pl.BlockSpec((None, t_block, d_block), index)
+
+  def caller(*ids):
+    n, t, d = index(*ids)
+    return n // heads, t, n % heads, d
+
+  return pl.BlockSpec((None, t_block, None, d_block), caller)
 
 
 def from_head_major(x: jax.Array, b: int, h: int, t: int, d: int) -> jax.Array:

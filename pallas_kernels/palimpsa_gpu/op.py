@@ -65,6 +65,9 @@ class Config:
   # writes as exact bfloat16 tensor-core products instead of 3xTF32 (run 14: 1.7-2.5x).
   split_boundary: bool = True
   boundary_bf16: bool = True
+  # The forward kernels read q, k, v, beta in the caller's layout [B, T, H, D] instead
+  # of head-major copies.
+  caller_rows: bool = False
   prefetch: int = 1
 
   @property
@@ -185,21 +188,29 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   qh, kh, vh, betah, gates, ip = _prepare(
       cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids)
   m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
+  if cfg.caller_rows:  # The forward kernels read the caller's layout (padded).
+    heads = cfg.h
+    q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
+    v_rows, beta_rows = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta))
+    k_bound = layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k)
+  else:  # Their head-major copies (also what the backward reads).
+    heads, q_rows, k_rows, v_rows, beta_rows = None, qh, kh, vh, betah
+    k_bound = _pad_k(kh, cfg.k_boundary)
   m_starts, b_starts, m_final, b_final = boundary.boundary_states(
-      _pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0,
+      k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0, heads=heads,
       chunk=cfg.chunk, block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
       split=cfg.split_boundary, bf16_products=cfg.boundary_bf16,
       num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
       interpret=cfg.interpret)
   outs = walk.walk_forward(
-      qh, kh, vh, betah, gates.step, _ip_row(ip, qh.shape[-1]), m_starts, b_starts,
-      chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch,
-      k_part=cfg.k_part, with_var=cfg.return_variance, out_dtype=v.dtype,
-      num_warps=cfg.num_warps, interpret=cfg.interpret)
-  out = layout.from_head_major(outs[0], cfg.b, cfg.h, cfg.t, cfg.v)
-  var_h = outs[1] if cfg.return_variance else None
-  var = (layout.from_head_major(var_h, cfg.b, cfg.h, cfg.t, cfg.v)
-         if cfg.return_variance else None)
+      q_rows, k_rows, v_rows, beta_rows, gates.step, _ip_row(ip, qh.shape[-1]), m_starts,
+      b_starts, heads=cfg.h, caller_rows=cfg.caller_rows, chunk=cfg.chunk,
+      block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch, k_part=cfg.k_part,
+      with_var=cfg.return_variance, out_dtype=v.dtype, num_warps=cfg.num_warps,
+      interpret=cfg.interpret)
+  # The walk writes [B, Tp, H, Vp]: the caller's layout, padded.
+  out = outs[0][:, :cfg.t, :, :cfg.v]
+  var = outs[1][:, :cfg.t, :, :cfg.v] if cfg.return_variance else None
   i_final = b_final + ip[:, None, None]
   mu_final = layout.state_from_head_major(m_final / i_final, cfg.b, cfg.h, cfg.v,
                                           cfg.k)
@@ -209,7 +220,7 @@ def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
   # batch-head; the backward pads them again.
   unpad = lambda x: x[..., :cfg.v, :cfg.k]
   residuals = (qh, kh, vh, betah, gates, ip, unpad(m_starts), unpad(b_starts),
-               unpad(m_final), unpad(b_final), var_h, initial_mu, initial_precision)
+               unpad(m_final), unpad(b_final), var, initial_mu, initial_precision)
   return (out, var, mu_final, prec_final), residuals
 
 
@@ -235,7 +246,7 @@ def _segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
 
 
 def _backward(cfg: Config, residuals, cotangents):
-  (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var_h,
+  (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var,
    initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
   # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior).
@@ -288,7 +299,9 @@ def _backward(cfg: Config, residuals, cotangents):
   m_term = -ip[:, None] * s - jnp.sum(vh.astype(f32) * dv, -1) - jnp.sum(
       betah.astype(f32) * dbeta, -1)
   if cfg.return_variance:
-    m_term = m_term - jnp.sum(dvarh * var_h, -1)
+    var_term = jnp.sum(d_var.astype(f32) * var, -1)  # [B, T, H]
+    var_term = jnp.transpose(var_term, (0, 2, 1)).reshape(bh, cfg.t)
+    m_term = m_term - jnp.pad(var_term, ((0, 0), (0, cfg.t_pad)))
   final_term = jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2))
   m_term = m_term.at[:, -1].add(final_term)
   dla = _segmented_reverse_cumsum(m_term, gates.reset)

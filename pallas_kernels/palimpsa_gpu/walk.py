@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.common import fast_reciprocal, fma, k_parts
+from pallas_kernels.palimpsa_gpu import layout
 
 
 def _params(num_warps: int, interpret: bool):
@@ -83,30 +84,34 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
   jax.lax.fori_loop(0, chunk // unroll, steps, initial)
 
 
-def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
-                 block_v: int, unroll: int, prefetch: int, k_part: int, with_var: bool,
-                 out_dtype, num_warps: int, interpret: bool):
-  """Readouts of every step.
+def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, heads: int,
+                 caller_rows: bool, chunk: int, block_v: int, unroll: int, prefetch: int,
+                 k_part: int, with_var: bool, out_dtype, num_warps: int, interpret: bool):
+  """Readouts of every step, written in the caller's layout.
 
   Args:
-    q, k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp]; a: [BH, Tp] step gates;
+    q, k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp] (or [B, Tp, H, Kp], [B, Tp, H, Vp] with
+    caller_rows); a: [BH, Tp] step gates;
     ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Ks] with
     Ks >= Kp (columns past Kp are padding and not read).
+    heads: H (batch*head n is batch n // H, head n % H).
     k_part: width of the K-parts (a power of two dividing Kp).
     unroll: steps per loop body; prefetch: bodies ahead that rows are loaded.
 
   Returns:
-    [out [BH, Tp, Vp] out_dtype] + ([var [BH, Tp, Vp] f32] if with_var).
+    [out [B, Tp, H, Vp] out_dtype] + ([var [B, Tp, H, Vp] f32] if with_var).
   """
-  bh, tp, kp = q.shape
-  vp, k_state = v.shape[-1], m_starts.shape[-1]
+  bh, tp = a.shape
+  kp, vp, k_state = q.shape[-1], v.shape[-1], m_starts.shape[-1]
   nc, nv = tp // chunk, vp // block_v
-  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, j: (n, c, 0))
-  row_v = pl.BlockSpec((None, chunk, block_v), lambda n, c, j: (n, c, j))
+  rows = functools.partial(layout.rows_spec, heads if caller_rows else None, chunk)
+  row_k = rows(kp, lambda n, c, j: (n, c, 0))
+  row_v = rows(block_v, lambda n, c, j: (n, c, j))
+  row_out = layout.rows_spec(heads, chunk, block_v, lambda n, c, j: (n, c, j))
   state = pl.BlockSpec((None, None, block_v, k_state), lambda n, c, j: (n, c, j, 0))
-  out_shape = [jax.ShapeDtypeStruct((bh, tp, vp), out_dtype)]
+  out_shape = [jax.ShapeDtypeStruct((bh // heads, tp, heads, vp), out_dtype)]
   if with_var:
-    out_shape.append(jax.ShapeDtypeStruct((bh, tp, vp), jnp.float32))
+    out_shape.append(jax.ShapeDtypeStruct((bh // heads, tp, heads, vp), jnp.float32))
   if prefetch < 1 or chunk < prefetch * unroll:
     raise ValueError(f"prefetch={prefetch} must be >= 1 with prefetch * unroll <= chunk "
                      f"(unroll={unroll}, chunk={chunk})")
@@ -118,7 +123,7 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, chunk: int,
       in_specs=[row_k, row_k, row_v, row_v,
                 pl.BlockSpec((None, chunk), lambda n, c, j: (n, c)),
                 pl.BlockSpec((None, kp), lambda n, c, j: (n, 0)), state, state],
-      out_specs=[row_v] * len(out_shape), out_shape=out_shape,
+      out_specs=[row_out] * len(out_shape), out_shape=out_shape,
       compiler_params=_params(num_warps, interpret), interpret=interpret,
       name="palimpsa_walk_forward",
   )(q, k, v, beta, a, ip_row, m_starts, b_starts)

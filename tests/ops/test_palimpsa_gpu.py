@@ -58,8 +58,8 @@ def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) agree.
 
   At K=48 the default pads K to 64 for the backward walk; the variant walks all three
-  stages in 16-column parts without padding, and one boundary program walks both M and
-  Ibar (the default splits them).
+  stages in 16-column parts without padding, one boundary program walks both M and Ibar
+  (the default splits them), and the forward kernels read the caller's layout.
   """
   shape = (1, 40, 1, k_dim, 48)
   keys = jax.random.split(jax.random.PRNGKey(0), 8)
@@ -80,7 +80,7 @@ def test_tile_variants_agree(k_dim):
     assert (base.block_v_bwd, base.sub) == (16, 2)
   variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
-                                split_boundary=False, k_part_bwd=16)
+                                split_boundary=False, k_part_bwd=16, caller_rows=True)
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim) and base.split_boundary
 
   def grads(cfg):
@@ -190,6 +190,7 @@ def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
   x = jnp.zeros((1, 16, 16))
   with pytest.raises(ValueError, match="prefetch=0"):
     walk.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
-                      jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), chunk=16,
-                      block_v=16, unroll=2, prefetch=0, k_part=16, with_var=False,
-                      out_dtype=jnp.float32, num_warps=1, interpret=True)
+                      jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), heads=1,
+                      caller_rows=False, chunk=16, block_v=16, unroll=2, prefetch=0,
+                      k_part=16, with_var=False, out_dtype=jnp.float32, num_warps=1,
+                      interpret=True)
