@@ -162,6 +162,8 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int | None
   """
   bh, tp = to_end.shape
   kp, vp = k.shape[-1], v.shape[-1]
+  if vp % block_v or kp % k_part:
+    raise ValueError(f"block_v={block_v} must divide V={vp} and k_part={k_part} K={kp}")
   nc = tp // chunk
   grid = (bh, vp // block_v, kp // k_part) + ((2,) if split else ())
   seq_k = layout.rows_spec(heads, tp, k_part, lambda n, j, p, *_: (n, 0, p))

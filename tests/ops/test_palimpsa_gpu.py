@@ -59,7 +59,8 @@ def test_tile_variants_agree(k_dim):
 
   At K=48 the default pads K to 64 for the backward walk; the variant walks all three
   stages in 16-column parts without padding, one boundary program walks both M and Ibar
-  (the default splits them), and the forward kernels read the caller's layout.
+  (the default splits them), and the forward kernels read head-major copies (the default
+  reads the caller's layout).
   """
   shape = (1, 40, 1, k_dim, 48)
   keys = jax.random.split(jax.random.PRNGKey(0), 8)
@@ -80,7 +81,7 @@ def test_tile_variants_agree(k_dim):
     assert (base.block_v_bwd, base.sub) == (16, 2)
   variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
-                                split_boundary=False, k_part_bwd=16, caller_rows=True)
+                                split_boundary=False, k_part_bwd=16, caller_rows=False)
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim) and base.split_boundary
 
   def grads(cfg):
