@@ -1,10 +1,10 @@
 """Exact Palimpsa on NVIDIA GPUs: chunk-boundary matmuls + Pallas chunk walks.
 
-Forward: (1) one Pallas kernel per (batch*head, V-tile) adds each chunk's write to the
-linear state (M = mu*I, Ibar = I - Ip) as tensor-core matmuls, sequentially over
-chunks, giving the boundary states (saved for the backward); (2) a Pallas kernel
-over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out
-at every step.
+Forward: (1) one Pallas kernel per (batch*head, V-tile, K-part, M or Ibar) adds each
+chunk's write to the linear state (M = mu*I, Ibar = I - Ip) as tensor-core matmuls,
+sequentially over chunks, giving the boundary states (saved for the backward); (2) a
+Pallas kernel over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and
+reading out at every step. Both read the inputs in the caller's [B, T, H, D] layout.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas) with
 zero adjoint from later chunks, scan the adjoint carries over chunks (Pallas), add the
 carries' contributions as matmuls (XLA); dlog_alpha from the identity
@@ -118,7 +118,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, _DIM_MULTIPLE)
-  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4 and 11). Forward walk:
+  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4, 11, 14). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel (run 14): one program per K-part of 16 or 32 columns (no padding) and V-tile
   # of up to 2048 entries, a warp per 512 entries. Backward walk: K padded to a power

@@ -1,7 +1,8 @@
 """Pallas (Triton) kernels that walk the steps of one chunk.
 
 Forward: grid (B*H, chunk, V-tile); each program starts from its chunk-boundary state
-[BV, Kp] (float32, in registers) and steps through the chunk one token at a time.
+[BV, Kp] (float32, in registers) and steps through the chunk one token at a time,
+reading rows head-major or in the caller's layout and writing readouts as [B, T, H, V].
 Backward: grid (B*H, chunk, V-tile group); each program loops over its V-tiles,
 recomputes the states of its chunk sub-chunk by sub-chunk (sub-chunk start states go
 through a per-program scratch output; a sub-chunk's rows are loaded once for its
@@ -45,12 +46,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
                     *out_refs, chunk, unroll, prefetch, k_part, with_var, interpret):
   """Walks one chunk for one V-tile, writing readouts (and variances).
 
-  The state [BV, Kp] is held as K-parts ([BV, k_part] each) in registers.
+  The state [BV, Kp] is held as K-parts ([BV, k_part] each) in registers: M and the
+  precision I itself (Ibar + Ip), so that I_t = a I + ((1 - a) Ip + beta k^2) is two
+  FMAs and r = 1 / I needs no add.
   """
   out_ref = out_refs[0]
   var_ref = out_refs[1] if with_var else None
   parts = k_parts(k_ref.shape[-1], k_part)
-  ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
+  ip = ip_ref[0].astype(jnp.float32)  # The head's prior precision (every column holds it).
 
   def row(ref, t, p):
     return ref[t, p].astype(jnp.float32)[None, :]
@@ -71,15 +74,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
         load(jnp.minimum(t0 + prefetch * unroll, chunk - unroll))]
     for s, (ks, qs, v, beta, a) in enumerate(rows):
       ms = [fma(a, m, v * k, interpret=interpret) for m, k in zip(ms, ks)]
-      bs = [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)]
-      rs = [fast_reciprocal(b + ip, interpret=interpret) for b, ip in zip(bs, ips)]
+      prior = (1.0 - a) * ip
+      bs = [fma(a, b, fma(beta, k * k, prior, interpret=interpret), interpret=interpret)
+            for b, k in zip(bs, ks)]
+      rs = [fast_reciprocal(b, interpret=interpret) for b in bs]
       out = _total([jnp.sum(m * r * q, axis=1) for m, r, q in zip(ms, rs, qs)])
       out_ref[t0 + s, :] = out.astype(out_ref.dtype)
       if with_var:
         var_ref[t0 + s, :] = _total([jnp.sum(r * (q * q), axis=1) for r, q in zip(rs, qs)])
     return ms, bs, queue
 
-  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] for p in parts],
+  initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] + ip for p in parts],
              [load(j * unroll) for j in range(prefetch)])
   jax.lax.fori_loop(0, chunk // unroll, steps, initial)
 
