@@ -1,7 +1,9 @@
-"""Head-major, padded layout and chunk gates shared by the forward and backward.
+"""Padded layouts and chunk gates shared by the forward and backward.
 
-Inputs arrive as [B, T, H, D]; the kernels work on [B*H, Tp, Dp] with Tp a multiple of
-the chunk size and K, V padded to multiples of 16.
+Inputs arrive as [B, T, H, D]. The kernels index one batch*head n with Tp a multiple of
+the chunk size and K, V padded to multiples of 16: the forward kernels read the caller's
+layout padded ([B, Tp, H, Dp], `pad_rows`, `rows_spec`), the backward head-major copies
+([B*H, Tp, Dp], `to_head_major`).
 Padding is exact: padded steps have gate 1 and zero writes, padded K/V entries stay at
 the prior and are read out with zero queries.
 """
