@@ -56,9 +56,12 @@ def _stage_args(cfg, args):
   qh, kh, vh, betah, gates, ipv = jax.jit(
       lambda *a: gpu_op._prepare(cfg, *a, None))(q, k, v, beta, la, ip)
   m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
-  bnd = (gpu_op._pad_k(kh, cfg.k_boundary), vh, betah, gates.to_end, gates.chunk, m0, b0)
+  q_rows, k_rows, v_rows, beta_rows, k_bound = gpu_op.forward_rows(
+      cfg, (q, k, v, beta), (qh, kh, vh, betah))
+  bnd = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
   ms, bs, _, _ = _boundary_fn(cfg)(*bnd)
-  fwd = (qh, kh, vh, betah, gates.step, gpu_op._ip_row(ipv, qh.shape[-1]), ms, bs)
+  fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step,
+         gpu_op._ip_row(ipv, cfg.k + cfg.k_pad), ms, bs)
   kw = cfg.k_bwd
   to_bwd = lambda x: gpu_op._pad_state(cfg, x[..., :cfg.v, :cfg.k], kw)
   bwd = (gpu_op._pad_k(qh, kw), gpu_op._pad_k(kh, kw), vh, betah, gates.step,
@@ -68,7 +71,7 @@ def _stage_args(cfg, args):
 
 def _boundary_fn(cfg):
   return jax.jit(functools.partial(
-      boundary.boundary_states, heads=None, chunk=cfg.chunk,
+      boundary.boundary_states, heads=cfg.row_heads, chunk=cfg.chunk,
       block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary, split=cfg.split_boundary,
       bf16_products=cfg.boundary_bf16, num_warps=cfg.num_warps_boundary,
       num_stages=cfg.num_stages_boundary, interpret=False))
@@ -76,7 +79,7 @@ def _boundary_fn(cfg):
 
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
-      walk.walk_forward, heads=cfg.h, caller_rows=False, chunk=cfg.chunk,
+      walk.walk_forward, heads=cfg.h, caller_rows=cfg.caller_rows, chunk=cfg.chunk,
       block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch, k_part=cfg.k_part,
       with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
 

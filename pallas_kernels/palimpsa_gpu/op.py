@@ -71,6 +71,11 @@ class Config:
   prefetch: int = 1
 
   @property
+  def row_heads(self) -> int | None:
+    """`heads` of the forward kernels' row BlockSpecs: H for the caller's layout."""
+    return self.h if self.caller_rows else None
+
+  @property
   def t_pad(self) -> int:
     return round_up(self.t, self.chunk) - self.t
 
@@ -185,27 +190,38 @@ def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip, k_widt
   return _pad_state(cfg, m0, k_width), _pad_state(cfg, i0 - ip[:, None, None], k_width)
 
 
+def forward_rows(cfg: Config, caller, head_major):
+  """The rows the forward kernels read: (q, k, v, beta, k padded to k_boundary).
+
+  caller: (q, k, v, beta) as [B, T, H, D]; head_major: their `_prepare` copies.
+  With cfg.caller_rows the caller's layout padded, else the head-major copies (what
+  the backward reads); cfg.row_heads tells the kernels which.
+  """
+  if not cfg.caller_rows:
+    qh, kh, vh, betah = head_major
+    return qh, kh, vh, betah, _pad_k(kh, cfg.k_boundary)
+  q, k, v, beta = caller
+  q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
+  v_rows, beta_rows = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta))
+  return (q_rows, k_rows, v_rows, beta_rows,
+          layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k))
+
+
 def _forward(cfg: Config, q, k, v, beta, log_alpha, prior_precision, initial_mu,
              initial_precision, segment_ids):
   qh, kh, vh, betah, gates, ip = _prepare(
       cfg, q, k, v, beta, log_alpha, prior_precision, segment_ids)
   m0, b0 = _initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
-  if cfg.caller_rows:  # The forward kernels read the caller's layout (padded).
-    heads = cfg.h
-    q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
-    v_rows, beta_rows = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta))
-    k_bound = layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k)
-  else:  # Their head-major copies (also what the backward reads).
-    heads, q_rows, k_rows, v_rows, beta_rows = None, qh, kh, vh, betah
-    k_bound = _pad_k(kh, cfg.k_boundary)
+  q_rows, k_rows, v_rows, beta_rows, k_bound = forward_rows(
+      cfg, (q, k, v, beta), (qh, kh, vh, betah))
   m_starts, b_starts, m_final, b_final = boundary.boundary_states(
-      k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0, heads=heads,
+      k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0, heads=cfg.row_heads,
       chunk=cfg.chunk, block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
       split=cfg.split_boundary, bf16_products=cfg.boundary_bf16,
       num_warps=cfg.num_warps_boundary, num_stages=cfg.num_stages_boundary,
       interpret=cfg.interpret)
   outs = walk.walk_forward(
-      q_rows, k_rows, v_rows, beta_rows, gates.step, _ip_row(ip, qh.shape[-1]), m_starts,
+      q_rows, k_rows, v_rows, beta_rows, gates.step, _ip_row(ip, cfg.k + cfg.k_pad), m_starts,
       b_starts, heads=cfg.h, caller_rows=cfg.caller_rows, chunk=cfg.chunk,
       block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch, k_part=cfg.k_part,
       with_var=cfg.return_variance, out_dtype=v.dtype, num_warps=cfg.num_warps,
