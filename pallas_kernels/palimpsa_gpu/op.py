@@ -155,9 +155,10 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
 
 
 def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids):
-  tp, kp, vp = cfg.t_pad, cfg.k_pad, cfg.v_pad
-  qh = layout.to_head_major(q, tp, kp)
-  kh = layout.to_head_major(k, tp, kp)
+  """Head-major copies of q, k, v, beta for the backward walk (q, k at its width)."""
+  tp, vp = cfg.t_pad, cfg.v_pad
+  qh = layout.to_head_major(q, tp, cfg.k_bwd - cfg.k)
+  kh = layout.to_head_major(k, tp, cfg.k_bwd - cfg.k)
   vh = layout.to_head_major(v, tp, vp)
   betah = layout.to_head_major(beta, tp, vp)
   gates = layout.make_gates(log_alpha, segment_ids, cfg.h, tp, cfg.chunk)
@@ -199,6 +200,7 @@ def forward_rows(cfg: Config, caller, head_major):
   """
   if not cfg.caller_rows:
     qh, kh, vh, betah = head_major
+    qh, kh = qh[..., :cfg.k + cfg.k_pad], kh[..., :cfg.k + cfg.k_pad]
     return qh, kh, vh, betah, _pad_k(kh, cfg.k_boundary)
   q, k, v, beta = caller
   q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
@@ -267,16 +269,17 @@ def _backward(cfg: Config, residuals, cotangents):
   (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var,
    initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
-  # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior).
+  # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior):
+  # q and k come at that width, the walk reads the boundary states' columns past K as
+  # zeros (padded here only to a multiple of 16, which K usually is).
   kw = cfg.k_bwd
-  qh, kh = _pad_k(qh, kw), _pad_k(kh, kw)
-  m_starts, b_starts = _pad_state(cfg, m_starts, kw), _pad_state(cfg, b_starts, kw)
+  m_starts, b_starts = (_pad_state(cfg, x, cfg.k + cfg.k_pad) for x in (m_starts, b_starts))
   m_final, b_final = _pad_state(cfg, m_final, kw), _pad_state(cfg, b_final, kw)
   f32 = jnp.float32
   bh, tp, kp = qh.shape
   vp = vh.shape[-1]
   nc = tp // cfg.chunk
-  doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad, f32)
+  doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad)
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
   dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(

@@ -175,8 +175,19 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
         ms, bs = advance(ms, bs, load_rows(j * sub + s))
       return ms, bs
 
-    jax.lax.fori_loop(0, n_sub, forward, ([m0_ref[cols, p] for p in parts],
-                                          [b0_ref[cols, p] for p in parts]))
+    def start_state(ref, p):
+      """ref[cols, p], zero in the columns past the saved states' width."""
+      width = ref.shape[-1]
+      if p.start + p.size <= width:
+        return ref[cols, p]
+      if p.start:  # Pallas masks a slice past the end only from 0.
+        raise ValueError(f"a K-part from column {p.start} runs past the states' {width}")
+      inside = jax.lax.broadcasted_iota(jnp.int32, (1, p.size), 1) < width
+      return plgpu_triton.load(ref.at[cols, p], mask=inside, other=0.0)
+
+    jax.lax.fori_loop(0, n_sub, forward, (
+        [start_state(m0_ref, p) for p in parts],
+        [start_state(b0_ref, p) for p in parts]))
     _barrier(interpret)
 
     def backward(i, carry):
@@ -258,7 +269,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
 
   Args:
     q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
-    a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
+    a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Ks], Ks <= Kp
+    (columns past Ks read as zero: the padding's states stay at the prior).
     k_part: width of the K-parts (a power of two dividing Kp).
 
   Returns:
@@ -278,6 +290,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
   row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g: (n, c, 0))
   part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, g: (g, n, c, 0))
   state = pl.BlockSpec((None, None, vp, kp), lambda n, c, g: (n, c, 0, 0))
+  start = pl.BlockSpec((None, None, vp, m_starts.shape[-1]), lambda n, c, g: (n, c, 0, 0))
   scratch = pl.BlockSpec((None, None, None, chunk // sub, block_v, kp),
                          lambda n, c, g: (n, c, g, 0, 0, 0))
   f32 = jnp.float32
@@ -294,7 +307,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
       in_specs=[row_k, row_k, row_v, row_v,
                 pl.BlockSpec((None, chunk), lambda n, c, g: (n, c)),
                 pl.BlockSpec((None, kp), lambda n, c, g: (n, 0)),
-                row_v, dvar_spec, state, state],
+                row_v, dvar_spec, start, start],
       out_specs=[part_k, part_k, row_v, row_v,
                  pl.BlockSpec((None, None, chunk), lambda n, c, g: (g, n, c)),
                  state, state, scratch, scratch],
