@@ -195,8 +195,9 @@ def forward_rows(cfg: Config, caller, head_major):
   """The rows the forward kernels read: (q, k, v, beta, k padded to k_boundary).
 
   caller: (q, k, v, beta) as [B, T, H, D]; head_major: their `_prepare` copies.
-  With cfg.caller_rows the caller's layout padded, else the head-major copies (what
-  the backward reads); cfg.row_heads tells the kernels which.
+  With cfg.caller_rows the caller's layout padded, else the head-major copies the
+  backward reads (q and k cut to the forward's width); cfg.row_heads tells the kernels
+  which.
   """
   if not cfg.caller_rows:
     qh, kh, vh, betah = head_major
