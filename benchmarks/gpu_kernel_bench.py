@@ -62,7 +62,7 @@ def _stage_args(cfg, args):
   ms, bs, _, _ = _boundary_fn(cfg)(*bnd)
   fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step,
          gpu_op._ip_row(ipv, cfg.k + cfg.k_pad), ms, bs)
-  to_bwd = lambda x: gpu_op._pad_state(cfg, x[..., :cfg.v, :cfg.k], cfg.k + cfg.k_pad)
+  to_bwd = lambda x: gpu_op.backward_starts(cfg, x[..., :cfg.v, :cfg.k])
   bwd = (qh, kh, vh, betah, gates.step, gpu_op._ip_row(ipv, cfg.k_bwd),
          jnp.ones(vh.shape, vh.dtype), to_bwd(ms), to_bwd(bs))
   return bnd, fwd, bwd

@@ -191,6 +191,15 @@ def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip, k_widt
   return _pad_state(cfg, m0, k_width), _pad_state(cfg, i0 - ip[:, None, None], k_width)
 
 
+def backward_starts(cfg: Config, saved: jax.Array) -> jax.Array:
+  """Saved boundary states [BH, NC, V, K] -> the backward walk's [BH, NC, Vp, K + k_pad].
+
+  K is padded only to a multiple of 16 (usually no copy): the walk reads the columns
+  past it, up to its own width, as zeros.
+  """
+  return _pad_state(cfg, saved, cfg.k + cfg.k_pad)
+
+
 def forward_rows(cfg: Config, caller, head_major):
   """The rows the forward kernels read: (q, k, v, beta, k padded to k_boundary).
 
@@ -271,10 +280,9 @@ def _backward(cfg: Config, residuals, cotangents):
    initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
   # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior):
-  # q and k come at that width, the walk reads the boundary states' columns past K as
-  # zeros (padded here only to a multiple of 16, which K usually is).
+  # q and k come at that width, the boundary states are read as zero past theirs.
   kw = cfg.k_bwd
-  m_starts, b_starts = (_pad_state(cfg, x, cfg.k + cfg.k_pad) for x in (m_starts, b_starts))
+  m_starts, b_starts = backward_starts(cfg, m_starts), backward_starts(cfg, b_starts)
   m_final, b_final = _pad_state(cfg, m_final, kw), _pad_state(cfg, b_final, kw)
   f32 = jnp.float32
   bh, tp, kp = qh.shape
