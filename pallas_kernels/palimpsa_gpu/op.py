@@ -69,6 +69,9 @@ class Config:
   # of head-major copies (run 14: forward 1.03-1.28x, fwd+bwd within 1%).
   caller_rows: bool = True
   prefetch: int = 1
+  # Backward walk: K-slices in separate programs (partial dv, dbeta, s summed by XLA).
+  k_split_bwd: int = 1
+  prefetch_bwd: bool = False
 
   @property
   def row_heads(self) -> int | None:
@@ -95,7 +98,7 @@ class Config:
   @property
   def k_bwd(self) -> int:
     """K width of the backward walk."""
-    return round_up(self.k + self.k_pad, self.k_part_bwd)
+    return round_up(self.k + self.k_pad, self.k_part_bwd * self.k_split_bwd)
 
 
 def _block_v(v_padded: int, k_padded: int, elements: int, minimum: int = 1) -> int:
@@ -126,26 +129,28 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4, 11, 14). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel (run 14): one program per K-part of 16 or 32 columns (no padding) and V-tile
-  # of up to 2048 entries, a warp per 512 entries. Backward walk: K padded to a power
-  # of two (in 8-column parts at K=16), single-warp programs over ~512 entries with
-  # sub-chunks of 4 steps; at K padded to 64, ~1024 entries with sub-chunks of 2
-  # (1.05x fwd+bwd at D170 and M170 in run 11; within 0.5% at K=128).
+  # of up to 2048 entries, a warp per 512 entries. Backward walk (run 16): single-warp
+  # programs over [16, 16] state tiles, K cut into 16-column slices (no padding),
+  # sub-chunks of 4 steps, one to three V-tiles per program (groups of at most 4); at
+  # K=16, 8-column parts over ~512 entries.
   largest = largest_power_of_two_dividing(kp)
-  kp2 = next_power_of_two(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
   # Two warps for 32-column parts, or where V lets the tile double (M170: 1.016x, run 14).
   num_warps = 2 if (k_part == 32 or forward_block_v(vp, k_part, 2)
                     > forward_block_v(vp, k_part, 1)) else 1
   k_part_boundary = min(largest, 32)
   block_v_boundary = _block_v(vp, k_part_boundary, 2048, minimum=16)
-  k_part_bwd = 8 if kp == 16 else kp2
-  wide_bwd = kp2 == 64 and _block_v(vp, kp2, 1024) * kp2 == 1024
+  if kp == 16:
+    k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 8, 1, _block_v(vp, kp, 512), 1
+  else:
+    k_part_bwd, k_split_bwd, block_v_bwd = 16, kp // 16, 16
+    groups_bwd = max(g for g in range(1, 5) if (vp // 16) % g == 0)
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=forward_block_v(vp, k_part, num_warps),
-                block_v_bwd=_block_v(vp, kp2, 1024 if wide_bwd else 512),
+                block_v_bwd=block_v_bwd,
                 block_v_boundary=block_v_boundary,
                 k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
-                unroll=2, sub=2 if wide_bwd else 4, groups_bwd=1,
+                k_split_bwd=k_split_bwd, unroll=2, sub=4, groups_bwd=groups_bwd,
                 num_warps=num_warps, num_warps_bwd=1,
                 num_warps_boundary=max(1, block_v_boundary * k_part_boundary // 512),
                 return_variance=return_variance,
@@ -192,12 +197,13 @@ def _initial_linear_state(cfg: Config, initial_mu, initial_precision, ip, k_widt
 
 
 def backward_starts(cfg: Config, saved: jax.Array) -> jax.Array:
-  """Saved boundary states [BH, NC, V, K] -> the backward walk's [BH, NC, Vp, K + k_pad].
+  """Saved boundary states [BH, NC, V, K] -> the backward walk's [BH, NC, Vp, Ks].
 
-  K is padded only to a multiple of 16 (usually no copy): the walk reads the columns
-  past it, up to its own width, as zeros.
+  A walk in one K-part reads the columns past Ks = K + k_pad (a multiple of 16: usually
+  no copy) up to its own width as zeros; K-parts or K-slices need Ks = k_bwd.
   """
-  return _pad_state(cfg, saved, cfg.k + cfg.k_pad)
+  one_part = cfg.k_part_bwd == cfg.k_bwd
+  return _pad_state(cfg, saved, cfg.k + cfg.k_pad if one_part else cfg.k_bwd)
 
 
 def forward_rows(cfg: Config, caller, head_major):
@@ -294,8 +300,10 @@ def _backward(cfg: Config, residuals, cotangents):
   dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
       qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
       chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-      k_part=cfg.k_part_bwd, num_warps=cfg.num_warps_bwd, interpret=cfg.interpret)
-  dq, dk, s = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(s, axis=0)
+      k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd, num_warps=cfg.num_warps_bwd,
+      interpret=cfg.interpret, prefetch=cfg.prefetch_bwd)
+  dq, dk, s = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(s, axis=(0, 1))
+  dv, dbeta = jnp.sum(dv, axis=0), jnp.sum(dbeta, axis=0)
 
   # Adjoint of the final linear state.
   ipb = ip[:, None, None]

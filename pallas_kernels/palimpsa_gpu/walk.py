@@ -42,6 +42,11 @@ def _total(xs: list[jax.Array]) -> jax.Array:
   return functools.reduce(operator.add, xs)
 
 
+def _plus(acc: jax.Array | None, x: jax.Array) -> jax.Array:
+  """acc + x, or x where there is nothing to accumulate onto."""
+  return x if acc is None else acc + x
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref,
                     *out_refs, chunk, unroll, prefetch, k_part, with_var, interpret):
   """Walks one chunk for one V-tile, writing readouts (and variances).
@@ -137,18 +142,25 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, heads: int,
 def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_ref,
                      m0_ref, b0_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, s_ref,
                      am_ref, ab_ref, sm_ref, sb_ref, *, chunk, sub, block_v, k_part,
-                     num_tiles, with_var, interpret):
-  """Reverse walk of one chunk (one group of V-tiles), zero adjoint from later chunks.
+                     k_width, num_tiles, prefetch, with_var, interpret):
+  """Reverse walk of one chunk (one group of V-tiles, one K-slice), zero adjoint from
+  later chunks.
 
-  States and adjoints [BV, Kp] are held as K-parts ([BV, k_part] each).
+  The program's states and adjoints [BV, k_width] (its K-slice of Kp, columns from
+  program_id(3) * k_width) are held as K-parts ([BV, k_part] each).
   """
-  parts = k_parts(k_ref.shape[-1], k_part)
+  k_first = pl.multiple_of(pl.program_id(3) * k_width, k_width)
+  parts = [pl.ds(k_first + p.start, p.size) for p in k_parts(k_width, k_part)]
   ips = [ip_ref[p].astype(jnp.float32)[None, :] for p in parts]
   n_sub = chunk // sub
-  for p in parts:
-    dq_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
-    dk_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
-  s_ref[...] = jnp.zeros((chunk,), jnp.float32)
+  # With several V-tiles per program, dq, dk and s accumulate over them in the output
+  # block (zeroed here); with one, each step's sums are written once.
+  accumulate = num_tiles > 1
+  if accumulate:
+    for p in parts:
+      dq_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
+      dk_ref[:, p] = jnp.zeros((chunk, k_part), jnp.float32)
+    s_ref[...] = jnp.zeros((chunk,), jnp.float32)
 
   first_tile = pl.program_id(2) * num_tiles
 
@@ -166,9 +178,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
       return ([fma(a, m, v * k, interpret=interpret) for m, k in zip(ms, ks)],
               [fma(a, b, beta * (k * k), interpret=interpret) for b, k in zip(bs, ks)])
 
+    local = k_parts(k_width, k_part)  # The parts' columns in the scratch.
+
     def forward(j, carry):  # States before every sub-chunk, into the scratch.
       ms, bs = carry
-      for p, m, b in zip(parts, ms, bs):
+      for p, m, b in zip(local, ms, bs):
         sm_ref[j, :, p] = m
         sb_ref[j, :, p] = b
       for s in range(sub):
@@ -178,10 +192,12 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
     def start_state(ref, p):
       """ref[cols, p], zero in the columns past the saved states' width."""
       width = ref.shape[-1]
-      if p.start + p.size <= width:
+      if width == k_ref.shape[-1]:
         return ref[cols, p]
-      if p.start:  # Pallas masks a slice past the end only from 0.
-        raise ValueError(f"a K-part from column {p.start} runs past the states' {width}")
+      if len(parts) > 1 or k_width != k_ref.shape[-1]:
+        # Pallas masks a slice past the end only from column 0.
+        raise ValueError(f"K-parts or K-slices need the states at the walk's width "
+                         f"{k_ref.shape[-1]}, got {width}")
       inside = jax.lax.broadcasted_iota(jnp.int32, (1, p.size), 1) < width
       return plgpu_triton.load(ref.at[cols, p], mask=inside, other=0.0)
 
@@ -190,25 +206,36 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
         [start_state(b0_ref, p) for p in parts]))
     _barrier(interpret)
 
+    def load_sub_chunk(j):
+      """Sub-chunk j's start state and rows, loaded once for the recompute and the
+      reverse steps."""
+      t0 = j * sub
+      return ([sm_ref[j, :, p] for p in local], [sb_ref[j, :, p] for p in local],
+              [load_rows(t0 + s) for s in range(sub)],
+              [[q_ref[t0 + s, p].astype(jnp.float32)[None, :] for p in parts]
+               for s in range(sub)],
+              [do_ref[t0 + s, cols].astype(jnp.float32)[:, None] for s in range(sub)])
+
     def backward(i, carry):
       # gms, gbs: adjoints of step t0 + sub (not yet decayed by its gate a_next).
-      gms, gbs, a_next = carry
+      gms, gbs, a_next, loaded = carry
       j = n_sub - 1 - i
       t0 = j * sub
-      ms = [sm_ref[j, :, p] for p in parts]
-      bs = [sb_ref[j, :, p] for p in parts]
-      # The sub-chunk's rows, loaded once for the recompute and the reverse steps.
-      rows = [load_rows(t0 + s) for s in range(sub)]
-      qs = [[q_ref[t0 + s, p].astype(jnp.float32)[None, :] for p in parts]
-            for s in range(sub)]
-      dos = [do_ref[t0 + s, cols].astype(jnp.float32)[:, None] for s in range(sub)]
+      if prefetch:  # This sub-chunk's loads were issued in the previous body.
+        ms, bs, rows, qs, dos = loaded
+        loaded = load_sub_chunk(jnp.maximum(j - 1, 0))
+      else:
+        ms, bs, rows, qs, dos = load_sub_chunk(j)
       states = []
       for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
         ms, bs = advance(ms, bs, rows[s])
         states.append((ms, bs))
       # Earlier V-tiles' sums, loaded up front so their latency is paid once.
-      acc = [([dq_ref[t0 + s, p] for p in parts], [dk_ref[t0 + s, p] for p in parts],
-              s_ref[t0 + s]) for s in range(sub)]
+      if accumulate:
+        acc = [([dq_ref[t0 + s, p] for p in parts], [dk_ref[t0 + s, p] for p in parts],
+                s_ref[t0 + s]) for s in range(sub)]
+      else:
+        acc = [([None] * len(parts), [None] * len(parts), None)] * sub
       for s in reversed(range(sub)):
         t = t0 + s
         ks, v, beta, a = rows[s]
@@ -231,9 +258,9 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
             di = fma(-dvar, qr * qr, di, interpret=interpret)
           gm = fma(a_next, gms[n], dm, interpret=interpret)
           gb = fma(a_next, gbs[n], di, interpret=interpret)
-          dq_ref[t, p] = acc[s][0][n] + jnp.sum(dq_terms, axis=0)
-          dk_ref[t, p] = acc[s][1][n] + jnp.sum(
-              fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0)
+          dq_ref[t, p] = _plus(acc[s][0][n], jnp.sum(dq_terms, axis=0))
+          dk_ref[t, p] = _plus(acc[s][1][n], jnp.sum(
+              fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0))
           dv.append(jnp.sum(gm * k, axis=1))
           dbeta.append(jnp.sum(gb * (k * k), axis=1))
           # Only sum_{v,k} dL/dI_t is needed: over V first, then the one K row, is
@@ -244,12 +271,13 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
         a_next = a
         dv_ref[t, cols] = _total(dv)
         dbeta_ref[t, cols] = _total(dbeta)
-        s_ref[t] = acc[s][2] + _total(ds)
-      return gms, gbs, a_next
+        s_ref[t] = _plus(acc[s][2], _total(ds))
+      return gms, gbs, a_next, loaded
 
     zeros = [jnp.zeros((block_v, k_part), jnp.float32) for _ in parts]
-    gms, gbs, a_first = jax.lax.fori_loop(0, n_sub, backward,
-                                          (zeros, list(zeros), jnp.float32(0.0)))
+    loaded = load_sub_chunk(n_sub - 1) if prefetch else ()
+    gms, gbs, a_first, _ = jax.lax.fori_loop(
+        0, n_sub, backward, (zeros, list(zeros), jnp.float32(0.0), loaded))
     for p, gm, gb in zip(parts, gms, gbs):
       am_ref[cols, p] = a_first * gm
       ab_ref[cols, p] = a_first * gb
@@ -262,22 +290,28 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
 
 def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
                   chunk: int, block_v: int, sub: int, groups: int, k_part: int,
-                  num_warps: int, interpret: bool):
+                  k_split: int, num_warps: int, interpret: bool, prefetch: bool = False):
   """Reverse walk over all chunks, each with zero adjoint from later chunks.
 
-  Grid (B*H, chunk, group): each program walks `Vp / block_v / groups` V-tiles in turn.
+  Grid (B*H, chunk, group, K-slice): each program walks `Vp / block_v / groups` V-tiles
+  in turn, over its `Kp / k_split` columns.
 
   Args:
     q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
     a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Ks], Ks <= Kp
-    (columns past Ks read as zero: the padding's states stay at the prior).
-    k_part: width of the K-parts (a power of two dividing Kp).
+    (columns past Ks read as zero: the padding's states stay at the prior; Ks = Kp
+    unless the walk is one K-part over all of Kp).
+    k_part: width of the K-parts (a power of two dividing Kp / k_split).
+    k_split: K-slices walked by separate programs (their dv, dbeta and s are partial
+    sums over K, to be summed).
+    prefetch: each reverse body loads the next sub-chunk's state and rows first.
 
   Returns:
     dq, dk [groups, BH, Tp, Kp] (to be summed over groups; dk without the later
-    chunks' part); dv, dbeta [BH, Tp, Vp] (chunk-local parts); s [groups, BH, Tp]
-    (sum_{v,k} dL/dI_t, chunk-local, to be summed over groups); adj_m, adj_b
-    [BH, NC, Vp, Kp]: each chunk's adjoint of the state before its first step.
+    chunks' part); dv, dbeta [k_split, BH, Tp, Vp] (chunk-local parts, to be summed
+    over K-slices); s [k_split, groups, BH, Tp] (sum_{v,k} dL/dI_t, chunk-local, to be
+    summed over K-slices and groups); adj_m, adj_b [BH, NC, Vp, Kp]: each chunk's
+    adjoint of the state before its first step.
   """
   bh, tp, kp = q.shape
   vp = v.shape[-1]
@@ -285,37 +319,45 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
   num_tiles = vp // block_v
   if num_tiles % groups:
     raise ValueError(f"groups={groups} must divide the {num_tiles} V-tiles")
+  if kp % (k_split * k_part):
+    raise ValueError(f"k_split={k_split} slices of k_part={k_part} columns must divide "
+                     f"K={kp}")
+  k_width = kp // k_split
   with_var = dvar is not None
-  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, g: (n, c, 0))
-  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g: (n, c, 0))
-  part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, g: (g, n, c, 0))
-  state = pl.BlockSpec((None, None, vp, kp), lambda n, c, g: (n, c, 0, 0))
-  start = pl.BlockSpec((None, None, vp, m_starts.shape[-1]), lambda n, c, g: (n, c, 0, 0))
-  scratch = pl.BlockSpec((None, None, None, chunk // sub, block_v, kp),
-                         lambda n, c, g: (n, c, g, 0, 0, 0))
+  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, g, s: (n, c, 0))
+  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g, s: (n, c, 0))
+  part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, g, s: (g, n, c, 0))
+  part_v = pl.BlockSpec((None, None, chunk, vp), lambda n, c, g, s: (s, n, c, 0))
+  state = pl.BlockSpec((None, None, vp, kp), lambda n, c, g, s: (n, c, 0, 0))
+  start = pl.BlockSpec((None, None, vp, m_starts.shape[-1]),
+                       lambda n, c, g, s: (n, c, 0, 0))
+  scratch = pl.BlockSpec((None, None, None, None, chunk // sub, block_v, k_width),
+                         lambda n, c, g, s: (n, c, g, s, 0, 0, 0))
   f32 = jnp.float32
   kernel = functools.partial(_backward_kernel, chunk=chunk, sub=sub, block_v=block_v,
-                             k_part=k_part, num_tiles=num_tiles // groups,
+                             k_part=k_part, k_width=k_width,
+                             num_tiles=num_tiles // groups, prefetch=prefetch,
                              with_var=with_var, interpret=interpret)
   if with_var:
     dvar_spec = row_v
   else:
     dvar = jnp.zeros((1, chunk, vp), f32)  # Never read.
-    dvar_spec = pl.BlockSpec((None, chunk, vp), lambda n, c, g: (0, 0, 0))
+    dvar_spec = pl.BlockSpec((None, chunk, vp), lambda n, c, g, s: (0, 0, 0))
   outs = pl.pallas_call(
-      kernel, grid=(bh, nc, groups),
+      kernel, grid=(bh, nc, groups, k_split),
       in_specs=[row_k, row_k, row_v, row_v,
-                pl.BlockSpec((None, chunk), lambda n, c, g: (n, c)),
-                pl.BlockSpec((None, kp), lambda n, c, g: (n, 0)),
+                pl.BlockSpec((None, chunk), lambda n, c, g, s: (n, c)),
+                pl.BlockSpec((None, kp), lambda n, c, g, s: (n, 0)),
                 row_v, dvar_spec, start, start],
-      out_specs=[part_k, part_k, row_v, row_v,
-                 pl.BlockSpec((None, None, chunk), lambda n, c, g: (g, n, c)),
+      out_specs=[part_k, part_k, part_v, part_v,
+                 pl.BlockSpec((None, None, None, chunk), lambda n, c, g, s: (s, g, n, c)),
                  state, state, scratch, scratch],
       out_shape=[jax.ShapeDtypeStruct((groups, bh, tp, kp), f32)] * 2
-      + [jax.ShapeDtypeStruct((bh, tp, vp), f32)] * 2
-      + [jax.ShapeDtypeStruct((groups, bh, tp), f32)]
+      + [jax.ShapeDtypeStruct((k_split, bh, tp, vp), f32)] * 2
+      + [jax.ShapeDtypeStruct((k_split, groups, bh, tp), f32)]
       + [jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
-      + [jax.ShapeDtypeStruct((bh, nc, groups, chunk // sub, block_v, kp), f32)] * 2,
+      + [jax.ShapeDtypeStruct((bh, nc, groups, k_split, chunk // sub, block_v, k_width),
+                              f32)] * 2,
       compiler_params=_params(num_warps, interpret), interpret=interpret,
       name="palimpsa_walk_backward",
   )(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts)

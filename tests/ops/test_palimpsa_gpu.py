@@ -57,10 +57,12 @@ def test_declines_compiled_call_without_nvidia_gpu():
 def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) agree.
 
-  At K=48 the default pads K to 64 for the backward walk; the variant walks all three
-  stages in 16-column parts without padding, one boundary program walks both M and Ibar
-  (the default splits them), and the forward kernels read head-major copies (the default
-  reads the caller's layout).
+  At K=48 the default walks the backward in three 16-column K-slices, one program each.
+  `variant` walks all three stages in 16-column parts inside one program, one boundary
+  program walks both M and Ibar (the default splits them), and the forward kernels read
+  head-major copies (the default reads the caller's layout). `sliced` walks the
+  backward's K in slices of 8 columns, each as two 4-column parts. `padded` (K=48)
+  pads the backward's K to 64, read past the saved states' 48 columns as zeros.
   """
   shape = (1, 40, 1, k_dim, 48)
   keys = jax.random.split(jax.random.PRNGKey(0), 8)
@@ -75,14 +77,22 @@ def test_tile_variants_agree(k_dim):
           1.0 + jax.random.uniform(keys[6], (b, h, vd, kd)))
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
-  if k_dim == 48:
-    # K=48 pads to 64 in the backward, which then takes ~1024-entry V-tiles, sub-chunks of 2.
-    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 64)
-    assert (base.block_v_bwd, base.sub) == (16, 2)
   variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
-                                split_boundary=False, k_part_bwd=16, caller_rows=False)
+                                split_boundary=False, k_part_bwd=16, k_split_bwd=1,
+                                caller_rows=False)
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim) and base.split_boundary
+  sliced = dataclasses.replace(base, k_part_bwd=4, k_split_bwd=k_dim // 8, groups_bwd=3,
+                               block_v_bwd=16)
+  assert sliced.k_bwd == k_dim
+  variants = [variant, sliced]
+  if k_dim == 48:
+    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 48)
+    assert (base.k_part_bwd, base.k_split_bwd, base.block_v_bwd, base.groups_bwd) == (
+        16, 3, 16, 3)
+    padded = dataclasses.replace(base, k_part_bwd=64, k_split_bwd=1, groups_bwd=1, sub=2)
+    assert padded.k_bwd == 64
+    variants.append(padded)
 
   def grads(cfg):
     def loss(*a):
@@ -90,10 +100,12 @@ def test_tile_variants_agree(k_dim):
       return jnp.sum(out * out) + jnp.sum(var) + jnp.sum(mu) + jnp.sum(prec)
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))(*args)
 
-  (v0, g0), (v1, g1) = grads(base), grads(variant)
-  np.testing.assert_allclose(v1, v0, rtol=1e-6)
-  for a, b_ in zip(g1, g0):
-    np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b_))))
+  v0, g0 = grads(base)
+  for cfg in variants:
+    v1, g1 = grads(cfg)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    for a, b_ in zip(g1, g0):
+      np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b_))))
 
 
 def test_saved_boundary_states_fit_the_residual_budget():
@@ -111,7 +123,7 @@ def test_saved_boundary_states_fit_the_residual_budget():
       None)
   m_starts, b_starts = residuals[6], residuals[7]
   assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
-  padded = gpu_op._pad_state(cfg, m_starts, cfg.k_bwd)
+  padded = gpu_op._pad_state(cfg, m_starts, 64)
   assert padded.shape == (b * h, t // 64, vd + 8, 64)
   np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
