@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -133,18 +132,23 @@ def _variants(base):
         cfg = dataclasses.replace(base, block_v=bv, num_warps=warps, unroll=unroll,
                                   k_part=k_part)
         out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
-  for k_part in sorted({kp2, largest, 16}):
-    if k_part > kp2 or (kp2 // k_part) > 8:
-      continue
-    k_bwd = dataclasses.replace(base, k_part_bwd=k_part).k_bwd
-    for elems, warps, sub, groups in ((512, 1, 4, 1), (256, 1, 4, 1), (1024, 1, 2, 1),
-                                      (512, 1, 4, 96), (1024, 2, 4, 1)):
-      bv = _tiles(base, elems, k_bwd)
-      groups = math.gcd(groups, (base.v + base.v_pad) // bv)
-      cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=warps, sub=sub,
-                                groups_bwd=groups, k_part_bwd=k_part)
-      out.append(("walk_bwd", f"bv={bv} w={warps} sub={sub} groups={groups} "
-                  f"kpart={k_part}", cfg))
+  vp = base.v + base.v_pad
+  # Backward walk: K in one program (padded to a power of two, or the default's parts),
+  # or in 16-column slices of one program each; one V-tile per program.
+  k_layouts = {(kp2, 1), (base.k_part_bwd, base.k_split_bwd)}
+  if kp > 16:
+    k_layouts.add((16, kp // 16))
+  for k_part, k_split in sorted(k_layouts):
+    tiles = (16, 32) if k_split > 1 else sorted({_tiles(base, 512, kp2),
+                                                 _tiles(base, 1024, kp2)})
+    for bv, sub, prefetch in itertools.product(tiles, (2, 4), (False, True)):
+      if vp % bv:
+        continue
+      cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=1, sub=sub,
+                                groups_bwd=vp // bv, k_part_bwd=k_part, k_split_bwd=k_split,
+                                prefetch_bwd=prefetch)
+      out.append(("walk_bwd", f"bv={bv} sub={sub} kpart={k_part} ksplit={k_split} "
+                  f"prefetch={prefetch}", cfg))
   return out
 
 
@@ -169,7 +173,8 @@ def sweep(base, base_times, args, log):
       block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
       k_part=f_cfg.k_part, block_v_bwd=w_cfg.block_v_bwd,
       num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,
-      k_part_bwd=w_cfg.k_part_bwd)
+      k_part_bwd=w_cfg.k_part_bwd, k_split_bwd=w_cfg.k_split_bwd,
+      prefetch_bwd=w_cfg.prefetch_bwd)
 
 
 def max_rel_diff(xs, ys):

@@ -130,8 +130,8 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel (run 14): one program per K-part of 16 or 32 columns (no padding) and V-tile
   # of up to 2048 entries, a warp per 512 entries. Backward walk (run 16): single-warp
-  # programs over [16, 16] state tiles, K cut into 16-column slices (no padding),
-  # sub-chunks of 4 steps, one to three V-tiles per program (groups of at most 4); at
+  # programs over one [16, 16] state tile each (K cut into 16-column slices, no
+  # padding), sub-chunks of 4 steps, the next sub-chunk's rows loaded a body ahead; at
   # K=16, 8-column parts over ~512 entries.
   largest = largest_power_of_two_dividing(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
@@ -143,14 +143,14 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   if kp == 16:
     k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 8, 1, _block_v(vp, kp, 512), 1
   else:
-    k_part_bwd, k_split_bwd, block_v_bwd = 16, kp // 16, 16
-    groups_bwd = max(g for g in range(1, 5) if (vp // 16) % g == 0)
+    k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 16, kp // 16, 16, vp // 16
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=forward_block_v(vp, k_part, num_warps),
                 block_v_bwd=block_v_bwd,
                 block_v_boundary=block_v_boundary,
                 k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
-                k_split_bwd=k_split_bwd, unroll=2, sub=4, groups_bwd=groups_bwd,
+                k_split_bwd=k_split_bwd, prefetch_bwd=kp > 16, unroll=2, sub=4,
+                groups_bwd=groups_bwd,
                 num_warps=num_warps, num_warps_bwd=1,
                 num_warps_boundary=max(1, block_v_boundary * k_part_boundary // 512),
                 return_variance=return_variance,

@@ -88,9 +88,10 @@ def test_tile_variants_agree(k_dim):
   variants = [variant, sliced]
   if k_dim == 48:
     assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 48)
-    assert (base.k_part_bwd, base.k_split_bwd, base.block_v_bwd, base.groups_bwd) == (
-        16, 3, 16, 3)
-    padded = dataclasses.replace(base, k_part_bwd=64, k_split_bwd=1, groups_bwd=1, sub=2)
+    assert (base.k_part_bwd, base.k_split_bwd, base.block_v_bwd, base.groups_bwd,
+            base.prefetch_bwd) == (16, 3, 16, 3, True)
+    padded = dataclasses.replace(base, k_part_bwd=64, k_split_bwd=1, groups_bwd=1, sub=2,
+                                 prefetch_bwd=False)
     assert padded.k_bwd == 64
     variants.append(padded)
 
