@@ -72,6 +72,9 @@ class Config:
   # Backward walk: K-slices in separate programs (partial dv, dbeta, s summed by XLA).
   k_split_bwd: int = 1
   prefetch_bwd: bool = False
+  # Backward walk calls are cut by batch*head so that each call's checkpoint scratch
+  # and partial sums take at most this many bytes (D760: 14.5 GB in one call).
+  max_walk_temp_bytes: int = 4 << 30
 
   @property
   def row_heads(self) -> int | None:
@@ -81,6 +84,18 @@ class Config:
   @property
   def t_pad(self) -> int:
     return round_up(self.t, self.chunk) - self.t
+
+  @property
+  def walk_pieces(self) -> int:
+    """Backward walk calls: the fewest dividing B*H within max_walk_temp_bytes."""
+    bh, tp, vp, kp = self.b * self.h, self.t + self.t_pad, self.v + self.v_pad, self.k_bwd
+    scratch = tp // self.sub * self.groups_bwd * self.block_v_bwd * kp * 2
+    partials = (self.groups_bwd * kp * 2 + self.k_split_bwd * vp * 2 + 1) * tp
+    per_head = 4 * (scratch + partials)
+    pieces = 1
+    while pieces < bh and (bh % pieces or per_head * bh // pieces > self.max_walk_temp_bytes):
+      pieces += 1
+    return pieces
 
   @property
   def k_pad(self) -> int:
@@ -297,13 +312,18 @@ def _backward(cfg: Config, residuals, cotangents):
   doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad)
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
-  dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
-      qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
-      chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-      k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd, num_warps=cfg.num_warps_bwd,
-      interpret=cfg.interpret, prefetch=cfg.prefetch_bwd)
-  dq, dk, s = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(s, axis=(0, 1))
-  dv, dbeta = jnp.sum(dv, axis=0), jnp.sum(dbeta, axis=0)
+  walk_outs = []
+  size = bh // cfg.walk_pieces
+  for first in range(0, bh, size):
+    dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
+        qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
+        chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
+        k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd, num_warps=cfg.num_warps_bwd,
+        interpret=cfg.interpret, prefetch=cfg.prefetch_bwd, bh_range=(first, size))
+    walk_outs.append((jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(dv, axis=0),
+                      jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_b))
+  dq, dk, dv, dbeta, s, adj_m, adj_b = (
+      xs[0] if len(xs) == 1 else jnp.concatenate(xs) for xs in zip(*walk_outs))
 
   # Adjoint of the final linear state.
   ipb = ip[:, None, None]

@@ -290,7 +290,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
 
 def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
                   chunk: int, block_v: int, sub: int, groups: int, k_part: int,
-                  k_split: int, num_warps: int, interpret: bool, prefetch: bool = False):
+                  k_split: int, num_warps: int, interpret: bool, prefetch: bool = False,
+                  bh_range: tuple[int, int] | None = None):
   """Reverse walk over all chunks, each with zero adjoint from later chunks.
 
   Grid (B*H, chunk, group, K-slice): each program walks `Vp / block_v / groups` V-tiles
@@ -305,6 +306,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
     k_split: K-slices walked by separate programs (their dv, dbeta and s are partial
     sums over K, to be summed).
     prefetch: each reverse body loads the next sub-chunk's state and rows first.
+    bh_range: (first, count): walk only these batch*heads (the outputs then have
+      `count` in place of BH), so that a call's scratch and partial sums stay bounded.
 
   Returns:
     dq, dk [groups, BH, Tp, Kp] (to be summed over groups; dk without the later
@@ -314,6 +317,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
     adjoint of the state before its first step.
   """
   bh, tp, kp = q.shape
+  first, bh = bh_range or (0, bh)
   vp = v.shape[-1]
   nc = tp // chunk
   num_tiles = vp // block_v
@@ -324,13 +328,13 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
                      f"K={kp}")
   k_width = kp // k_split
   with_var = dvar is not None
-  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, g, s: (n, c, 0))
-  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g, s: (n, c, 0))
+  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, g, s: (n + first, c, 0))
+  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g, s: (n + first, c, 0))
   part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, g, s: (g, n, c, 0))
   part_v = pl.BlockSpec((None, None, chunk, vp), lambda n, c, g, s: (s, n, c, 0))
   state = pl.BlockSpec((None, None, vp, kp), lambda n, c, g, s: (n, c, 0, 0))
   start = pl.BlockSpec((None, None, vp, m_starts.shape[-1]),
-                       lambda n, c, g, s: (n, c, 0, 0))
+                       lambda n, c, g, s: (n + first, c, 0, 0))
   scratch = pl.BlockSpec((None, None, None, None, chunk // sub, block_v, k_width),
                          lambda n, c, g, s: (n, c, g, s, 0, 0, 0))
   f32 = jnp.float32
@@ -346,8 +350,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
   outs = pl.pallas_call(
       kernel, grid=(bh, nc, groups, k_split),
       in_specs=[row_k, row_k, row_v, row_v,
-                pl.BlockSpec((None, chunk), lambda n, c, g, s: (n, c)),
-                pl.BlockSpec((None, kp), lambda n, c, g, s: (n, 0)),
+                pl.BlockSpec((None, chunk), lambda n, c, g, s: (n + first, c)),
+                pl.BlockSpec((None, kp), lambda n, c, g, s: (n + first, 0)),
                 row_v, dvar_spec, start, start],
       out_specs=[part_k, part_k, part_v, part_v,
                  pl.BlockSpec((None, None, None, chunk), lambda n, c, g, s: (s, g, n, c)),
