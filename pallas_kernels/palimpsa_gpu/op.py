@@ -5,8 +5,9 @@ chunk's write to the linear state (M = mu*I, Ibar = I - Ip) as tensor-core matmu
 sequentially over chunks, giving the boundary states (saved for the backward); (2) a
 Pallas kernel over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and
 reading out at every step. Both read the inputs in the caller's [B, T, H, D] layout.
-Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas) with
-zero adjoint from later chunks, scan the adjoint carries over chunks (Pallas), add the
+Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas, one
+program per [16, 16] state tile, partial sums added by XLA) with zero adjoint from
+later chunks, scan the adjoint carries over chunks (Pallas), add the
 carries' contributions as matmuls (XLA); dlog_alpha from the identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
@@ -32,8 +33,9 @@ class Config:
 
   K is stored padded to Kp, a multiple of 16. Each stage walks K in equal power-of-two
   parts (Triton tensors have power-of-two shapes): the forward walk in parts of k_part
-  columns over Kp; the boundary kernel and the backward walk pad K further, to a
-  multiple of k_part_boundary / k_part_bwd (one part when that is a power of two >= Kp).
+  columns over Kp; the boundary kernel pads K further, to a multiple of k_part_boundary,
+  and the backward walk to a multiple of k_part_bwd * k_split_bwd (k_split_bwd programs
+  over slices of parts; one part over all of K when k_part_bwd is a power of two >= Kp).
   """
 
   b: int
@@ -69,12 +71,13 @@ class Config:
   # of head-major copies (run 14: forward 1.03-1.28x, fwd+bwd within 1%).
   caller_rows: bool = True
   prefetch: int = 1
-  # Backward walk: K-slices in separate programs (partial dv, dbeta, s summed by XLA).
+  # Backward walk: K-slices in separate programs (partial dv, dbeta, s summed by XLA),
+  # each reverse body loading the next sub-chunk's rows first (run 16).
   k_split_bwd: int = 1
   prefetch_bwd: bool = False
   # Backward walk calls are cut by batch*head so that each call's checkpoint scratch
-  # and partial sums take at most this many bytes (D760: 14.5 GB in one call).
-  max_walk_temp_bytes: int = 4 << 30
+  # and partial sums take at most this many bytes (D760: 14.5 GB in one call, run 16).
+  max_walk_temp_bytes: int = 2 << 30
 
   @property
   def row_heads(self) -> int | None:

@@ -3,11 +3,12 @@
 Forward: grid (B*H, chunk, V-tile); each program starts from its chunk-boundary state
 [BV, Kp] (float32, in registers) and steps through the chunk one token at a time,
 reading rows head-major or in the caller's layout and writing readouts as [B, T, H, V].
-Backward: grid (B*H, chunk, V-tile group); each program loops over its V-tiles,
-recomputes the states of its chunk sub-chunk by sub-chunk (sub-chunk start states go
-through a per-program scratch output; a sub-chunk's rows are loaded once for its
-recompute and its reverse steps), and walks them in reverse, accumulating dq and dk
-over its V-tiles.
+Backward: grid (B*H, chunk, V-tile group, K-slice); each program loops over its
+V-tiles (usually one) on its K-slice (usually 16 columns), recomputes the states of its
+chunk sub-chunk by sub-chunk (sub-chunk start states go through a per-program scratch
+output; a sub-chunk's rows are loaded once, optionally a body ahead, for its recompute
+and its reverse steps), and walks them in reverse. dq and dk are partial sums over the
+V-tile groups, dv, dbeta and the dL/dI sums partial over the K-slices.
 Both hold the state as K-parts ([BV, k_part] tensors: Triton shapes are powers of two,
 so K=48 is three parts of 16 rather than one padded to 64) and write the state and
 adjoint updates as explicit FMAs.
