@@ -86,7 +86,7 @@ def _backward_walk_fn(cfg):
   fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
                          block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
                          k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
-                         num_warps=cfg.num_warps_bwd,
+                         num_warps=cfg.num_warps_bwd, prefetch=cfg.prefetch_bwd,
                          interpret=False)
   return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
 
