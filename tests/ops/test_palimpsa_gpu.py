@@ -53,6 +53,21 @@ def test_declines_compiled_call_without_nvidia_gpu():
                  return_variance=False, chunk_size=64, interpret=False)
 
 
+def _random_op_args(seed: int, shape: tuple[int, int, int, int, int]) -> tuple:
+  """(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision) for
+  shape (B, T, H, K, V): random inputs and a random initial state."""
+  b, t, h, kd, vd = shape
+  keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+  return (jax.random.normal(keys[0], (b, t, h, kd)) / 4,
+          jax.random.normal(keys[1], (b, t, h, kd)) / 4,
+          jax.random.normal(keys[2], (b, t, h, vd)),
+          jax.random.uniform(keys[3], (b, t, h, vd)),
+          -jax.random.uniform(keys[4], (b, t, h)) * 0.3,
+          jnp.ones((h,)) * 0.7,
+          jax.random.normal(keys[5], (b, h, vd, kd)),
+          1.0 + jax.random.uniform(keys[6], (b, h, vd, kd)))
+
+
 @pytest.mark.parametrize("k_dim", [16, 48])
 def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) agree.
@@ -64,17 +79,7 @@ def test_tile_variants_agree(k_dim):
   backward's K in slices of 8 columns, each as two 4-column parts. `padded` (K=48)
   pads the backward's K to 64, read past the saved states' 48 columns as zeros.
   """
-  shape = (1, 40, 1, k_dim, 48)
-  keys = jax.random.split(jax.random.PRNGKey(0), 8)
-  b, t, h, kd, vd = shape
-  args = (jax.random.normal(keys[0], (b, t, h, kd)) / 4,
-          jax.random.normal(keys[1], (b, t, h, kd)) / 4,
-          jax.random.normal(keys[2], (b, t, h, vd)),
-          jax.random.uniform(keys[3], (b, t, h, vd)),
-          -jax.random.uniform(keys[4], (b, t, h)) * 0.3,
-          jnp.ones((h,)) * 0.7,
-          jax.random.normal(keys[5], (b, h, vd, kd)),
-          1.0 + jax.random.uniform(keys[6], (b, h, vd, kd)))
+  args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
   variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
@@ -111,15 +116,8 @@ def test_tile_variants_agree(k_dim):
 
 def test_backward_walk_in_pieces_agrees():
   """The backward walk cut by batch*head (a temp-memory cap) gives the same gradients."""
-  b, t, h, kd, vd = 2, 40, 2, 32, 16
-  keys = jax.random.split(jax.random.PRNGKey(4), 5)
-  args = (jax.random.normal(keys[0], (b, t, h, kd)) / 4,
-          jax.random.normal(keys[1], (b, t, h, kd)) / 4,
-          jax.random.normal(keys[2], (b, t, h, vd)),
-          jax.random.uniform(keys[3], (b, t, h, vd)),
-          -jax.random.uniform(keys[4], (b, t, h)) * 0.3,
-          jnp.ones((h,)) * 0.7,
-          jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)))
+  b, h = 2, 2
+  args = _random_op_args(4, (b, 40, h, 32, 16))
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=False,
                             chunk_size=16, interpret=True)
   pieces = dataclasses.replace(base, max_walk_temp_bytes=1)
