@@ -264,10 +264,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
               fma(gm, v, (gb * (2.0 * beta)) * k, interpret=interpret), axis=0))
           dv.append(jnp.sum(gm * k, axis=1))
           dbeta.append(jnp.sum(gb * (k * k), axis=1))
-          # Only sum_{v,k} dL/dI_t is needed: over V first, then the one K row, is
-          # fewer cross-lane shuffles than a K-reduction of every V-row (ptxas: 252
-          # against 284 per 4-step body at D170).
-          ds.append(jnp.sum(jnp.sum(di, axis=0)))
+          # Only sum_{v,k} dL/dI_t is needed. A [16, 16] tile holds 2 rows of 4
+          # columns per lane: over K first is 2 shuffle rounds per row, then 3 for the
+          # V row (7 in all; over V first, 12 + 2).
+          ds.append(jnp.sum(jnp.sum(di, axis=1)))
           gms[n], gbs[n] = gm, gb
         a_next = a
         dv_ref[t, cols] = _total(dv)
