@@ -316,10 +316,11 @@ def _backward(cfg: Config, residuals, cotangents):
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
   walk_outs = []
+  ip_row = _ip_row(ip, kw)
   size = bh // cfg.walk_pieces
   for first in range(0, bh, size):
     dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
-        qh, kh, vh, betah, gates.step, _ip_row(ip, kw), doh, dvarh, m_starts, b_starts,
+        qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
         chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
         k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd, num_warps=cfg.num_warps_bwd,
         interpret=cfg.interpret, prefetch=cfg.prefetch_bwd, bh_range=(first, size))
