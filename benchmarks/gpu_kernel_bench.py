@@ -20,7 +20,7 @@ from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, mak
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import op as gpu_op
-from pallas_kernels.palimpsa_gpu import boundary, walk
+from pallas_kernels.palimpsa_gpu import boundary, walk, walk_mosaic
 
 REFERENCE_MS = {  # PERF.md: authors' Triton kernel fwd, fwd+bwd
     "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
@@ -83,11 +83,15 @@ def _forward_walk_fn(cfg, dtype):
 
 
 def _backward_walk_fn(cfg):
-  fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
-                         block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-                         k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
-                         num_warps=cfg.num_warps_bwd, prefetch=cfg.prefetch_bwd,
-                         interpret=False)
+  if cfg.walk_bwd == "mosaic":
+    fn = functools.partial(walk_mosaic.walk_backward, dvar=None, chunk=cfg.chunk,
+                           sub=cfg.sub, interpret=False)
+  else:
+    fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
+                           block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
+                           k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
+                           num_warps=cfg.num_warps_bwd, prefetch=cfg.prefetch_bwd,
+                           interpret=False)
   return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
 
 
@@ -133,8 +137,8 @@ def _variants(base):
                                   k_part=k_part)
         out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
   vp = base.v + base.v_pad
-  # Backward walk: K in one program (padded to a power of two, or the default's parts),
-  # or in 16-column slices of one program each; one V-tile per program.
+  # Backward walk (Triton): K in one program (padded to a power of two, or the default's
+  # parts), or in 16-column slices of one program each; one V-tile per program.
   k_layouts = {(kp2, 1), (base.k_part_bwd, base.k_split_bwd)}
   if kp > 16:
     k_layouts.add((16, kp // 16))
@@ -144,10 +148,10 @@ def _variants(base):
     for bv, sub, prefetch in itertools.product(tiles, (2, 4), (False, True)):
       if vp % bv:
         continue
-      cfg = dataclasses.replace(base, block_v_bwd=bv, num_warps_bwd=1, sub=sub,
-                                groups_bwd=vp // bv, k_part_bwd=k_part, k_split_bwd=k_split,
-                                prefetch_bwd=prefetch)
-      out.append(("walk_bwd", f"bv={bv} sub={sub} kpart={k_part} ksplit={k_split} "
+      cfg = dataclasses.replace(base, walk_bwd="triton", block_v_bwd=bv, num_warps_bwd=1,
+                                sub=sub, groups_bwd=vp // bv, k_part_bwd=k_part,
+                                k_split_bwd=k_split, prefetch_bwd=prefetch)
+      out.append(("walk_bwd", f"triton bv={bv} sub={sub} kpart={k_part} ksplit={k_split} "
                   f"prefetch={prefetch}", cfg))
   return out
 
@@ -171,7 +175,7 @@ def sweep(base, base_times, args, log):
       num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
       split_boundary=b_cfg.split_boundary,
       block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
-      k_part=f_cfg.k_part, block_v_bwd=w_cfg.block_v_bwd,
+      k_part=f_cfg.k_part, walk_bwd=w_cfg.walk_bwd, block_v_bwd=w_cfg.block_v_bwd,
       num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,
       k_part_bwd=w_cfg.k_part_bwd, k_split_bwd=w_cfg.k_split_bwd,
       prefetch_bwd=w_cfg.prefetch_bwd)

@@ -1,4 +1,5 @@
-"""Exact Palimpsa on NVIDIA GPUs with Pallas (Triton lowering)."""
+"""Exact Palimpsa on NVIDIA GPUs with Pallas (Triton lowering; a Mosaic GPU backward walk on
+Hopper and newer)."""
 
 from pallas_kernels.palimpsa_gpu.op import palimpsa_gpu
 

@@ -6,9 +6,10 @@ sequentially over chunks, giving the boundary states (saved for the backward); (
 Pallas kernel over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and
 reading out at every step. Both read the inputs in the caller's [B, T, H, D] layout.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas, one
-program per [16, 16] state tile, partial sums added by XLA) with zero adjoint from
-later chunks, scan the adjoint carries over chunks (Pallas), add the
-carries' contributions as matmuls (XLA); dlog_alpha from the identity
+[16, 16] state tile per Triton program or per warp of a Mosaic GPU warpgroup, partial
+sums added by XLA) with zero adjoint from later chunks, scan the adjoint carries over
+chunks (Pallas), add the carries' contributions as matmuls (XLA); dlog_alpha from the
+identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
                                    round_up)
-from pallas_kernels.palimpsa_gpu import boundary, layout, walk
+from pallas_kernels.palimpsa_gpu import boundary, layout, walk, walk_mosaic
 
 _MAX_DIM = 256
 _DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
@@ -78,6 +79,9 @@ class Config:
   # Backward walk calls are cut by batch*head so that each call's checkpoint scratch
   # and partial sums take at most this many bytes (D760: 14.5 GB in one call, run 16).
   max_walk_temp_bytes: int = 2 << 30
+  # Backward walk: "mosaic" (walk_mosaic: Hopper and newer, rows that fit shared memory)
+  # or "triton" (walk.walk_backward, with the tiles above).
+  walk_bwd: str = "triton"
 
   @property
   def row_heads(self) -> int | None:
@@ -92,9 +96,13 @@ class Config:
   def walk_pieces(self) -> int:
     """Backward walk calls: the fewest dividing B*H within max_walk_temp_bytes."""
     bh, tp, vp, kp = self.b * self.h, self.t + self.t_pad, self.v + self.v_pad, self.k_bwd
-    scratch = tp // self.sub * self.groups_bwd * self.block_v_bwd * kp * 2
-    partials = (self.groups_bwd * kp * 2 + self.k_split_bwd * vp * 2 + 1) * tp
-    per_head = 4 * (scratch + partials)
+    if self.walk_bwd == "mosaic":  # No scratch; partial sums and the rearranged rows.
+      nv, nk = vp // walk_mosaic.TILE, kp // walk_mosaic.TILE
+      per_head = 4 * tp * (nv * kp * 2 + nk * vp * 2 + nk * nv + 2 * kp + 3 * vp + 16)
+    else:
+      scratch = tp // self.sub * self.groups_bwd * self.block_v_bwd * kp * 2
+      partials = (self.groups_bwd * kp * 2 + self.k_split_bwd * vp * 2 + 1) * tp
+      per_head = 4 * (scratch + partials)
     pieces = 1
     while pieces < bh and (bh % pieces or per_head * bh // pieces > self.max_walk_temp_bytes):
       pieces += 1
@@ -132,9 +140,33 @@ def forward_block_v(v_padded: int, k_part: int, num_warps: int) -> int:
   return min(largest_power_of_two_dividing(v_padded), 256 * num_warps // k_part)
 
 
+def _compute_capability() -> tuple[int, int]:
+  """(major, minor) of the default device; (0, 0) where it is not a CUDA GPU."""
+  version = getattr(jax.devices()[0], "compute_capability", "0.0")
+  major, minor = str(version).split(".")[:2]
+  return int(major), int(minor)
+
+
+def backward_walk_kernel(row_dtypes, k_width: int, chunk: int, sub: int,
+                         interpret: bool) -> str:
+  """"mosaic" where walk_mosaic runs (interpreted, or compiled on Hopper or newer with
+  rows that fit its shared memory: bfloat16 or float16) and K is wider than 16, else
+  "triton".
+
+  At K=16 (MQAR) the Triton walk's 8-column parts over V-tiles of 32 rows were faster:
+  fwd+bwd 1.666 ms (run 17) against 1.722 with the Mosaic walk (run 18).
+  row_dtypes: of the backward walk's rows q, k, v, beta, dO (and dvar); k_width: Kp.
+  """
+  itemsizes = tuple(jnp.dtype(d).itemsize for d in row_dtypes)
+  if k_width <= 16 or not walk_mosaic.supported(chunk, sub, itemsizes, interpret=interpret):
+    return "triton"
+  return "mosaic" if interpret or _compute_capability() >= (9, 0) else "triton"
+
+
 def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,
-                interpret) -> Config:
-  """Checks what the kernel supports and picks tiles."""
+                interpret, k_dtype=None, beta_dtype=None) -> Config:
+  """Checks what the kernel supports and picks tiles (k_dtype, beta_dtype: taken as
+  q's and v's when not given)."""
   b, t, h, k = q.shape
   vdim = v.shape[-1]
   if k > _MAX_DIM or vdim > _MAX_DIM:
@@ -162,19 +194,25 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
     k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 8, 1, _block_v(vp, kp, 512), 1
   else:
     k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 16, kp // 16, 16, vp // 16
+  row_dtypes = [q.dtype, k_dtype or q.dtype, v.dtype, beta_dtype or v.dtype,
+                v.dtype]  # dO has the output's dtype.
+  if return_variance:
+    row_dtypes.append(jnp.float32)
+  sub = 4
   return Config(b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
                 block_v=forward_block_v(vp, k_part, num_warps),
                 block_v_bwd=block_v_bwd,
                 block_v_boundary=block_v_boundary,
                 k_part=k_part, k_part_boundary=k_part_boundary, k_part_bwd=k_part_bwd,
-                k_split_bwd=k_split_bwd, prefetch_bwd=kp > 16, unroll=2, sub=4,
+                k_split_bwd=k_split_bwd, prefetch_bwd=kp > 16, unroll=2, sub=sub,
                 groups_bwd=groups_bwd,
                 num_warps=num_warps, num_warps_bwd=1,
                 num_warps_boundary=max(1, block_v_boundary * k_part_boundary // 512),
                 return_variance=return_variance,
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
-                interpret=interpret)
+                interpret=interpret,
+                walk_bwd=backward_walk_kernel(row_dtypes, kp, chunk, sub, interpret))
 
 
 def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids):
@@ -319,11 +357,17 @@ def _backward(cfg: Config, residuals, cotangents):
   ip_row = _ip_row(ip, kw)
   size = bh // cfg.walk_pieces
   for first in range(0, bh, size):
-    dq, dk, dv, dbeta, s, adj_m, adj_b = walk.walk_backward(
-        qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts,
-        chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-        k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd, num_warps=cfg.num_warps_bwd,
-        interpret=cfg.interpret, prefetch=cfg.prefetch_bwd, bh_range=(first, size))
+    walk_args = (qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts)
+    if cfg.walk_bwd == "mosaic":
+      outs = walk_mosaic.walk_backward(*walk_args, chunk=cfg.chunk, sub=cfg.sub,
+                                       interpret=cfg.interpret, bh_range=(first, size))
+    else:
+      outs = walk.walk_backward(
+          *walk_args, chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
+          groups=cfg.groups_bwd, k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
+          num_warps=cfg.num_warps_bwd, interpret=cfg.interpret, prefetch=cfg.prefetch_bwd,
+          bh_range=(first, size))
+    dq, dk, dv, dbeta, s, adj_m, adj_b = outs
     walk_outs.append((jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(dv, axis=0),
                       jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_b))
   dq, dk, dv, dbeta, s, adj_m, adj_b = (
@@ -449,6 +493,6 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
     _check_nvidia_gpu()
   cfg = make_config(q, v, log_alpha, prior_precision,
                     return_variance=return_variance, chunk_size=chunk_size,
-                    interpret=interpret)
+                    interpret=interpret, k_dtype=k.dtype, beta_dtype=beta.dtype)
   return _palimpsa(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
                    initial_precision, segment_ids)

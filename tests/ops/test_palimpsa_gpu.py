@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.palimpsa_gpu import boundary, walk
+from pallas_kernels.palimpsa_gpu import boundary, walk, walk_mosaic
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import palimpsa_gpu
 from tests.ops.palimpsa_suite import PalimpsaSuite
@@ -70,9 +70,12 @@ def _random_op_args(seed: int, shape: tuple[int, int, int, int, int]) -> tuple:
 
 @pytest.mark.parametrize("k_dim", [16, 48])
 def test_tile_variants_agree(k_dim):
-  """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) agree.
+  """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) and both
+  backward walks agree with the default (interpreted: the Mosaic GPU walk at K=48, the
+  Triton walk at K=16).
 
-  At K=48 the default walks the backward in three 16-column K-slices, one program each.
+  `mosaic` and `triton` are the default with either backward walk; the Triton one at
+  K=48 walks three 16-column K-slices, one program each. The variants below use it.
   `variant` walks all three stages in 16-column parts inside one program, one boundary
   program walks both M and Ibar (the default splits them), and the forward kernels read
   head-major copies (the default reads the caller's layout). `sliced` walks the
@@ -82,20 +85,23 @@ def test_tile_variants_agree(k_dim):
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
-  variant = dataclasses.replace(base, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
+  assert base.walk_bwd == ("mosaic" if k_dim > 16 else "triton")
+  mosaic = dataclasses.replace(base, walk_bwd="mosaic")
+  triton = dataclasses.replace(base, walk_bwd="triton")
+  variant = dataclasses.replace(triton, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
                                 split_boundary=False, k_part_bwd=16, k_split_bwd=1,
                                 caller_rows=False)
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim) and base.split_boundary
-  sliced = dataclasses.replace(base, k_part_bwd=4, k_split_bwd=k_dim // 8, groups_bwd=3,
+  sliced = dataclasses.replace(triton, k_part_bwd=4, k_split_bwd=k_dim // 8, groups_bwd=3,
                                block_v_bwd=16)
   assert sliced.k_bwd == k_dim
-  variants = [variant, sliced]
+  variants = [mosaic if k_dim == 16 else triton, variant, sliced]
   if k_dim == 48:
     assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 48)
     assert (base.k_part_bwd, base.k_split_bwd, base.block_v_bwd, base.groups_bwd,
             base.prefetch_bwd) == (16, 3, 16, 3, True)
-    padded = dataclasses.replace(base, k_part_bwd=64, k_split_bwd=1, groups_bwd=1, sub=2,
+    padded = dataclasses.replace(triton, k_part_bwd=64, k_split_bwd=1, groups_bwd=1, sub=2,
                                  prefetch_bwd=False)
     assert padded.k_bwd == 64
     variants.append(padded)
@@ -230,3 +236,61 @@ def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
                       caller_rows=False, chunk=16, block_v=16, unroll=2, prefetch=0,
                       k_part=16, with_var=False, out_dtype=jnp.float32, num_warps=1,
                       interpret=True)
+
+
+def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
+  """Backward-walk inputs: rows [BH, T, D] in dtype, gates in (0.6, 1), positive
+  precisions, random chunk-start states [BH, T/chunk, V, K]."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 9)
+  nc = t // chunk
+  rows = lambda key, d, scale=1.0: (jax.random.normal(key, (bh, t, d)) * scale).astype(dtype)
+  return dict(
+      q=rows(keys[0], k_dim), k=rows(keys[1], k_dim, k_dim ** -0.5), v=rows(keys[2], v_dim),
+      beta=jax.random.uniform(keys[3], (bh, t, v_dim), minval=0.1).astype(dtype),
+      a=jax.random.uniform(keys[4], (bh, t), minval=0.6),
+      ip_row=jax.random.uniform(keys[5], (bh, k_dim), minval=0.5, maxval=2.0),
+      do=rows(keys[6], v_dim), dvar=jax.random.normal(keys[7], (bh, t, v_dim)),
+      m_starts=jax.random.normal(keys[8], (bh, nc, v_dim, k_dim)),
+      b_starts=jax.random.uniform(keys[8], (bh, nc, v_dim, k_dim), maxval=3.0))
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("with_var, t, bh_range", [(True, 192, None), (False, 256, (1, 2))])
+def test_mosaic_backward_walk_matches_triton_walk(interpret, with_var, t, bh_range):
+  """walk_mosaic.walk_backward gives walk.walk_backward's partial sums and adjoints:
+  with and without the variance's cotangent, a chunk count that is not a multiple of
+  4 (T=192: 3 chunks) and a batch*head range. Compiled: bfloat16 rows (what fits)."""
+  chunk, k_dim, v_dim = 64, 32, 48
+  x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, jnp.float32 if interpret else jnp.bfloat16)
+  if not with_var:
+    x["dvar"] = None
+  args = [x[n] for n in ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts",
+                         "b_starts")]
+  triton = walk.walk_backward(*args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16,
+                              k_part=16, k_split=k_dim // 16, num_warps=1,
+                              interpret=interpret, prefetch=True, bh_range=bh_range)
+  mosaic = walk_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
+                                     bh_range=bh_range)
+  names = ("dq", "dk", "dv", "dbeta", "s", "adj_m", "adj_b")
+  for name, got, want in zip(names, mosaic, triton):
+    assert got.shape == want.shape, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))),
+                               err_msg=name)
+
+
+def test_backward_walk_kernel_choice():
+  """Mosaic where it runs: interpreted, or compiled on Hopper+ with rows that fit its
+  shared memory (bfloat16 rows with or without the variance; not float32 rows); and
+  K wider than 16."""
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  assert walk_mosaic.supported(64, 4, (2,) * 5, interpret=False)
+  assert walk_mosaic.supported(64, 4, (2,) * 5 + (4,), interpret=False)
+  assert not walk_mosaic.supported(64, 4, (4,) * 5, interpret=False)
+  assert not walk_mosaic.supported(128, 4, (2,) * 5, interpret=False)
+  assert not walk_mosaic.supported(16, 8, (2,) * 5, interpret=True)  # Quarters of 4 steps.
+  assert gpu_op.backward_walk_kernel([f32] * 5, 32, 64, 4, interpret=True) == "mosaic"
+  assert gpu_op.backward_walk_kernel([f32] * 5, 16, 64, 4, interpret=True) == "triton"
+  compiled = gpu_op.backward_walk_kernel([bf16] * 5, 48, 64, 4, interpret=False)
+  hopper = gpu_op._compute_capability() >= (9, 0)
+  assert compiled == ("mosaic" if hopper else "triton")
+  assert gpu_op.backward_walk_kernel([f32] * 5, 48, 64, 4, interpret=False) == "triton"
