@@ -241,7 +241,7 @@ def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
 def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
   """Backward-walk inputs: rows [BH, T, D] in dtype, gates in (0.6, 1), positive
   precisions, random chunk-start states [BH, T/chunk, V, K]."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), 9)
+  keys = jax.random.split(jax.random.PRNGKey(seed), 10)
   nc = t // chunk
   rows = lambda key, d, scale=1.0: (jax.random.normal(key, (bh, t, d)) * scale).astype(dtype)
   return dict(
@@ -251,7 +251,7 @@ def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
       ip_row=jax.random.uniform(keys[5], (bh, k_dim), minval=0.5, maxval=2.0),
       do=rows(keys[6], v_dim), dvar=jax.random.normal(keys[7], (bh, t, v_dim)),
       m_starts=jax.random.normal(keys[8], (bh, nc, v_dim, k_dim)),
-      b_starts=jax.random.uniform(keys[8], (bh, nc, v_dim, k_dim), maxval=3.0))
+      b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
