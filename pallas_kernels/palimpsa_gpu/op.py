@@ -157,8 +157,7 @@ def backward_walk_kernel(row_dtypes, k_width: int, chunk: int, sub: int,
   fwd+bwd 1.666 ms (run 17) against 1.722 with the Mosaic walk (run 18).
   row_dtypes: of the backward walk's rows q, k, v, beta, dO (and dvar); k_width: Kp.
   """
-  itemsizes = tuple(jnp.dtype(d).itemsize for d in row_dtypes)
-  if k_width <= 16 or not walk_mosaic.supported(chunk, sub, itemsizes, interpret=interpret):
+  if k_width <= 16 or not walk_mosaic.supported(chunk, sub, row_dtypes, interpret=interpret):
     return "triton"
   return "mosaic" if interpret or _compute_capability() >= (9, 0) else "triton"
 

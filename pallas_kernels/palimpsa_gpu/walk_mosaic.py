@@ -17,6 +17,7 @@ Inputs are rearranged by XLA so that each TMA copy is one box: rows
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,23 +41,32 @@ _SMEM_RESERVED = 3 * 1024
 f32 = jnp.float32
 
 
-def smem_bytes(chunk: int, sub: int, row_itemsizes: tuple[int, ...]) -> int:
-  """Shared memory of one CTA: rows (one item size per row input), `a`, checkpoints,
-  start states, output staging."""
-  slot = chunk * WALKS * TILE
-  rows = slot * (sum(row_itemsizes) + 4)  # + the gates, float32.
-  states = (2 * chunk // sub + 2) * WALKS * TILE * TILE * 4
-  staging = 4 * 2 * sub * WALKS * TILE * 4 + chunk * WALKS * 4 + WALKS * TILE * 4
-  return rows + states + staging + _SMEM_RESERVED
+def _smem_scratch(chunk: int, sub: int, row_dtypes) -> list:
+  """The kernel's shared memory, in `_kernel`'s order: one [chunk, 4, 16] slot per row
+  input (row_dtypes: k, q, v, beta, dO[, dvar]) and for the gates; the prior precision
+  row; the start states; the checkpoints of M and Ibar; two staging slots each for dq,
+  dk, dv, dbeta; the per-step sums."""
+  smem = plgpu.SMEM
+  tile = (WALKS, TILE, TILE)
+  return ([smem((chunk, WALKS, TILE), d) for d in row_dtypes]
+          + [smem((chunk, WALKS, TILE), f32), smem((WALKS, TILE), f32), smem(tile, f32),
+             smem(tile, f32), smem((chunk // sub,) + tile, f32),
+             smem((chunk // sub,) + tile, f32)]
+          + [smem((2, sub, WALKS, TILE), f32)] * 4 + [smem((chunk, WALKS), f32)])
 
 
-def supported(chunk: int, sub: int, row_itemsizes: tuple[int, ...], *,
-              interpret: bool) -> bool:
+def smem_bytes(chunk: int, sub: int, row_dtypes) -> int:
+  """Shared memory of one CTA (row_dtypes as in `_smem_scratch`)."""
+  return sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+             for ref in _smem_scratch(chunk, sub, row_dtypes)) + _SMEM_RESERVED
+
+
+def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool) -> bool:
   """Whether the chunk cuts into quarters of whole sub-chunks and, compiled, the CTA
   fits in shared memory (bfloat16 or float16 rows; float32 rows do not fit)."""
   quarter = chunk // 4
   return (chunk % 4 == 0 and quarter % sub == 0
-          and (interpret or smem_bytes(chunk, sub, row_itemsizes) <= SMEM_LIMIT))
+          and (interpret or smem_bytes(chunk, sub, row_dtypes) <= SMEM_LIMIT))
 
 
 def _pointwise_ops(interpret: bool):
@@ -270,11 +280,10 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   groups = -(-nc // WALKS)
   nk, nv = kp // TILE, vp // TILE
   with_var = dvar is not None
-  row_inputs = [q, k, v, beta, do] + ([dvar] if with_var else [])
-  if not supported(chunk, sub, tuple(x.dtype.itemsize for x in row_inputs),
-                   interpret=interpret):
+  row_dtypes = [x.dtype for x in (k, q, v, beta, do) + ((dvar,) if with_var else ())]
+  if not supported(chunk, sub, row_dtypes, interpret=interpret):
     raise ValueError(f"chunk={chunk}, sub={sub} with rows of "
-                     f"{[x.dtype.name for x in row_inputs]} do not fit the kernel")
+                     f"{[jnp.dtype(d).name for d in row_dtypes]} do not fit the kernel")
   rows = lambda x: _rows(pick(x), groups, chunk)
   ins = [rows(k), rows(q), rows(v), rows(beta), rows(do)]
   if with_var:
@@ -287,15 +296,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
               + [sds((nk, bh, groups, nv, chunk, WALKS, TILE), f32)] * 2
               + [sds((nk, nv, bh, groups, chunk, WALKS), f32)]
               + [sds((bh, groups, nv, nk, WALKS, TILE, TILE), f32)] * 2)
-  smem = plgpu.SMEM
-  slots = [smem((chunk, WALKS, TILE), x.dtype) for x in ins[:len(row_inputs)]]
-  tile = (WALKS, TILE, TILE)
-  scratch = slots + [
-      smem((chunk, WALKS, TILE), f32), smem((WALKS, TILE), f32), smem(tile, f32),
-      smem(tile, f32), smem((chunk // sub,) + tile, f32), smem((chunk // sub,) + tile, f32)
-  ] + [smem((2, sub, WALKS, TILE), f32)] * 4 + [
-      smem((chunk, WALKS), f32),
-      plgpu.Barrier(num_arrivals=len(row_inputs) + 1, num_barriers=4),
+  scratch = _smem_scratch(chunk, sub, row_dtypes) + [
+      plgpu.Barrier(num_arrivals=len(row_dtypes) + 1, num_barriers=4),
       plgpu.Barrier(num_arrivals=3)]
   kernel = plgpu.kernel(
       functools.partial(_kernel, chunk=chunk, sub=sub, num_k=nk, with_var=with_var,

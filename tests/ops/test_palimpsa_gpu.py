@@ -283,11 +283,11 @@ def test_backward_walk_kernel_choice():
   shared memory (bfloat16 rows with or without the variance; not float32 rows); and
   K wider than 16."""
   bf16, f32 = jnp.bfloat16, jnp.float32
-  assert walk_mosaic.supported(64, 4, (2,) * 5, interpret=False)
-  assert walk_mosaic.supported(64, 4, (2,) * 5 + (4,), interpret=False)
-  assert not walk_mosaic.supported(64, 4, (4,) * 5, interpret=False)
-  assert not walk_mosaic.supported(128, 4, (2,) * 5, interpret=False)
-  assert not walk_mosaic.supported(16, 8, (2,) * 5, interpret=True)  # Quarters of 4 steps.
+  assert walk_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
+  assert walk_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
+  assert not walk_mosaic.supported(64, 4, [f32] * 5, interpret=False)
+  assert not walk_mosaic.supported(128, 4, [bf16] * 5, interpret=False)
+  assert not walk_mosaic.supported(16, 8, [bf16] * 5, interpret=True)  # Quarters of 4 steps.
   assert gpu_op.backward_walk_kernel([f32] * 5, 32, 64, 4, interpret=True) == "mosaic"
   assert gpu_op.backward_walk_kernel([f32] * 5, 16, 64, 4, interpret=True) == "triton"
   compiled = gpu_op.backward_walk_kernel([bf16] * 5, 48, 64, 4, interpret=False)
