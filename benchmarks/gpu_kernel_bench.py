@@ -85,7 +85,7 @@ def _forward_walk_fn(cfg, dtype):
 def _backward_walk_fn(cfg):
   if cfg.walk_bwd == "mosaic":
     fn = functools.partial(walk_mosaic.walk_backward, dvar=None, chunk=cfg.chunk,
-                           sub=cfg.sub, interpret=False)
+                           sub=cfg.sub, interpret=False, accumulate=cfg.accumulate_bwd)
   else:
     fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
                            block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,

@@ -82,6 +82,10 @@ class Config:
   # Backward walk: "mosaic" (walk_mosaic: Hopper and newer, rows that fit shared memory)
   # or "triton" (walk.walk_backward, with the tiles above).
   walk_bwd: str = "triton"
+  # Mosaic walk: the tiles' sums added by TMA reduce-add into one array each instead of
+  # partial sums that XLA adds (compiled only; the order of the additions varies run to
+  # run, by float32 rounding).
+  accumulate_bwd: bool = False
 
   @property
   def row_heads(self) -> int | None:
@@ -96,9 +100,10 @@ class Config:
   def walk_pieces(self) -> int:
     """Backward walk calls: the fewest dividing B*H within max_walk_temp_bytes."""
     bh, tp, vp, kp = self.b * self.h, self.t + self.t_pad, self.v + self.v_pad, self.k_bwd
-    if self.walk_bwd == "mosaic":  # No scratch; partial sums and the rearranged rows.
+    if self.walk_bwd == "mosaic":  # No scratch; the sums and the broadcast gates.
       nv, nk = vp // walk_mosaic.TILE, kp // walk_mosaic.TILE
-      per_head = 4 * tp * (nv * kp * 2 + nk * vp * 2 + nk * nv + 2 * kp + 3 * vp + 16)
+      pv, pk = (1, 1) if self.accumulate_bwd else (nv, nk)
+      per_head = 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + walk_mosaic.TILE)
     else:
       scratch = tp // self.sub * self.groups_bwd * self.block_v_bwd * kp * 2
       partials = (self.groups_bwd * kp * 2 + self.k_split_bwd * vp * 2 + 1) * tp
@@ -147,17 +152,13 @@ def _compute_capability() -> tuple[int, int]:
   return int(major), int(minor)
 
 
-def backward_walk_kernel(row_dtypes, k_width: int, chunk: int, sub: int,
-                         interpret: bool) -> str:
-  """"mosaic" where walk_mosaic runs (interpreted, or compiled on Hopper or newer with
-  rows that fit its shared memory: bfloat16 or float16) and K is wider than 16, else
-  "triton".
+def backward_walk_kernel(row_dtypes, chunk: int, sub: int, interpret: bool) -> str:
+  """"mosaic" where walk_mosaic runs: interpreted, or compiled on Hopper or newer with
+  rows that fit its shared memory; else "triton" (pre-Hopper GPUs).
 
-  At K=16 (MQAR) the Triton walk's 8-column parts over V-tiles of 32 rows were faster:
-  fwd+bwd 1.666 ms (run 17) against 1.722 with the Mosaic walk (run 18).
-  row_dtypes: of the backward walk's rows q, k, v, beta, dO (and dvar); k_width: Kp.
+  row_dtypes: of the backward walk's rows q, k, v, beta, dO (and dvar).
   """
-  if k_width <= 16 or not walk_mosaic.supported(chunk, sub, row_dtypes, interpret=interpret):
+  if not walk_mosaic.supported(chunk, sub, row_dtypes, interpret=interpret):
     return "triton"
   return "mosaic" if interpret or _compute_capability() >= (9, 0) else "triton"
 
@@ -211,7 +212,8 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
                 log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
                 interpret=interpret,
-                walk_bwd=backward_walk_kernel(row_dtypes, kp, chunk, sub, interpret))
+                walk_bwd=backward_walk_kernel(row_dtypes, chunk, sub, interpret),
+                accumulate_bwd=not interpret)
 
 
 def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids):
@@ -359,7 +361,8 @@ def _backward(cfg: Config, residuals, cotangents):
     walk_args = (qh, kh, vh, betah, gates.step, ip_row, doh, dvarh, m_starts, b_starts)
     if cfg.walk_bwd == "mosaic":
       outs = walk_mosaic.walk_backward(*walk_args, chunk=cfg.chunk, sub=cfg.sub,
-                                       interpret=cfg.interpret, bh_range=(first, size))
+                                       interpret=cfg.interpret, bh_range=(first, size),
+                                       accumulate=cfg.accumulate_bwd)
     else:
       outs = walk.walk_backward(
           *walk_args, chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,

@@ -7,13 +7,18 @@ the data lives:
 - A CTA is one warpgroup; warp w walks chunk 4g + w, so the CTA holds its state and
   adjoints as [4, 16, 16] arrays in a layout that gives each warp its own [16, 16] tile
   (`TILE_PER_WARP`), and every per-step sum is a warp-shuffle reduction inside a warp.
-- The four chunks' rows come into shared memory by TMA up front (in quarters, each with
-  its barrier, so the checkpoint pass starts on the first quarter); the sub-chunk
-  checkpoints stay in shared memory; outputs are staged per sub-chunk in shared memory
-  and written by TMA. No register ever waits on global memory inside the walk.
-
-Inputs are rearranged by XLA so that each TMA copy is one box: rows
-[BH, T, n*16] -> [BH, G, n, chunk, 4, 16] (G groups of 4 chunks, n K-slices or V-tiles).
+- Rows come by TMA into a ring of two quarter-chunk slots: quarters 0-3 on the
+  checkpoint pass, then 3 and 2 are still resident for the reverse pass and 1, 0 are
+  fetched again. Checkpoints (every `every` steps; a segment's later sub-chunks re-advance
+  from it) stay in shared memory; outputs are staged per sub-chunk and leave by TMA.
+  No register ever waits on global memory inside the walk. With 16-bit rows a CTA takes
+  ~105 KiB of shared memory (two per SM); float32 rows fit one per SM.
+- Rows are read where they lie: [BH, Tp, D] viewed as [BH, G, 4, chunk, D] (a free
+  reshape; a copy only when the chunk count is not a multiple of 4), each TMA box
+  [4, quarter, 16]; states as [BH, NC, Vp, Kp] boxes [4, 16, 16].
+- The per-tile sums (dq, dk over V-tiles; dv, dbeta over K-slices; s over both) leave
+  either as partial sums for XLA to add (deterministic) or, with `accumulate`, by TMA
+  reduce-add into one zeroed array each (the order of the additions varies run to run).
 """
 
 import functools
@@ -25,8 +30,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+f32 = jnp.float32
+
 TILE = 16  # V-rows and K-columns of one walk's state tile.
 WALKS = 4  # Walks per warpgroup: one per warp.
+SLOTS = 2  # Quarter-chunk slots of the row ring.
 # [4, 16, 16] arrays, warp w holding [w]: each lane 8 entries (2 V-rows x 4 K-columns).
 TILE_PER_WARP = plgpu.Layout.TILED(
     plgpu.Tiling(((WALKS, TILE, 8), (8, 8), (2,))), warp_dims=(-6,), lane_dims=(-3, -2),
@@ -37,36 +45,43 @@ V_ROWS = TILE_PER_WARP.reduce(2)  # [4, 16] (walk, v): a v-indexed row per warp.
 # (reduction scratch, barriers, alignment).
 SMEM_LIMIT = 227 * 1024
 _SMEM_RESERVED = 3 * 1024
-
-f32 = jnp.float32
-
-
-def _smem_scratch(chunk: int, sub: int, row_dtypes) -> list:
-  """The kernel's shared memory, in `_kernel`'s order: one [chunk, 4, 16] slot per row
-  input (row_dtypes: k, q, v, beta, dO[, dvar]) and for the gates; the prior precision
-  row; the start states; the checkpoints of M and Ibar; two staging slots each for dq,
-  dk, dv, dbeta; the per-step sums."""
-  smem = plgpu.SMEM
-  tile = (WALKS, TILE, TILE)
-  return ([smem((chunk, WALKS, TILE), d) for d in row_dtypes]
-          + [smem((chunk, WALKS, TILE), f32), smem((WALKS, TILE), f32), smem(tile, f32),
-             smem(tile, f32), smem((chunk // sub,) + tile, f32),
-             smem((chunk // sub,) + tile, f32)]
-          + [smem((2, sub, WALKS, TILE), f32)] * 4 + [smem((chunk, WALKS), f32)])
+# Checkpoint spacing: 8 steps (two sub-chunks of 4) fit two CTAs per SM with 16-bit rows
+# (fwd+bwd 1.07-1.15x over checkpoints every 4 steps with one CTA per SM, run 19).
+EVERY = 8
 
 
-def smem_bytes(chunk: int, sub: int, row_dtypes) -> int:
+def checkpoint_every(chunk: int) -> int:
+  """Steps between checkpoints: EVERY, or a quarter chunk where that is shorter."""
+  return min(EVERY, chunk // 4)
+
+
+def _smem_scratch(chunk: int, sub: int, every: int, row_dtypes) -> list:
+  """The kernel's shared memory, in `_kernel`'s order: a ring slot pair [2, 4, quarter, 16]
+  per row input (row_dtypes: k, q, v, beta, dO[, dvar]) and for the gates; the prior
+  precision row; the checkpoints of M and Ibar; two staging slots each for dq, dk, dv,
+  dbeta; the per-step sums."""
+  smem, ring = plgpu.SMEM, (SLOTS, WALKS, chunk // 4, TILE)
+  checkpoints = (chunk // every, WALKS, TILE, TILE)
+  return ([smem(ring, d) for d in row_dtypes]
+          + [smem(ring, f32), smem((WALKS, TILE), f32), smem(checkpoints, f32),
+             smem(checkpoints, f32)]
+          + [smem((2, WALKS, sub, TILE), f32)] * 4 + [smem((WALKS, chunk), f32)])
+
+
+def smem_bytes(chunk: int, sub: int, row_dtypes, every: int | None = None) -> int:
   """Shared memory of one CTA (row_dtypes as in `_smem_scratch`)."""
+  every = every or checkpoint_every(chunk)
   return sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-             for ref in _smem_scratch(chunk, sub, row_dtypes)) + _SMEM_RESERVED
+             for ref in _smem_scratch(chunk, sub, every, row_dtypes)) + _SMEM_RESERVED
 
 
-def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool) -> bool:
-  """Whether the chunk cuts into quarters of whole sub-chunks and, compiled, the CTA
-  fits in shared memory (bfloat16 or float16 rows; float32 rows do not fit)."""
-  quarter = chunk // 4
-  return (chunk % 4 == 0 and quarter % sub == 0
-          and (interpret or smem_bytes(chunk, sub, row_dtypes) <= SMEM_LIMIT))
+def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
+              every: int | None = None) -> bool:
+  """Whether the chunk cuts into quarters of whole checkpoint segments of whole
+  sub-chunks and, compiled, the CTA fits in shared memory."""
+  quarter, every = chunk // 4, every or checkpoint_every(chunk)
+  return (chunk % 4 == 0 and every > 0 and every % sub == 0 and quarter % every == 0
+          and (interpret or smem_bytes(chunk, sub, row_dtypes, every) <= SMEM_LIMIT))
 
 
 def _pointwise_ops(interpret: bool):
@@ -102,85 +117,112 @@ def _over_v(x):
       jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 1)), TILE_PER_WARP)
 
 
-def _kernel(*refs, chunk, sub, num_k, with_var, interpret):
-  """One CTA: 4 chunks (one per warp) of one batch*head, V-tile and K-slice."""
-  n_in = 10 if with_var else 9
+def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
+  """One CTA: 4 chunks (one per warp) of one batch*head, V-tile and K-slice.
+
+  refs: the inputs (k, q, v, beta, dO[, dvar] as [BH, G, 4, chunk, D]; gates
+  [BH, G, 4, chunk, 16]; ip [BH, NK, 4, 16]; start states [BH, G*4, Vp, Kp]), the sums
+  (dq, dk, dv, dbeta, s: one part each with `accumulate`, else one per tile), the
+  adjoints, then the scratch of `_smem_scratch` and the ring and start barriers.
+  """
+  n_rows = 6 if with_var else 5
+  n_in = n_rows + 4
   ins, outs, scratch = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
-  k_g, q_g, v_g, beta_g, do_g = ins[:5]
-  dvar_g = ins[5] if with_var else None
-  a_g, ip_g, m0_g, b0_g = ins[-4:]
+  row_g, (a_g, ip_g, m0_g, b0_g) = ins[:n_rows], ins[n_rows:]
   dq_g, dk_g, dv_g, dbeta_g, s_g, am_g, ab_g = outs
-  row_smem, (a_s, ip_s, m0_s, b0_s, ckpt_m, ckpt_b, dq_o, dk_o, dv_o, dbeta_o, s_o,
-             row_bars, start_bar) = scratch[:n_in - 4], scratch[n_in - 4:]
-  k_s, q_s, v_s, beta_s, do_s = row_smem[:5]
-  dvar_s = row_smem[5] if with_var else None
+  ring = scratch[:n_rows + 1]  # Rows, then gates: [SLOTS, 4, quarter, 16] each.
+  (ip_s, ckpt_m, ckpt_b, dq_o, dk_o, dv_o, dbeta_o, s_o, ring_bars,
+   start_bar) = scratch[n_rows + 1:]
   fma, reciprocal = _pointwise_ops(interpret)
-  n_sub, quarter = chunk // sub, chunk // 4
+  quarter = chunk // 4
+  segs_per_quarter, subs_per_seg = quarter // every, every // sub
 
   p, g, n = (jax.lax.axis_index(name) for name in ("p", "g", "n"))
   vt, ks = p // num_k, p % num_k
-  for src, dst in ((ip_g.at[n, ks], ip_s), (m0_g.at[n, g, vt, ks], m0_s),
-                   (b0_g.at[n, g, vt, ks], b0_s)):
-    plgpu.copy_gmem_to_smem(src, dst, start_bar)
-  row_pairs = [(k_g.at[n, g, ks], k_s), (q_g.at[n, g, ks], q_s)] + [
-      (x.at[n, g, vt], s) for x, s in ((v_g, v_s), (beta_g, beta_s), (do_g, do_s))]
-  if with_var:
-    row_pairs.append((dvar_g.at[n, g, vt], dvar_s))
-  row_pairs.append((a_g.at[n, g], a_s))
-  for i in range(4):
-    steps = pl.ds(i * quarter, quarter)
-    for src, dst in row_pairs:
-      plgpu.copy_gmem_to_smem(src.at[steps], dst.at[steps], row_bars.at[i])
-  plgpu.barrier_wait(start_bar)
+  kcols, vcols = pl.ds(ks * TILE, TILE), pl.ds(vt * TILE, TILE)
+  walks = pl.ds(g * WALKS, WALKS)
+  # Partial sums go to this tile's part; accumulated ones are all added into part 0.
+  part_v, part_k = (0, 0) if accumulate else (vt, ks)
+  sum_out = functools.partial(plgpu.copy_smem_to_gmem,
+                              reduction_op="add" if accumulate else None)
+  plgpu.copy_gmem_to_smem(ip_g.at[n, ks], ip_s, start_bar)
+  plgpu.copy_gmem_to_smem(m0_g.at[n, walks, vcols, kcols], ckpt_m.at[0], start_bar)
+  plgpu.copy_gmem_to_smem(b0_g.at[n, walks, vcols, kcols], ckpt_b.at[0], start_bar)
+  cols = [kcols, kcols] + [vcols] * (n_rows - 2)
 
-  def load(ref, t, layout):
-    return plgpu.load(ref.at[t], layout=layout).astype(f32)
+  def fetch(qi):  # Quarter qi's rows into slot qi % 2.
+    slot, steps = qi % SLOTS, pl.ds(qi * quarter, quarter)
+    for src, dst, c in zip(row_g, ring, cols):
+      plgpu.copy_gmem_to_smem(src.at[n, g, :, steps, c], dst.at[slot], ring_bars.at[slot])
+    plgpu.copy_gmem_to_smem(a_g.at[n, g, :, steps], ring[-1].at[slot], ring_bars.at[slot])
 
-  def write_rows(t):  # What the state update at step t needs.
-    k = _over_k(load(k_s, t, K_ROWS))
-    return (k, _over_v(load(v_s, t, V_ROWS)), _over_v(load(beta_s, t, V_ROWS)),
-            _over_v(load(a_s, t, V_ROWS)))
+  fetch(0)
+  fetch(1)
+
+  def row(i, slot, lt, layout):
+    return plgpu.load(ring[i].at[slot, :, lt, :], layout=layout).astype(f32)
+
+  def write_rows(slot, lt):  # What the state update at local step lt needs.
+    return (_over_k(row(0, slot, lt, K_ROWS)), _over_v(row(2, slot, lt, V_ROWS)),
+            _over_v(row(3, slot, lt, V_ROWS)), _over_v(row(n_rows, slot, lt, V_ROWS)))
 
   def advance(m, b, rows):
     k, v, beta, a = rows
     return fma(a, m, v * k), fma(a, b, beta * (k * k))
 
-  def checkpoints(j, carry):  # States before every sub-chunk, into shared memory.
-    m, b = carry
-    for i in range(4):
-      @pl.when(j == i * (quarter // sub))
-      def _():
-        plgpu.barrier_wait(row_bars.at[i])
-    ckpt_m[j] = m
-    ckpt_b[j] = b
-    for s in range(sub):
-      m, b = advance(m, b, write_rows(j * sub + s))
-    return m, b
-
-  m0 = plgpu.load(m0_s, layout=TILE_PER_WARP)
-  b0 = plgpu.load(b0_s, layout=TILE_PER_WARP)
+  plgpu.barrier_wait(start_bar)
+  m = plgpu.load(ckpt_m.at[0], layout=TILE_PER_WARP)
+  b = plgpu.load(ckpt_b.at[0], layout=TILE_PER_WARP)
   ip = _over_k(plgpu.load(ip_s, layout=K_ROWS))
-  jax.lax.fori_loop(0, n_sub, checkpoints, (m0, b0))
 
-  def reverse(i, carry):
-    # gm, gb: adjoints of step t0 + sub (not yet decayed by its gate a_next).
+  def forward_quarter(qi, carry):  # The checkpoint pass over quarter qi.
+    slot = qi % SLOTS
+    plgpu.barrier_wait(ring_bars.at[slot])
+
+    def checkpoints(sg, carry):
+      m, b = carry
+      c = qi * segs_per_quarter + sg
+
+      @pl.when(c > 0)  # Checkpoint 0 is the start state, already in place.
+      def _():
+        ckpt_m[c] = m
+        ckpt_b[c] = b
+      for s in range(every):
+        m, b = advance(m, b, write_rows(slot, sg * every + s))
+      return m, b
+
+    carry = jax.lax.fori_loop(0, segs_per_quarter, checkpoints, carry)
+
+    @pl.when(qi < 2)
+    def _():
+      plgpu.commit_smem()  # Every warp is done with the slot before it is refilled.
+      fetch(qi + 2)
+    return carry
+
+  jax.lax.fori_loop(0, 4, forward_quarter, (m, b))
+
+  def reverse_sub_chunk(carry, slot, lt0, c, lead, out_slot, t0):
+    """The sub-chunk at local steps lt0.. (chunk steps t0..) of checkpoint segment c,
+    whose first `lead` steps are re-advanced from the checkpoint.
+    carry: gm, gb, the adjoints of the step after the sub-chunk (not yet decayed by its
+    gate a_next), and a_next."""
     gm, gb, a_next = carry
-    j = n_sub - 1 - i
-    slot = i % 2
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # The slot's copies of 2 bodies ago.
-    m = plgpu.load(ckpt_m.at[j], layout=TILE_PER_WARP)
-    b = plgpu.load(ckpt_b.at[j], layout=TILE_PER_WARP)
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_slot's copies of 2 sub-chunks ago.
+    m = plgpu.load(ckpt_m.at[c], layout=TILE_PER_WARP)
+    b = plgpu.load(ckpt_b.at[c], layout=TILE_PER_WARP)
+    for s in range(lead):
+      m, b = advance(m, b, write_rows(slot, lt0 - lead + s))
     rows, states = [], []
     for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
-      rows.append(write_rows(j * sub + s))
+      rows.append(write_rows(slot, lt0 + s))
       m, b = advance(m, b, rows[-1])
       states.append((m, b))
     for s in reversed(range(sub)):
-      t = j * sub + s
+      lt = lt0 + s
       k, v, beta, a = rows[s]
       m, b = states[s]
-      q = _over_k(load(q_s, t, K_ROWS))
-      do = _over_v(load(do_s, t, V_ROWS))
+      q = _over_k(row(1, slot, lt, K_ROWS))
+      do = _over_v(row(4, slot, lt, V_ROWS))
       # out = sum_k mu q with mu = m r, r = 1 / (b + Ip): dL/dm = do q r and
       # dL/db = -(do q r) mu (+ the variance's -dvar (q r)^2).
       r = reciprocal(b + ip)
@@ -189,77 +231,66 @@ def _kernel(*refs, chunk, sub, num_k, with_var, interpret):
       dq_terms = do * mu
       di = -(dm * mu)
       if with_var:
-        dvar = _over_v(load(dvar_s, t, V_ROWS))
+        dvar = _over_v(row(5, slot, lt, V_ROWS))
         qr = q * r
         dq_terms = fma(2.0 * dvar, qr, dq_terms)
         di = fma(-dvar, qr * qr, di)
       gm = fma(a_next, gm, dm)
       gb = fma(a_next, gb, di)
-      dq_o[slot, s] = jnp.sum(dq_terms, axis=1)
-      dk_o[slot, s] = jnp.sum(fma(gm, v, (gb * (2.0 * beta)) * k), axis=1)
-      dv_o[slot, s] = jnp.sum(gm * k, axis=2)
-      dbeta_o[slot, s] = jnp.sum(gb * (k * k), axis=2)
-      s_o[t] = jnp.sum(jnp.sum(di, axis=2), axis=1)
+      dq_o[out_slot, :, s] = jnp.sum(dq_terms, axis=1)
+      dk_o[out_slot, :, s] = jnp.sum(fma(gm, v, (gb * (2.0 * beta)) * k), axis=1)
+      dv_o[out_slot, :, s] = jnp.sum(gm * k, axis=2)
+      dbeta_o[out_slot, :, s] = jnp.sum(gb * (k * k), axis=2)
+      s_o[:, t0 + s] = jnp.sum(jnp.sum(di, axis=2), axis=1)
       a_next = a
     plgpu.commit_smem()
-    steps = pl.ds(j * sub, sub)
-    plgpu.copy_smem_to_gmem(dq_o.at[slot], dq_g.at[vt, n, g, ks, steps], commit_group=False)
-    plgpu.copy_smem_to_gmem(dk_o.at[slot], dk_g.at[vt, n, g, ks, steps], commit_group=False)
-    plgpu.copy_smem_to_gmem(dv_o.at[slot], dv_g.at[ks, n, g, vt, steps], commit_group=False)
-    plgpu.copy_smem_to_gmem(dbeta_o.at[slot], dbeta_g.at[ks, n, g, vt, steps])
+    steps = pl.ds(t0, sub)
+    sum_out(dq_o.at[out_slot], dq_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
+    sum_out(dk_o.at[out_slot], dk_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
+    sum_out(dv_o.at[out_slot], dv_g.at[part_k, n, g, :, steps, vcols], commit_group=False)
+    sum_out(dbeta_o.at[out_slot], dbeta_g.at[part_k, n, g, :, steps, vcols])
     return gm, gb, a_next
 
+  def reverse_quarter(i, carry):
+    qi = 3 - i
+    slot = qi % SLOTS
+
+    @pl.when(qi < 2)  # Quarters 3 and 2 are still resident from the checkpoint pass.
+    def _():
+      plgpu.barrier_wait(ring_bars.at[slot])
+
+    def segment(j, carry):
+      sg = segs_per_quarter - 1 - j
+      c = qi * segs_per_quarter + sg
+      for h in reversed(range(subs_per_seg)):  # The segment's sub-chunks, last first.
+        lt0 = sg * every + h * sub
+        out_slot = (c * subs_per_seg + h) % 2  # Alternates between consecutive sub-chunks.
+        carry = reverse_sub_chunk(carry, slot, lt0, c, h * sub, out_slot,
+                                  qi * quarter + lt0)
+      return carry
+
+    carry = jax.lax.fori_loop(0, segs_per_quarter, segment, carry)
+
+    @pl.when(qi >= 2)
+    def _():
+      plgpu.commit_smem()
+      fetch(qi - 2)
+    return carry
+
   zero = plgpu.layout_cast(jnp.zeros((WALKS, TILE, TILE), f32), TILE_PER_WARP)
-  gm, gb, a_first = jax.lax.fori_loop(0, n_sub, reverse, (zero, zero, zero))
-  m0_s[...] = a_first * gm  # The start-state buffers now hold the adjoints.
-  b0_s[...] = a_first * gb
+  gm, gb, a_first = jax.lax.fori_loop(0, 4, reverse_quarter, (zero, zero, zero))
+  ckpt_m[0] = a_first * gm  # Checkpoint 0's buffers now hold the adjoints.
+  ckpt_b[0] = a_first * gb
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(s_o, s_g.at[ks, vt, n, g], commit_group=False)
-  plgpu.copy_smem_to_gmem(m0_s, am_g.at[n, g, vt, ks], commit_group=False)
-  plgpu.copy_smem_to_gmem(b0_s, ab_g.at[n, g, vt, ks])
+  sum_out(s_o, s_g.at[part_k, part_v, n, g], commit_group=False)
+  plgpu.copy_smem_to_gmem(ckpt_m.at[0], am_g.at[n, walks, vcols, kcols], commit_group=False)
+  plgpu.copy_smem_to_gmem(ckpt_b.at[0], ab_g.at[n, walks, vcols, kcols])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _rows(x: jax.Array, groups: int, chunk: int) -> jax.Array:
-  """[BH, Tp, n*16] -> [BH, G, n, chunk, 4, 16] (chunks past Tp are zero)."""
-  bh, tp, width = x.shape
-  x = jnp.pad(x, ((0, 0), (0, groups * WALKS * chunk - tp), (0, 0)))
-  x = x.reshape(bh, groups, WALKS, chunk, width // TILE, TILE)
-  return jnp.transpose(x, (0, 1, 4, 3, 2, 5))
-
-
-def _gates(a: jax.Array, groups: int, chunk: int) -> jax.Array:
-  """[BH, Tp] -> [BH, G, chunk, 4, 16] float32, each gate repeated over 16 V-rows."""
-  bh, tp = a.shape
-  a = jnp.pad(a.astype(f32), ((0, 0), (0, groups * WALKS * chunk - tp)))
-  a = jnp.transpose(a.reshape(bh, groups, WALKS, chunk), (0, 1, 3, 2))
-  return jnp.broadcast_to(a[..., None], a.shape + (TILE,))
-
-
-def _states(x: jax.Array, groups: int) -> jax.Array:
-  """[BH, NC, Vp, Kp] -> [BH, G, NV, NK, 4, 16, 16] (chunks past NC are zero)."""
-  bh, nc, vp, kp = x.shape
-  x = jnp.pad(x, ((0, 0), (0, groups * WALKS - nc), (0, 0), (0, 0)))
-  x = x.reshape(bh, groups, WALKS, vp // TILE, TILE, kp // TILE, TILE)
-  return jnp.transpose(x, (0, 1, 3, 5, 2, 4, 6))
-
-
-def _rows_back(x: jax.Array, tp: int) -> jax.Array:
-  """[P, BH, G, n, chunk, 4, 16] -> [P, BH, Tp, n*16]."""
-  p, bh, groups, n, chunk = x.shape[:5]
-  x = jnp.transpose(x, (0, 1, 2, 5, 4, 3, 6))
-  return x.reshape(p, bh, groups * WALKS * chunk, n * TILE)[:, :, :tp]
-
-
-def _states_back(x: jax.Array, nc: int) -> jax.Array:
-  """[BH, G, NV, NK, 4, 16, 16] -> [BH, NC, Vp, Kp]."""
-  bh, groups, nv, nk = x.shape[:4]
-  x = jnp.transpose(x, (0, 1, 4, 2, 5, 3, 6))
-  return x.reshape(bh, groups * WALKS, nv * TILE, nk * TILE)[:, :nc]
-
-
 def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chunk: int,
-                  sub: int, interpret: bool, bh_range: tuple[int, int] | None = None):
+                  sub: int, interpret: bool, bh_range: tuple[int, int] | None = None,
+                  accumulate: bool = False, every: int | None = None):
   """Reverse walk over all chunks, each with zero adjoint from later chunks.
 
   Args:
@@ -267,43 +298,65 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
     a: [BH, Tp] step gates; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
     Kp and Vp are multiples of 16, Tp of chunk; `supported(chunk, sub, ...)` holds.
     bh_range: (first, count): walk only these batch*heads.
+    accumulate: add the tiles' sums by TMA reduce-add into one part (compiled only:
+      interpret mode has no reduce-add); else one partial sum per tile.
+    every: steps between checkpoints (default `checkpoint_every(chunk)`).
 
   Returns:
     As `walk.walk_backward` with groups = Vp / 16 and k_split = Kp / 16: dq, dk
-    [Vp/16, BH, Tp, Kp]; dv, dbeta [Kp/16, BH, Tp, Vp]; s [Kp/16, Vp/16, BH, Tp];
-    adj_m, adj_b [BH, NC, Vp, Kp].
+    [P, BH, Tp, Kp] (P = Vp / 16 parts); dv, dbeta [P, BH, Tp, Vp] (P = Kp / 16);
+    s [Kp/16, Vp/16, BH, Tp]; adj_m, adj_b [BH, NC, Vp, Kp]. With `accumulate`, P = 1
+    and s is [1, 1, BH, Tp].
   """
+  if accumulate and interpret:
+    raise ValueError("accumulate=True needs the compiled kernel (interpret mode has no "
+                     "TMA reduce-add)")
+  every = every or checkpoint_every(chunk)
   first, count = bh_range or (0, q.shape[0])
   pick = lambda x: jax.lax.slice_in_dim(x, first, first + count)
   bh, (_, tp, kp), vp = count, q.shape, v.shape[-1]
   nc = tp // chunk
   groups = -(-nc // WALKS)
   nk, nv = kp // TILE, vp // TILE
+  t_all = groups * WALKS * chunk
   with_var = dvar is not None
-  row_dtypes = [x.dtype for x in (k, q, v, beta, do) + ((dvar,) if with_var else ())]
-  if not supported(chunk, sub, row_dtypes, interpret=interpret):
-    raise ValueError(f"chunk={chunk}, sub={sub} with rows of "
+  row_inputs = [k, q, v, beta, do] + ([dvar] if with_var else [])
+  row_dtypes = [x.dtype for x in row_inputs]
+  if not supported(chunk, sub, row_dtypes, interpret=interpret, every=every):
+    raise ValueError(f"chunk={chunk}, sub={sub}, every={every} with rows of "
                      f"{[jnp.dtype(d).name for d in row_dtypes]} do not fit the kernel")
-  rows = lambda x: _rows(pick(x), groups, chunk)
-  ins = [rows(k), rows(q), rows(v), rows(beta), rows(do)]
-  if with_var:
-    ins.append(rows(dvar))
-  ins += [_gates(pick(a), groups, chunk),
-          jnp.broadcast_to(pick(ip_row).reshape(bh, nk, 1, TILE), (bh, nk, WALKS, TILE)),
-          _states(pick(m_starts), groups), _states(pick(b_starts), groups)]
+
+  def rows(x):  # [BH, Tp, D] -> [count, G, 4, chunk, D] (a copy only where Tp pads).
+    x = pick(x)
+    if t_all != tp:
+      x = jnp.pad(x, ((0, 0), (0, t_all - tp), (0, 0)))
+    return x.reshape(count, groups, WALKS, chunk, x.shape[-1])
+
+  def states(x):  # [BH, NC, Vp, Kp] -> [count, G*4, Vp, Kp].
+    x = pick(x)
+    if groups * WALKS != nc:
+      x = jnp.pad(x, ((0, 0), (0, groups * WALKS - nc), (0, 0), (0, 0)))
+    return x
+
+  gates = jnp.broadcast_to(a.astype(f32)[..., None], a.shape + (TILE,))
+  ins = [rows(x) for x in row_inputs] + [
+      rows(gates),
+      jnp.broadcast_to(pick(ip_row).reshape(bh, nk, 1, TILE), (bh, nk, WALKS, TILE)),
+      states(m_starts), states(b_starts)]
+  pv, pk = (1, 1) if accumulate else (nv, nk)
   sds = jax.ShapeDtypeStruct
-  out_type = ([sds((nv, bh, groups, nk, chunk, WALKS, TILE), f32)] * 2
-              + [sds((nk, bh, groups, nv, chunk, WALKS, TILE), f32)] * 2
-              + [sds((nk, nv, bh, groups, chunk, WALKS), f32)]
-              + [sds((bh, groups, nv, nk, WALKS, TILE, TILE), f32)] * 2)
-  scratch = _smem_scratch(chunk, sub, row_dtypes) + [
-      plgpu.Barrier(num_arrivals=len(row_dtypes) + 1, num_barriers=4),
+  sum_types = ([sds((pv, bh, groups, WALKS, chunk, kp), f32)] * 2
+               + [sds((pk, bh, groups, WALKS, chunk, vp), f32)] * 2
+               + [sds((pk, pv, bh, groups, WALKS, chunk), f32)])
+  adjoint_types = [sds((bh, groups * WALKS, vp, kp), f32)] * 2
+  scratch = _smem_scratch(chunk, sub, every, row_dtypes) + [
+      plgpu.Barrier(num_arrivals=len(row_inputs) + 1, num_barriers=SLOTS),
       plgpu.Barrier(num_arrivals=3)]
   kernel = plgpu.kernel(
-      functools.partial(_kernel, chunk=chunk, sub=sub, num_k=nk, with_var=with_var,
-                        interpret=interpret),
-      out_type=out_type, scratch_types=scratch, grid=(nv * nk, groups, bh),
-      grid_names=("p", "g", "n"),
+      functools.partial(_kernel, chunk=chunk, sub=sub, every=every, num_k=nk,
+                        with_var=with_var, accumulate=accumulate, interpret=interpret),
+      out_type=adjoint_types if accumulate else sum_types + adjoint_types,
+      scratch_types=scratch, grid=(nv * nk, groups, bh), grid_names=("p", "g", "n"),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Lane,
           # Every thread reads back only what it wrote itself, or what a TMA copy
@@ -311,8 +364,12 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
           unsafe_no_auto_barriers=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
       kernel_name="palimpsa_walk_backward_mosaic")
-  dq, dk, dv, dbeta, s, adj_m, adj_b = kernel(*ins)
-  s = jnp.transpose(s, (0, 1, 2, 3, 5, 4)).reshape(nk, nv, bh, groups * WALKS * chunk)
-  return (_rows_back(dq, tp), _rows_back(dk, tp), _rows_back(dv, tp),
-          _rows_back(dbeta, tp), s[..., :tp], _states_back(adj_m, nc),
-          _states_back(adj_b, nc))
+  if accumulate:  # Zeroed sums the kernel adds into (aliased in and out).
+    refs = [jax.new_ref(jnp.zeros(t.shape, t.dtype)) for t in sum_types]
+    adj_m, adj_b = kernel(*ins, *refs)
+    dq, dk, dv, dbeta, s = (jax.freeze(r) for r in refs)
+  else:
+    dq, dk, dv, dbeta, s, adj_m, adj_b = kernel(*ins)
+  back = lambda x: x.reshape(x.shape[0], bh, t_all, x.shape[-1])[:, :, :tp]
+  return (back(dq), back(dk), back(dv), back(dbeta),
+          s.reshape(pk, pv, bh, t_all)[..., :tp], adj_m[:, :nc], adj_b[:, :nc])

@@ -71,11 +71,11 @@ def _random_op_args(seed: int, shape: tuple[int, int, int, int, int]) -> tuple:
 @pytest.mark.parametrize("k_dim", [16, 48])
 def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) and both
-  backward walks agree with the default (interpreted: the Mosaic GPU walk at K=48, the
-  Triton walk at K=16).
+  backward walks agree with the default (interpreted: the Mosaic GPU walk).
 
-  `mosaic` and `triton` are the default with either backward walk; the Triton one at
-  K=48 walks three 16-column K-slices, one program each. The variants below use it.
+  `triton` is the default with the Triton backward walk: at K=16 8-column parts over
+  V-tiles of up to 32 rows, at K=48 three 16-column K-slices, one program each. The
+  variants below use it.
   `variant` walks all three stages in 16-column parts inside one program, one boundary
   program walks both M and Ibar (the default splits them), and the forward kernels read
   head-major copies (the default reads the caller's layout). `sliced` walks the
@@ -85,8 +85,7 @@ def test_tile_variants_agree(k_dim):
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
                             chunk_size=16, interpret=True)
-  assert base.walk_bwd == ("mosaic" if k_dim > 16 else "triton")
-  mosaic = dataclasses.replace(base, walk_bwd="mosaic")
+  assert base.walk_bwd == "mosaic" and not base.accumulate_bwd
   triton = dataclasses.replace(base, walk_bwd="triton")
   variant = dataclasses.replace(triton, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16,
@@ -96,7 +95,7 @@ def test_tile_variants_agree(k_dim):
   sliced = dataclasses.replace(triton, k_part_bwd=4, k_split_bwd=k_dim // 8, groups_bwd=3,
                                block_v_bwd=16)
   assert sliced.k_bwd == k_dim
-  variants = [mosaic if k_dim == 16 else triton, variant, sliced]
+  variants = [triton, variant, sliced]
   if k_dim == 48:
     assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 48)
     assert (base.k_part_bwd, base.k_split_bwd, base.block_v_bwd, base.groups_bwd,
@@ -254,12 +253,17 @@ def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
       b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
-@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("with_var, t, bh_range", [(True, 192, None), (False, 256, (1, 2))])
-def test_mosaic_backward_walk_matches_triton_walk(interpret, with_var, t, bh_range):
-  """walk_mosaic.walk_backward gives walk.walk_backward's partial sums and adjoints:
-  with and without the variance's cotangent, a chunk count that is not a multiple of
-  4 (T=192: 3 chunks) and a batch*head range. Compiled: bfloat16 rows (what fits)."""
+@pytest.mark.parametrize("interpret, accumulate", [
+    (True, False), pytest.param(False, False, marks=pytest.mark.gpu),
+    pytest.param(False, True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("with_var, t, bh_range, every", [
+    (True, 192, None, None), (False, 256, (1, 2), 4)])
+def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_var, t,
+                                                  bh_range, every):
+  """walk_mosaic.walk_backward gives walk.walk_backward's partial sums (or, with
+  `accumulate`, their totals) and adjoints: with and without the variance's cotangent,
+  a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range, and
+  checkpoints every 8 (default) or 4 steps. Compiled: bfloat16 rows."""
   chunk, k_dim, v_dim = 64, 32, 48
   x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, jnp.float32 if interpret else jnp.bfloat16)
   if not with_var:
@@ -269,8 +273,11 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, with_var, t, bh_ran
   triton = walk.walk_backward(*args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16,
                               k_part=16, k_split=k_dim // 16, num_warps=1,
                               interpret=interpret, prefetch=True, bh_range=bh_range)
+  if accumulate:  # One part: the sum of the partial sums.
+    triton = [jnp.sum(x, axis=0, keepdims=True) for x in triton[:4]] + [
+        jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
   mosaic = walk_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
-                                     bh_range=bh_range)
+                                     bh_range=bh_range, accumulate=accumulate, every=every)
   names = ("dq", "dk", "dv", "dbeta", "s", "adj_m", "adj_b")
   for name, got, want in zip(names, mosaic, triton):
     assert got.shape == want.shape, name
@@ -278,19 +285,30 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, with_var, t, bh_ran
                                err_msg=name)
 
 
+def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():
+  x = _walk_inputs(0, 1, 64, 16, 16, 64, jnp.float32)
+  args = [x[n] for n in ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts",
+                         "b_starts")]
+  with pytest.raises(ValueError, match="accumulate"):
+    walk_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
+
+
 def test_backward_walk_kernel_choice():
   """Mosaic where it runs: interpreted, or compiled on Hopper+ with rows that fit its
-  shared memory (bfloat16 rows with or without the variance; not float32 rows); and
-  K wider than 16."""
+  shared memory (16-bit rows up to chunk 128; float32 rows up to chunk 64)."""
   bf16, f32 = jnp.bfloat16, jnp.float32
   assert walk_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
   assert walk_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
-  assert not walk_mosaic.supported(64, 4, [f32] * 5, interpret=False)
-  assert not walk_mosaic.supported(128, 4, [bf16] * 5, interpret=False)
-  assert not walk_mosaic.supported(16, 8, [bf16] * 5, interpret=True)  # Quarters of 4 steps.
-  assert gpu_op.backward_walk_kernel([f32] * 5, 32, 64, 4, interpret=True) == "mosaic"
-  assert gpu_op.backward_walk_kernel([f32] * 5, 16, 64, 4, interpret=True) == "triton"
-  compiled = gpu_op.backward_walk_kernel([bf16] * 5, 48, 64, 4, interpret=False)
+  assert walk_mosaic.supported(64, 4, [f32] * 6, interpret=False)
+  assert walk_mosaic.supported(128, 4, [bf16] * 6, interpret=False)
+  assert not walk_mosaic.supported(128, 4, [f32] * 5, interpret=False)
+  assert walk_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
+  assert not walk_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # Quarters of 4 steps.
+  assert walk_mosaic.smem_bytes(64, 4, [bf16] * 5) <= walk_mosaic.SMEM_LIMIT // 2
+  assert gpu_op.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "mosaic"
+  assert gpu_op.backward_walk_kernel([f32] * 5, 16, 8, interpret=True) == "triton"
   hopper = gpu_op._compute_capability() >= (9, 0)
-  assert compiled == ("mosaic" if hopper else "triton")
-  assert gpu_op.backward_walk_kernel([f32] * 5, 48, 64, 4, interpret=False) == "triton"
+  for dtypes in ([bf16] * 5, [f32] * 5):
+    compiled = gpu_op.backward_walk_kernel(dtypes, 64, 4, interpret=False)
+    assert compiled == ("mosaic" if hopper else "triton")
+  assert gpu_op.backward_walk_kernel([f32] * 5, 128, 4, interpret=False) == "triton"
