@@ -16,6 +16,8 @@ dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
 
 import dataclasses
 import functools
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +86,7 @@ class Config:
   walk_bwd: str = "triton"
   # Mosaic walk: the tiles' sums added by TMA reduce-add into one array each instead of
   # partial sums that XLA adds (compiled only; the order of the additions varies run to
-  # run, by float32 rounding).
+  # run, by float32 rounding; off under --xla_gpu_deterministic_ops, run 19: 1.05-1.13x).
   accumulate_bwd: bool = False
 
   @property
@@ -152,6 +154,13 @@ def _compute_capability() -> tuple[int, int]:
   return int(major), int(minor)
 
 
+def deterministic_ops_requested() -> bool:
+  """Whether XLA_FLAGS asks XLA for run-to-run deterministic GPU ops
+  (--xla_gpu_deterministic_ops or =true); the kernel then avoids reduce-add."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  return re.search(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)", flags) is not None
+
+
 def backward_walk_kernel(row_dtypes, chunk: int, sub: int, interpret: bool) -> str:
   """"mosaic" where walk_mosaic runs: interpreted, or compiled on Hopper or newer with
   rows that fit its shared memory; else "triton" (pre-Hopper GPUs).
@@ -213,7 +222,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
                 prior_dtype=jnp.dtype(prior_precision.dtype).name,
                 interpret=interpret,
                 walk_bwd=backward_walk_kernel(row_dtypes, chunk, sub, interpret),
-                accumulate_bwd=not interpret)
+                accumulate_bwd=not interpret and not deterministic_ops_requested())
 
 
 def _prepare(cfg: Config, q, k, v, beta, log_alpha, prior_precision, segment_ids):

@@ -293,6 +293,22 @@ def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():
     walk_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
 
 
+@pytest.mark.parametrize("flags, deterministic", [
+    ("", False), ("--xla_gpu_deterministic_ops", True),
+    ("--xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true", True),
+    ("--xla_gpu_deterministic_ops=false", False)])
+def test_reduce_add_only_without_deterministic_ops(monkeypatch, flags, deterministic):
+  """Compiled calls add the walk's sums by TMA reduce-add unless XLA_FLAGS asks for
+  deterministic ops; interpreted calls never do (interpret mode has no reduce-add)."""
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  assert gpu_op.deterministic_ops_requested() == deterministic
+  args = _random_op_args(0, (1, 64, 1, 16, 16))
+  for interpret in (True, False):
+    cfg = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=False,
+                             chunk_size=64, interpret=interpret)
+    assert cfg.accumulate_bwd == (not interpret and not deterministic)
+
+
 def test_backward_walk_kernel_choice():
   """Mosaic where it runs: interpreted, or compiled on Hopper+ with rows that fit its
   shared memory (16-bit rows up to chunk 128; float32 rows up to chunk 64)."""
