@@ -6,10 +6,10 @@ sequentially over chunks, giving the boundary states (saved for the backward); (
 Pallas kernel over (batch*head, chunk, V-tile) walks the chunk's steps, dividing and
 reading out at every step. Both read the inputs in the caller's [B, T, H, D] layout.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas, one
-[16, 16] state tile per Triton program or per warp of a Mosaic GPU warpgroup, partial
-sums added by XLA) with zero adjoint from later chunks, scan the adjoint carries over
-chunks (Pallas), add the carries' contributions as matmuls (XLA); dlog_alpha from the
-identity
+[16, 16] state tile per Triton program or per warp of a Mosaic GPU warpgroup, the tiles'
+sums added by TMA reduce-add or by XLA) with zero adjoint from later chunks, scan the
+adjoint carries over chunks (Pallas), add the carries' contributions as matmuls (XLA);
+dlog_alpha from the identity
 dL/dlog a_t = sum_{u >= t, same segment} (<dM_u^loc, M_u> + <dI_u^loc, Ibar_u>
                                           - v_u . dv_u - beta_u . dbeta_u).
 """
