@@ -162,14 +162,19 @@ def deterministic_ops_requested() -> bool:
 
 
 def backward_walk_kernel(row_dtypes, chunk: int, sub: int, interpret: bool) -> str:
-  """"mosaic" where walk_mosaic runs: interpreted, or compiled on Hopper or newer with
-  rows that fit its shared memory; else "triton" (pre-Hopper GPUs).
+  """"mosaic" where walk_mosaic runs: compiled on Hopper or newer with rows that fit its
+  shared memory, or interpreted on a single device; else "triton".
 
+  Mosaic GPU's interpret mode keeps one shared-memory state per process and checks at
+  the end of each kernel that no barrier is left in it, so kernels interpreted by
+  several devices at once (a CPU mesh under kernel_sharding) fail that check.
   row_dtypes: of the backward walk's rows q, k, v, beta, dO (and dvar).
   """
   if not walk_mosaic.supported(chunk, sub, row_dtypes, interpret=interpret):
     return "triton"
-  return "mosaic" if interpret or _compute_capability() >= (9, 0) else "triton"
+  if interpret:
+    return "mosaic" if jax.local_device_count() == 1 else "triton"
+  return "mosaic" if _compute_capability() >= (9, 0) else "triton"
 
 
 def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,

@@ -309,9 +309,9 @@ def test_reduce_add_only_without_deterministic_ops(monkeypatch, flags, determini
     assert cfg.accumulate_bwd == (not interpret and not deterministic)
 
 
-def test_backward_walk_kernel_choice():
-  """Mosaic where it runs: interpreted, or compiled on Hopper+ with rows that fit its
-  shared memory (16-bit rows up to chunk 128; float32 rows up to chunk 64)."""
+def test_backward_walk_kernel_choice(monkeypatch):
+  """Mosaic where it runs: interpreted on one device, or compiled on Hopper+ with rows
+  that fit its shared memory (16-bit rows up to chunk 128; float32 rows up to chunk 64)."""
   bf16, f32 = jnp.bfloat16, jnp.float32
   assert walk_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
   assert walk_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
@@ -328,3 +328,5 @@ def test_backward_walk_kernel_choice():
     compiled = gpu_op.backward_walk_kernel(dtypes, 64, 4, interpret=False)
     assert compiled == ("mosaic" if hopper else "triton")
   assert gpu_op.backward_walk_kernel([f32] * 5, 128, 4, interpret=False) == "triton"
+  monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+  assert gpu_op.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "triton"
