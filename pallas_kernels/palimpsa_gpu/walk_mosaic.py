@@ -50,8 +50,9 @@ V_ROWS = TILE_PER_WARP.reduce(2)  # [4, 16] (walk, v): a v-indexed row per warp.
 # (reduction scratch, barriers, alignment).
 SMEM_LIMIT = 227 * 1024
 _SMEM_RESERVED = 3 * 1024
-# Checkpoint spacing: 8 steps (two sub-chunks of 4) fit two CTAs per SM with 16-bit rows
-# (fwd+bwd 1.07-1.15x over checkpoints every 4 steps with one CTA per SM, run 19).
+# Checkpoint spacing: with the row ring, 8 steps (two sub-chunks of 4) fit two CTAs per SM
+# with 16-bit rows (run 19: fwd+bwd 1.07-1.15x over run 18's walk, which checkpointed every
+# 4 steps at one CTA per SM; every 16 steps: 0.86x, 188 registers).
 EVERY = 8
 
 
