@@ -237,9 +237,13 @@ def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
                       interpret=True)
 
 
+_WALK_ARGS = ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts", "b_starts")
+
+
 def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
-  """Backward-walk inputs: rows [BH, T, D] in dtype, gates in (0.6, 1), positive
-  precisions, random chunk-start states [BH, T/chunk, V, K]."""
+  """Backward-walk inputs by name (`_WALK_ARGS` is the walks' argument order): rows
+  [BH, T, D] in dtype, gates in (0.6, 1), positive precisions, random chunk-start
+  states [BH, T/chunk, V, K]."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 10)
   nc = t // chunk
   rows = lambda key, d, scale=1.0: (jax.random.normal(key, (bh, t, d)) * scale).astype(dtype)
@@ -268,13 +272,12 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
   x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, jnp.float32 if interpret else jnp.bfloat16)
   if not with_var:
     x["dvar"] = None
-  args = [x[n] for n in ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts",
-                         "b_starts")]
+  args = [x[n] for n in _WALK_ARGS]
   triton = walk.walk_backward(*args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16,
                               k_part=16, k_split=k_dim // 16, num_warps=1,
                               interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
-    triton = [jnp.sum(x, axis=0, keepdims=True) for x in triton[:4]] + [
+    triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
   mosaic = walk_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
                                      bh_range=bh_range, accumulate=accumulate, every=every)
@@ -287,8 +290,7 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
 
 def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():
   x = _walk_inputs(0, 1, 64, 16, 16, 64, jnp.float32)
-  args = [x[n] for n in ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts",
-                         "b_starts")]
+  args = [x[n] for n in _WALK_ARGS]
   with pytest.raises(ValueError, match="accumulate"):
     walk_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
 
