@@ -1,6 +1,6 @@
 """Tile tuning and per-stage timings of the palimpsa_gpu kernel (GPU only).
 
-    PYTHONPATH=. python3 benchmarks/gpu_kernel_bench.py [--shapes D170 D760] [--sweep]
+    python3 benchmarks/gpu_kernel_bench.py [--shapes D170 D760] [--sweep]
 
 Times the kernel's three stages (boundary states, forward walk, backward walk) each jitted alone
 and, with --sweep, tile variants of each stage, then the whole kernel with the chosen tiles.
@@ -12,9 +12,14 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
+
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
                                  time_queued)

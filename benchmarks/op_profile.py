@@ -23,6 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from benchmarks import op_bench, step_profile
 from benchmarks.train_throughput import non_negative_int, positive_int
 from palimpsa_jax.ops.palimpsa import validation

@@ -28,6 +28,9 @@ from typing import Any, Callable
 import jax
 import ml_collections
 
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from benchmarks import train_throughput
 from benchmarks.train_throughput import non_negative_int, positive_int
 
