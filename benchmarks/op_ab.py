@@ -1,0 +1,226 @@
+"""Times the Palimpsa op as it is at several git refs, in one process (an A/B of kernels).
+
+    python benchmarks/op_ab.py --refs main . --only M170 D170     # GPU: main against the working tree
+    python benchmarks/op_ab.py --refs HEAD~1 HEAD --shapes small --impl chunked   # CPU check
+
+The same code's forward+backward time moves by up to 9% between processes and machines
+(benchmarks/RESULTS.md, run 20), more than most kernel changes an A/B has to tell apart;
+within one process it holds to a few tenths of a percent. So this script imports each ref's
+palimpsa_jax and pallas_kernels in turn ("." is the working tree, uncommitted changes
+included; other refs are exported with `git archive` into a temporary directory), compiles
+and runs that ref's op once while its packages are the ones imported, and compares its
+outputs and gradients with the first ref's. Then it times the refs in interleaved rounds
+(op_bench.time_queued: calls queued back to back, median of 3 batches). The table gives
+every round, the median and the speed-up over the first ref; it is appended to
+benchmarks/RESULTS.md with the date, device, JAX version, the refs' commits and the command.
+"""
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import io
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import op_bench
+from benchmarks.train_throughput import non_negative_int, positive_int
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("palimpsa_jax", "pallas_kernels")
+MODES = ("fwd", "fwd+bwd")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--refs", nargs="+", required=True,
+                      help="git refs to compare, the first is the baseline; '.' is the "
+                           "working tree")
+  parser.add_argument("--shapes", choices=sorted(op_bench.SHAPES), default="perf")
+  parser.add_argument("--only", nargs="*", help="shape names of the set (default: all)")
+  parser.add_argument("--impl", default="",
+                      help="implementation (default: pallas_gpu on GPUs, pallas_tpu on "
+                           "TPUs, else chunked)")
+  parser.add_argument("--modes", nargs="+", default=["fwd+bwd"], choices=MODES)
+  parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+  parser.add_argument("--chunk-size", type=positive_int, default=64)
+  parser.add_argument("--rounds", type=positive_int, default=3,
+                      help="interleaved timing rounds over the refs")
+  parser.add_argument("--warmup", type=non_negative_int, default=2)
+  parser.add_argument("--iters", type=positive_int, default=20, help="queued calls per batch")
+  parser.add_argument("--rotate", type=positive_int, default=3,
+                      help="distinct input sets cycled through")
+  parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+  parser.add_argument("--note", default="", help="a line recorded with the results")
+  args = parser.parse_args(argv)
+  if len(args.refs) < 2:
+    parser.error(f"--refs needs at least two refs to compare, got {args.refs}")
+  unknown = [n for n in args.only or () if n not in op_bench.SHAPES[args.shapes]]
+  if unknown:
+    parser.error(f"--only must name shapes of --shapes {args.shapes} "
+                 f"({sorted(op_bench.SHAPES[args.shapes])}), got {unknown}")
+  return args
+
+
+def default_implementation() -> str:
+  return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(
+      jax.default_backend(), "chunked")
+
+
+def describe(ref: str) -> str:
+  """The commit a ref names, or for '.' the working tree's HEAD and whether it has changes."""
+  git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+  if ref == ".":
+    changed = git("status", "--porcelain", "--", *PACKAGES)
+    return f"working tree ({git('rev-parse', '--short', 'HEAD')}{' + changes' if changed else ''})"
+  try:
+    return git("rev-parse", "--short", f"{ref}^{{commit}}")
+  except subprocess.CalledProcessError as e:
+    raise ValueError(f"--refs: {ref!r} is not a commit of {REPO}") from e
+
+
+def export(ref: str, dest: pathlib.Path) -> pathlib.Path:
+  """A directory holding the ref's packages: the repository for '.', else a git archive."""
+  if ref == ".":
+    return REPO
+  archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref, *PACKAGES],
+                           check=True, capture_output=True).stdout
+  with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+    tar.extractall(dest, filter="data")
+  return dest
+
+
+@contextlib.contextmanager
+def packages_from(root: pathlib.Path):
+  """Inside the block, palimpsa_jax and pallas_kernels import from root; the modules
+  imported before it are put back after it (a function built inside keeps working)."""
+  saved = {n: m for n, m in sys.modules.items() if n.split(".")[0] in PACKAGES}
+  for name in saved:
+    del sys.modules[name]
+  sys.path.insert(0, str(root))
+  try:
+    yield
+  finally:
+    sys.path.remove(str(root))
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
+      del sys.modules[name]
+    sys.modules.update(saved)
+
+
+def build(palimpsa, impl: str, mode: str, chunk_size: int) -> Callable:
+  """f(args, cot): (out, final mu, final precision) for "fwd"; (loss, gradients of the six
+  inputs) of loss = sum(out * cot) for "fwd+bwd" (as op_bench times them)."""
+  if mode == "fwd":
+    @jax.jit
+    def fwd(args, cot):
+      del cot
+      r = palimpsa(*args, implementation=impl, chunk_size=chunk_size)
+      return r.out, r.state.mu, r.state.precision
+    return fwd
+
+  @jax.jit
+  def fwd_bwd(args, cot):
+    def loss(*a):
+      r = palimpsa(*a, implementation=impl, chunk_size=chunk_size)
+      return jnp.sum(r.out.astype(jnp.float32) * cot)
+    return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
+  return fwd_bwd
+
+
+def max_rel_difference(got, want) -> float:
+  return max(op_bench.rel_error(g, w) for g, w in zip(jax.tree.leaves(got),
+                                                       jax.tree.leaves(want)))
+
+
+def compare(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[str, Any]]:
+  """One row per (shape, mode, ref): round times, median, speed-up, difference."""
+  impl = args.impl or default_implementation()
+  dtype = jnp.dtype(args.dtype)
+  shapes = {n: s for n, s in op_bench.SHAPES[args.shapes].items()
+            if not args.only or n in args.only}
+  commits = [describe(ref) for ref in args.refs]
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    roots = [export(ref, pathlib.Path(tmp) / str(i)) for i, ref in enumerate(args.refs)]
+    for name, shape in shapes.items():
+      sets = [op_bench.make_inputs(s, shape, dtype) for s in range(args.rotate)]
+      cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
+      calls = [(s, cot) for s in sets]
+      for mode in args.modes:
+        fns, outs = [], []
+        for ref, root in zip(args.refs, roots):
+          log(f"[{name} {mode}] {ref}: compiling")
+          with packages_from(root):
+            palimpsa = importlib.import_module("palimpsa_jax.ops").palimpsa
+            fn = build(palimpsa, impl, mode, args.chunk_size)
+            outs.append(jax.tree.map(np.asarray, fn(*calls[0])))
+          fns.append(fn)
+        times = [[] for _ in fns]
+        for round_ in range(args.rounds):
+          for fn, ref_times in zip(fns, times):
+            ref_times.append(op_bench.time_queued(fn, calls, args.warmup, args.iters))
+          log(f"[{name} {mode}] round {round_ + 1}/{args.rounds}: "
+              + ", ".join(f"{t[-1]:.3f}" for t in times) + " ms")
+        base = statistics.median(times[0])
+        for ref, commit, ref_times, out in zip(args.refs, commits, times, outs):
+          median = statistics.median(ref_times)
+          rows.append(dict(shape=name, dims=shape, mode=mode, impl=impl, ref=ref,
+                           commit=commit, ms=ref_times, median_ms=median,
+                           speed_up=base / median,
+                           max_rel_difference=max_rel_difference(out, outs[0])))
+  return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+  lines = ["| shape | (B, T, H, K, V) | mode | ref | commit | ms per round | median ms | "
+           "x first ref | max rel. difference to first ref |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    rounds = ", ".join(f"{t:.3f}" for t in r["ms"])
+    lines.append(f"| {r['shape']} | {r['dims']} | {r['mode']} | {r['ref']} | {r['commit']} | "
+                 f"{rounds} | {r['median_ms']:.3f} | {r['speed_up']:.4f} | "
+                 f"{r['max_rel_difference']:.1e} |")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+  args = parse_args(argv)
+  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  device = jax.devices()[0]
+  log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  rows = compare(args, log)
+  table = format_table(rows)
+  print(table)
+  if not args.no_record:
+    command = "python " + shlex.join(
+        ["benchmarks/op_ab.py"] + (sys.argv[1:] if argv is None else argv))
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (f"\n## op_ab {args.shapes} shapes, {args.dtype} inputs, {rows[0]['impl']}: "
+               f"{now}\n\n- device: {device.device_kind} ({jax.default_backend()}), "
+               f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size "
+               f"{args.chunk_size}; {args.rounds} interleaved rounds, each ref {args.iters} "
+               f"calls queued per batch after {args.warmup} warm-up calls (median of 3 "
+               f"batches), {args.rotate} rotating input sets; all refs in one process\n"
+               + (f"- note: {args.note}\n" if args.note else "") + f"\n{table}\n")
+    with op_bench.RESULTS.open("a") as f:
+      f.write(section)
+    log(f"appended to {op_bench.RESULTS}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
