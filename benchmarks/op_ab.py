@@ -121,26 +121,6 @@ def packages_from(root: pathlib.Path):
     sys.modules.update(saved)
 
 
-def build(palimpsa, impl: str, mode: str, chunk_size: int) -> Callable:
-  """f(args, cot): (out, final mu, final precision) for "fwd"; (loss, gradients of the six
-  inputs) of loss = sum(out * cot) for "fwd+bwd" (as op_bench times them)."""
-  if mode == "fwd":
-    @jax.jit
-    def fwd(args, cot):
-      del cot
-      r = palimpsa(*args, implementation=impl, chunk_size=chunk_size)
-      return r.out, r.state.mu, r.state.precision
-    return fwd
-
-  @jax.jit
-  def fwd_bwd(args, cot):
-    def loss(*a):
-      r = palimpsa(*a, implementation=impl, chunk_size=chunk_size)
-      return jnp.sum(r.out.astype(jnp.float32) * cot)
-    return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
-  return fwd_bwd
-
-
 def max_rel_difference(got, want) -> float:
   return max(op_bench.rel_error(g, w) for g, w in zip(jax.tree.leaves(got),
                                                        jax.tree.leaves(want)))
@@ -159,14 +139,15 @@ def compare(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[s
     for name, shape in shapes.items():
       sets = [op_bench.make_inputs(s, shape, dtype) for s in range(args.rotate)]
       cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
-      calls = [(s, cot) for s in sets]
       for mode in args.modes:
+        calls = [tuple(s) for s in sets] if mode == "fwd" else [(s, cot) for s in sets]
         fns, outs = [], []
         for ref, root in zip(args.refs, roots):
           log(f"[{name} {mode}] {ref}: compiling")
           with packages_from(root):
             palimpsa = importlib.import_module("palimpsa_jax.ops").palimpsa
-            fn = build(palimpsa, impl, mode, args.chunk_size)
+            fn = (op_bench.fwd_fn(impl, args.chunk_size, False, op=palimpsa) if mode == "fwd"
+                  else op_bench.fwd_bwd_fn(impl, args.chunk_size, op=palimpsa))
             outs.append(jax.tree.map(np.asarray, fn(*calls[0])))
           fns.append(fn)
         times = [[] for _ in fns]

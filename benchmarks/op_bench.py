@@ -82,17 +82,17 @@ def make_inputs(seed, shape, dtype):
   return tuple(x.astype(dtype) for x in (q, k, v, beta, log_alpha, ip))
 
 
-def fwd_fn(impl, chunk_size, variance):
-  """(out, [variance,] mu, precision)."""
+def fwd_fn(impl, chunk_size, variance, op=palimpsa):
+  """(out, [variance,] mu, precision) of `op` (palimpsa, or another version of it)."""
   @jax.jit
   def f(*args):
-    r = palimpsa(*args, return_variance=variance, implementation=impl, chunk_size=chunk_size)
+    r = op(*args, return_variance=variance, implementation=impl, chunk_size=chunk_size)
     return (r.out,) + ((r.variance,) if variance else ()) + (r.state.mu, r.state.precision)
   return f
 
 
-def fwd_bwd_fn(impl, chunk_size):
-  """(loss, gradients of the 6 inputs) of loss = sum(out * cot).
+def fwd_bwd_fn(impl, chunk_size, op=palimpsa):
+  """(loss, gradients of the 6 inputs) of loss = sum(out * cot), out from `op`.
 
   The loss is returned so that the forward's readout is computed too: with jax.grad
   alone XLA drops it (the backward only needs the saved states).
@@ -100,7 +100,7 @@ def fwd_bwd_fn(impl, chunk_size):
   @jax.jit
   def f(args, cot):
     def loss(*a):
-      r = palimpsa(*a, implementation=impl, chunk_size=chunk_size)
+      r = op(*a, implementation=impl, chunk_size=chunk_size)
       return jnp.sum(r.out.astype(jnp.float32) * cot)
     return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
   return f
