@@ -43,6 +43,15 @@ def _total(xs: list[jax.Array]) -> jax.Array:
   return functools.reduce(operator.add, xs)
 
 
+def _fma_sum(pairs: list[tuple[jax.Array, jax.Array]], interpret: bool) -> jax.Array:
+  """sum of x * y over the (x, y) pairs: one multiply, then FMAs."""
+  (x, y), rest = pairs[0], pairs[1:]
+  acc = x * y
+  for x, y in rest:
+    acc = fma(x, y, acc, interpret=interpret)
+  return acc
+
+
 def _plus(acc: jax.Array | None, x: jax.Array) -> jax.Array:
   """acc + x, or x where there is nothing to accumulate onto."""
   return x if acc is None else acc + x
@@ -84,10 +93,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
       bs = [fma(a, b, fma(beta, k * k, prior, interpret=interpret), interpret=interpret)
             for b, k in zip(bs, ks)]
       rs = [fast_reciprocal(b, interpret=interpret) for b in bs]
-      out = _total([jnp.sum(m * r * q, axis=1) for m, r, q in zip(ms, rs, qs)])
+      # The K-parts' products are added elementwise by FMAs, then reduced once.
+      out = jnp.sum(_fma_sum([(m, r * q) for m, r, q in zip(ms, rs, qs)], interpret), axis=1)
       out_ref[t0 + s, :] = out.astype(out_ref.dtype)
       if with_var:
-        var_ref[t0 + s, :] = _total([jnp.sum(r * (q * q), axis=1) for r, q in zip(rs, qs)])
+        var_ref[t0 + s, :] = jnp.sum(
+            _fma_sum([(r, q * q) for r, q in zip(rs, qs)], interpret), axis=1)
     return ms, bs, queue
 
   initial = ([m0_ref[:, p] for p in parts], [b0_ref[:, p] + ip for p in parts],
