@@ -17,7 +17,6 @@ benchmarks/RESULTS.md with the date, device, JAX version, the refs' commits and 
 
 import argparse
 import contextlib
-import datetime
 import importlib
 import io
 import pathlib
@@ -37,6 +36,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import op_bench
+from benchmarks import results as results_lib
 from benchmarks.train_throughput import non_negative_int, positive_int
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -189,17 +189,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   if not args.no_record:
     command = "python " + shlex.join(
         ["benchmarks/op_ab.py"] + (sys.argv[1:] if argv is None else argv))
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"\n## op_ab {args.shapes} shapes, {args.dtype} inputs, {rows[0]['impl']}: "
-               f"{now}\n\n- device: {device.device_kind} ({jax.default_backend()}), "
-               f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size "
-               f"{args.chunk_size}; {args.rounds} interleaved rounds, each ref {args.iters} "
-               f"calls queued per batch after {args.warmup} warm-up calls (median of 3 "
-               f"batches), {args.rotate} rotating input sets; all refs in one process\n"
-               + (f"- note: {args.note}\n" if args.note else "") + f"\n{table}\n")
-    with op_bench.RESULTS.open("a") as f:
-      f.write(section)
-    log(f"appended to {op_bench.RESULTS}")
+    path = results_lib.append_section(
+        f"op_ab {args.shapes} shapes, {args.dtype} inputs, {rows[0]['impl']}: "
+        f"{results_lib.utc_now()}",
+        [results_lib.device_line(device.device_kind), f"- command: `{command}`",
+         f"- chunk_size {args.chunk_size}; {args.rounds} interleaved rounds, each ref "
+         f"{args.iters} calls queued per batch after {args.warmup} warm-up calls (median of "
+         f"3 batches), {args.rotate} rotating input sets; all refs in one process"]
+        + ([f"- note: {args.note}"] if args.note else []), table)
+    log(f"appended to {path}")
   return rows
 
 

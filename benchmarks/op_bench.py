@@ -21,7 +21,6 @@ benchmarks/RESULTS.md.
 """
 
 import argparse
-import datetime
 import functools
 import pathlib
 import shlex
@@ -33,6 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import results as results_lib
 from palimpsa_jax.ops import palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
 
@@ -54,7 +57,6 @@ SHAPES = {
 }
 FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (PERF.md)
 FWD_BWD_FLOOR_RATE = 1.2e12
-RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
 INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
 
 
@@ -295,21 +297,16 @@ def main():
   print(table)
   if not args.no_record:
     command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"\n## op_bench {args.shapes} shapes, {args.dtype} inputs: {now}\n\n"
-               f"- device: {device.device_kind} ({jax.default_backend()}), "
-               f"jax {jax.__version__}\n- command: `{command}`\n- chunk_size {args.chunk_size}, "
-               f"{args.warmup} warm-up calls, {args.rotate} rotating input sets, forward "
-               f"{'with' if args.variance else 'without'} variance\n- ms: per call with "
-               f"{args.iters} calls queued and one block at the end (median of 3 batches; "
-               f"device time per call, as triton's do_bench measures); ms synced: median of "
-               f"{args.iters} single calls, each blocked on\n"
-               + (f"- note: {args.note}\n" if args.note else "") + f"\n{table}\n")
-    if not RESULTS.exists():
-      RESULTS.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")
-    with RESULTS.open("a") as f:
-      f.write(section)
-    log(f"appended to {RESULTS}")
+    path = results_lib.append_section(
+        f"op_bench {args.shapes} shapes, {args.dtype} inputs: {results_lib.utc_now()}",
+        [results_lib.device_line(device.device_kind), f"- command: `{command}`",
+         f"- chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
+         f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
+         f"- ms: per call with {args.iters} calls queued and one block at the end (median of "
+         f"3 batches; device time per call, as triton's do_bench measures); ms synced: "
+         f"median of {args.iters} single calls, each blocked on"]
+        + ([f"- note: {args.note}"] if args.note else []), table)
+    log(f"appended to {path}")
 
 
 if __name__ == "__main__":

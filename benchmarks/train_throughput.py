@@ -18,7 +18,6 @@ command) is appended to benchmarks/RESULTS.md, and --output writes JSON.
 
 import argparse
 import contextlib
-import datetime
 import importlib.util
 import json
 import pathlib
@@ -32,6 +31,10 @@ import jax
 import ml_collections
 import numpy as np
 
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import results as results_lib
 from palimpsa_jax import models
 from palimpsa_jax.ops.gated_delta import op as gated_delta_op
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
@@ -43,7 +46,6 @@ from palimpsa_jax.training import steps as steps_lib
 from palimpsa_jax.training import trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 LM_CONFIG = ROOT / "configs" / "lm.py"
 DEFAULT_MODELS = ("palimpsa_d", "not_palimpsa", "mamba2", "gated_deltanet")
 BASELINE = "mamba2"
@@ -105,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--num_devices", type=int, default=0,
                       help="use the first N devices (0: all)")
   parser.add_argument("--output", default="", help="JSON file for the results")
-  parser.add_argument("--results", default=str(RESULTS),
+  parser.add_argument("--results", default=str(results_lib.RESULTS),
                       help="markdown file the table is appended to")
   parser.add_argument("--no_record", action="store_true",
                       help="do not append to the results file")
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print("\n".join(projections))
   argv_used = sys.argv[1:] if argv is None else argv
   command = "python " + shlex.join(["benchmarks/train_throughput.py"] + argv_used)
-  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  now = results_lib.utc_now()
   result = {"date": now, "device": device_kind, "num_devices": len(devices),
             "backend": jax.default_backend(), "jax": jax.__version__,
             "command": command, "mesh": dict(mesh.shape), "size": args.size,
@@ -338,24 +340,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rows": rows, "table": table,
             "projections": projections}
   if not args.no_record:
-    results = pathlib.Path(args.results)
-    section = (
-        f"\n## train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens "
-        f"per step: {now}\n\n"
-        f"- device: {device_kind} x{len(devices)} ({jax.default_backend()}), "
-        f"jax {jax.__version__}, mesh {dict(mesh.shape)}\n"
-        f"- command: `{command}`\n"
-        f"- bf16 compute, f32 params, configs/lm.py optimizer, remat "
-        f"{'on' if args.remat else 'off'}, kernels "
-        f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}; "
-        f"median of {args.steps} steps after "
-        f"{args.warmup_steps} warm-up, random tokens\n"
-        + "".join(line + "\n" for line in projections) + f"\n{table}\n")
-    if not results.exists():
-      results.write_text("# Benchmark results\n\nAppended by the scripts in benchmarks/.\n")
-    with results.open("a") as f:
-      f.write(section)
-    log(f"appended to {results}")
+    path = results_lib.append_section(
+        f"train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens per "
+        f"step: {now}",
+        [results_lib.device_line(f"{device_kind} x{len(devices)}", f"mesh {dict(mesh.shape)}"),
+         f"- command: `{command}`",
+         f"- bf16 compute, f32 params, configs/lm.py optimizer, remat "
+         f"{'on' if args.remat else 'off'}, kernels "
+         f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}; "
+         f"median of {args.steps} steps after {args.warmup_steps} warm-up, random tokens",
+         *projections], table, pathlib.Path(args.results))
+    log(f"appended to {path}")
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
     log(f"wrote {args.output}")
