@@ -17,6 +17,7 @@ from absl import logging
 
 from palimpsa_jax.evaluation.suites import SUITES
 from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import compile_cache
 
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Evaluation suite.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir (latest checkpoint).")
@@ -33,6 +34,7 @@ _MQAR_SETTINGS = flags.DEFINE_string(
     "mqar_settings", None,
     "mqar: extra test settings SEQ_LEN:KV_PAIRS,... besides the trained one.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "mqar: test examples per setting.")
+_CACHE_DIR = compile_cache.define_flag()
 
 
 def _checkpoints() -> list[str]:
@@ -55,6 +57,7 @@ def main(argv):
   # Orbax logs every restore at INFO; keep the terminal for the results table.
   if logging.get_verbosity() == logging.INFO:
     logging.set_verbosity(logging.WARNING)
+  compile_cache.configure(_CACHE_DIR.value)
   checkpoints = _checkpoints()
   options = {
       "suite": _SUITE.value, "checkpoint": checkpoints, "output": _OUTPUT.value,

@@ -22,6 +22,7 @@ from palimpsa_jax.data import pipeline
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
@@ -328,7 +329,8 @@ def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> N
         "training stopped. Lower config.optimizer.learning_rate or check the data.")
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       started_at: float | None = None) -> dict[str, Any]:
   """Trains the configured model, evaluating and checkpointing into `workdir`.
 
   Resumes from the latest checkpoint in `workdir` if there is one (the model,
@@ -337,11 +339,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   starts at step 0 from config.init_from's parameters when that is set
   (fine-tuning a converted model, configs/finetune.py).
 
+  The train step is compiled ahead of time on the first batch: its compile
+  time (perf/compile_s, perf/lower_s) and the wall time from `started_at`
+  (time.time() when the command started; default: this call) to the end of the
+  first step (perf/time_to_first_step_s) are logged once, at the first step.
+
   Returns:
     The run summary (also written to workdir/summary.json): best_accuracy,
-    best_step, final_step, total_steps, stopped_early, wall_time_s, last_eval.
+    best_step, final_step, total_steps, stopped_early, wall_time_s, last_eval,
+    compile_s, time_to_first_step_s and tokens_per_sec (every step after the
+    first, evaluation and checkpointing included).
   """
   start_time = time.perf_counter()
+  started_at = time.time() if started_at is None else started_at
   validate_config(config)
   workdir = os.path.abspath(workdir)
   checkpoint_lib.save_config(config, workdir)
@@ -387,31 +397,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   stopped_early = best is not None and early_stop is not None and 0 < early_stop <= best
   finite = jnp.array(True)
   step = start_step
+  compiled_step, startup, first_step_done = None, {}, None
   try:
     while step < total_steps and not stopped_early:
       batch = sharding_lib.global_batch(
           with_lm_targets(next(task.train_iterator)), mesh)
-      state, step_metrics = train_step(state, batch)
+      if compiled_step is None:
+        compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
+      state, step_metrics = compiled_step(state, batch)
       finite = finite & step_metrics["train/finite"]
       step += 1
       last = step == total_steps
       record: dict[str, float] = {}
+      if first_step_done is None:
+        jax.block_until_ready(step_metrics)
+        first_step_done = time.perf_counter()
+        startup = metrics_lib.startup_metrics(timing, time.time() - started_at)
+        record.update(startup)
+        progress.show_startup(startup)
+        progress.restart_clock(step)
       if step % config.log_every_steps == 0 or last:
         values = jax.device_get(step_metrics)
         _check_finite(finite, step, values)
         rate = progress.rate(step)
         record.update({k: float(v) for k, v in values.items()
                        if k != "train/finite"})
-        record["perf/steps_per_sec"] = rate
-        record["perf/tokens_per_sec"] = rate * task.tokens_per_step
-        if peak_flops is not None:
-          record["perf/mfu"] = (6 * num_params * rate * task.tokens_per_step
-                                / (peak_flops * jax.device_count()))
+        if rate is not None:  # None at the first step (its time is the compile's)
+          record["perf/steps_per_sec"] = rate
+          record["perf/tokens_per_sec"] = rate * task.tokens_per_step
+          if peak_flops is not None:
+            record["perf/mfu"] = (6 * num_params * rate * task.tokens_per_step
+                                  / (peak_flops * jax.device_count()))
       if step % config.eval_every_steps == 0 or last:
         _check_finite(finite, step)  # never score non-finite parameters
         last_eval = evaluate(eval_step, state, task, mesh, diagnostics_step)
         record.update(last_eval)
         progress.restart_clock(step)
+        progress.last_eval_loss = last_eval.get("eval/loss")
         accuracy = last_eval.get("eval/accuracy")
         if accuracy is not None:
           progress.last_accuracy = accuracy
@@ -421,7 +443,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if record:
         writer.write(step, record)
         if "train/loss" in record:
-          progress.show(step, record["perf/steps_per_sec"], record["train/loss"])
+          progress.show(step, record.get("perf/steps_per_sec"), record["train/loss"],
+                        tokens_per_sec=record.get("perf/tokens_per_sec"),
+                        mfu=record.get("perf/mfu"))
       if step % config.checkpoint_every_steps == 0 or last or stopped_early:
         _check_finite(finite, step)
         checkpointer.save(step, state, task.train_iterator, force=True)
@@ -429,11 +453,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpointer.close()
     writer.close()
 
+  end_time = time.perf_counter()
+  after_first = (step - start_step - 1) * task.tokens_per_step
   summary = {
       "best_accuracy": best, "best_step": best_step, "final_step": step,
       "total_steps": total_steps, "stopped_early": stopped_early,
-      "wall_time_s": time.perf_counter() - start_time, "last_eval": last_eval,
+      "wall_time_s": end_time - start_time, "last_eval": last_eval,
       "num_params": int(num_params),
+      "compile_s": startup.get("perf/compile_s"),
+      "time_to_first_step_s": startup.get("perf/time_to_first_step_s"),
+      "tokens_per_sec": (after_first / (end_time - first_step_done)
+                         if after_first > 0 else None),
   }
   if jax.process_index() == 0:
     (epath.Path(workdir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
@@ -441,5 +471,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     reason = (f"early stop at accuracy >= {early_stop}" if stopped_early
               else f"{step}/{total_steps} steps")
     print(f"final: best eval accuracy {best_text} ({reason}, "
-          f"{summary['wall_time_s']:.0f} s)", flush=True)
+          f"{summary['wall_time_s']:.0f} s){metrics_lib.summary_details(summary)}",
+          flush=True)
   return summary
