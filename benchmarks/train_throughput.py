@@ -10,8 +10,10 @@ weight-decay mask) through the jitted, state-donating train step of
 palimpsa_jax/training, on one fixed batch of random tokens. Per model: the
 train step is compiled ahead of time (compile seconds), run for --warmup_steps,
 then --steps timed steps (block_until_ready after each). The table gives the
-median step time, tokens/s, MFU (6 * params * tokens/s over the devices' peak)
-and the step time relative to Mamba2's in the same run. A non-finite loss or
+median step time, tokens/s, MFU (6 * params * tokens/s over the devices' peak),
+the compiled step's memory (temporaries; peak = arguments + outputs + temporaries
+- donated buffers, per device) with the largest batch that memory suggests would
+fit, and the step time relative to Mamba2's in the same run. A non-finite loss or
 gradient stops the run. The table (with date, device, JAX version and the exact
 command) is appended to benchmarks/RESULTS.md, and --output writes JSON.
 """
@@ -38,6 +40,7 @@ from benchmarks import results as results_lib
 from palimpsa_jax import models
 from palimpsa_jax.ops.gated_delta import op as gated_delta_op
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
+from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
@@ -106,7 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="batch split over the data axis, or parameters sharded (FSDP)")
   parser.add_argument("--num_devices", type=int, default=0,
                       help="use the first N devices (0: all)")
-  parser.add_argument("--output", default="", help="JSON file for the results")
+  parser.add_argument("--output", default="",
+                      help="JSON file for the results (rewritten after every model)")
+  parser.add_argument("--compilation_cache_dir", default="",
+                      help="JAX's persistent compilation cache (off by default: compile s "
+                           "are then cold compiles)")
   parser.add_argument("--results", default=str(results_lib.RESULTS),
                       help="markdown file the table is appended to")
   parser.add_argument("--no_record", action="store_true",
@@ -178,6 +185,7 @@ class BuiltStep(NamedTuple):
   init_s: float
   compile_s: float
   temp_gib: float | None
+  peak_gib: float | None
 
 
 def build_train_step(model: str, implementation: str, scan_layers: bool,
@@ -214,7 +222,26 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   temp_gib = getattr(memory, "temp_size_in_bytes", 0) / 2**30 if memory else None
-  return BuiltStep(compiled, state, batch, config, num_params, init_s, compile_s, temp_gib)
+  peak_gib = None
+  if memory is not None:
+    peak_gib = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2**30
+  return BuiltStep(compiled, state, batch, config, num_params, init_s, compile_s,
+                   temp_gib, peak_gib)
+
+
+def batch_that_fits(built: BuiltStep, batch_size: int) -> int | None:
+  """The largest global batch (a multiple of this one) whose step memory fits the device.
+
+  An estimate: the temporaries are taken to grow in proportion to the batch and the
+  rest (state, gradients) to stay; None where the device reports no memory limit.
+  """
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  if not limit or built.peak_gib is None or not built.temp_gib:
+    return None
+  fixed = built.peak_gib - built.temp_gib
+  factor = int((limit / 2**30 - fixed) // built.temp_gib)
+  return max(factor, 0) * batch_size
 
 
 def bench_model(model: str, implementation: str, scan_layers: bool,
@@ -249,6 +276,8 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
          "scan_layers": scan_layers, "params": built.num_params,
          "layers": int(built.config.model.num_layers), "init_s": built.init_s,
          "compile_s": built.compile_s, "temp_gib": built.temp_gib,
+         "peak_gib": built.peak_gib,
+         "batch_that_fits": batch_that_fits(built, args.batch_size),
          "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
          "step_ms_max": 1e3 * max(times), "tokens_per_s": tokens_per_s,
          "mfu": mfu, "final_loss": float(all_metrics[-1]["train/loss"]),
@@ -274,15 +303,16 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
   header = ("| model | implementation | scanned | params (M) | layers | compile s "
-            "| temp GiB | step ms (median) | min / max ms | tokens/s | MFU "
-            "| x Mamba2 step time | final loss |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| temp GiB | peak GiB | batch that fits (est.) | step ms (median) "
+            "| min / max ms | tokens/s | MFU | x Mamba2 step time | final loss |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   lines = [header]
   for r in rows:
     lines.append(
         f"| {r['model']} | {r['implementation']} | {'yes' if r['scan_layers'] else 'no'} "
         f"| {r['params'] / 1e6:.1f} "
         f"| {r['layers']} | {r['compile_s']:.1f} | {_fmt(r['temp_gib'], '.2f')} "
+        f"| {_fmt(r['peak_gib'], '.2f')} | {_fmt(r['batch_that_fits'], 'd')} "
         f"| {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} / {r['step_ms_max']:.1f} "
         f"| {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
         f"| {_fmt(r['x_mamba2'], '.2f')} | {r['final_loss']:.3f} |")
@@ -317,17 +347,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   log(f"{device_kind} x{len(devices)} ({jax.default_backend()}), jax {jax.__version__}, "
       f"mesh {dict(mesh.shape)}, batch {args.batch_size} x {args.seq_len} tokens")
 
-  rows = []
-  for index, (model, implementation, scan) in enumerate(plan):
-    label = (f"[{index + 1}/{len(plan)}] {model} ({implementation}, "
-             f"{'scanned' if scan else 'unrolled'})")
-    rows.append(bench_model(model, implementation, scan, args, mesh, label))
-  add_baseline_ratios(rows)
-
-  table = format_table(rows)
-  projections = projection_lines(rows, len(devices))
-  print(table)
-  print("\n".join(projections))
+  if args.compilation_cache_dir:
+    compile_cache.configure(args.compilation_cache_dir)
   argv_used = sys.argv[1:] if argv is None else argv
   command = "python " + shlex.join(["benchmarks/train_throughput.py"] + argv_used)
   now = results_lib.utc_now()
@@ -335,10 +356,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "backend": jax.default_backend(), "jax": jax.__version__,
             "command": command, "mesh": dict(mesh.shape), "size": args.size,
             "seq_len": args.seq_len, "batch_size": args.batch_size,
+            "tokens_per_step": args.batch_size * args.seq_len,
             "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "remat": args.remat, "kernel_sharding": not args.no_kernel_sharding,
-            "rows": rows, "table": table,
-            "projections": projections}
+            "remat": args.remat, "kernel_sharding": not args.no_kernel_sharding}
+  rows = []
+  for index, (model, implementation, scan) in enumerate(plan):
+    label = (f"[{index + 1}/{len(plan)}] {model} ({implementation}, "
+             f"{'scanned' if scan else 'unrolled'})")
+    rows.append(bench_model(model, implementation, scan, args, mesh, label))
+    add_baseline_ratios(rows)
+    result["rows"] = rows
+    if args.output:  # After every model, so that a cut-short run keeps its rows.
+      pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
+
+  table = format_table(rows)
+  projections = projection_lines(rows, len(devices))
+  print(table)
+  print("\n".join(projections))
+  result.update(table=table, projections=projections)
   if not args.no_record:
     path = results_lib.append_section(
         f"train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens per "
