@@ -59,16 +59,21 @@ def resolve_files(files_glob: str | Sequence[str]) -> list[str]:
     raise ValueError(f"files_glob is empty: {files_glob!r}")
   files = []
   for pattern in patterns:
-    matched = sorted(p for p in glob_lib.glob(os.path.expanduser(pattern), recursive=True)
-                     if os.path.isfile(p))
-    if not matched:
-      raise FileNotFoundError(f"files_glob {pattern!r} matched no files")
-    files.extend(matched)
+    files.extend(glob_files(pattern))
   for path in files:
     if not path.endswith(_ALL_SUFFIXES):
       raise ValueError(
           f"unsupported file {path!r}: expected one of the suffixes {', '.join(_ALL_SUFFIXES)}")
   return files
+
+
+def glob_files(pattern: str) -> list[str]:
+  """The files one glob matches, sorted; raises FileNotFoundError if none."""
+  matched = sorted(p for p in glob_lib.glob(os.path.expanduser(pattern), recursive=True)
+                   if os.path.isfile(p))
+  if not matched:
+    raise FileNotFoundError(f"files_glob {pattern!r} matched no files")
+  return matched
 
 
 def _jsonl_line_offsets(path: str) -> np.ndarray:
@@ -240,7 +245,8 @@ def _is_int(value) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _validate(seq_len: int, batch_size: int, shard_index: int, shard_count: int) -> None:
+def validate_batching(seq_len: int, batch_size: int, shard_index: int, shard_count: int) -> None:
+  """Raises ValueError naming the first bad row length, batch size or host shard."""
   if not _is_int(seq_len) or seq_len < 2:
     raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
   if not _is_int(batch_size) or batch_size < 1:
@@ -291,14 +297,14 @@ def make_text_dataset(files_glob: str | Sequence[str], tokenizer: Tokenizer, seq
     A grain IterDataset; `iter(ds)` gives a checkpointable iterator (get_state/set_state) of
     {"tokens": [b, T] int32, "segment_ids": [b, T] int32}.
   """
-  _validate(seq_len, batch_size, shard_index, shard_count)
+  validate_batching(seq_len, batch_size, shard_index, shard_count)
   documents = _shard(files_glob, shard_index, shard_count).shuffle(seed=seed).repeat(None)
   rows = _packed_rows(documents, tokenizer, seq_len, num_threads)
   rows = rows.map(lambda row: {"tokens": row["tokens"], "segment_ids": row["segment_ids"]})
   return rows.batch(int(batch_size), drop_remainder=True)
 
 
-def _stack_and_pad(rows: Sequence[dict[str, np.ndarray]], batch_size: int) -> dict[str, np.ndarray]:
+def stack_and_pad(rows: Sequence[dict[str, np.ndarray]], batch_size: int) -> dict[str, np.ndarray]:
   """Stacks rows into a batch, adding empty rows (mask 0) up to batch_size."""
   batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
   missing = batch_size - len(rows)
@@ -320,11 +326,11 @@ def make_text_eval_dataset(files_glob: str | Sequence[str], tokenizer: Tokenizer
     A grain IterDataset of {"tokens": [b, T] int32, "segment_ids": [b, T] int32,
     "mask": [b, T] int32 (1 = real token, 0 = padding)}.
   """
-  _validate(seq_len, batch_size, shard_index, shard_count)
+  validate_batching(seq_len, batch_size, shard_index, shard_count)
   rows = _packed_rows(_shard(files_glob, shard_index, shard_count), tokenizer, seq_len,
                       num_threads)
   batch_size = int(batch_size)
-  return rows.batch(batch_size, batch_fn=lambda rows: _stack_and_pad(rows, batch_size))
+  return rows.batch(batch_size, batch_fn=lambda rows: stack_and_pad(rows, batch_size))
 
 
 def next_token_targets(tokens, segment_ids, mask=None):

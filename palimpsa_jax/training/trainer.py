@@ -20,6 +20,7 @@ from palimpsa_jax.conversion import finetune as finetune_lib
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
 from palimpsa_jax.data import text as text_lib
+from palimpsa_jax.data import token_shards
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
@@ -216,7 +217,8 @@ class MqarTask(Task):
 
 
 class LmTask(Task):
-  """Packed text from data/text.py, tokenised with data/tokenizer.py."""
+  """Packed text from data/text.py, tokenised with data/tokenizer.py, or token
+  shards prepared beforehand (data/token_shards.py)."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     data = config.data
@@ -224,26 +226,38 @@ class LmTask(Task):
     if not data.train_files:
       raise ValueError("config.data.train_files must name the training text files "
                        "(a glob, or comma-separated globs).")
-    tokenizer = tokenizer_lib.load_or_train_tokenizer(
-        data.tokenizer, data.train_files, workdir)
+    shards = token_shards.is_token_shards(data.train_files)
+    if shards:
+      tokenizer = token_shards.shard_tokenizer(data.train_files, data.tokenizer, workdir)
+    else:
+      tokenizer = tokenizer_lib.load_or_train_tokenizer(
+          data.tokenizer, data.train_files, workdir)
     if tokenizer.vocab_size > config.model.vocab_size:
       raise ValueError(
           f"the tokenizer has {tokenizer.vocab_size} tokens but "
           f"config.model.vocab_size={config.model.vocab_size}; raise the model's "
           "vocabulary or use a smaller tokenizer.")
 
-    self.train_dataset = text_lib.make_text_dataset(
-        data.train_files, tokenizer, config.seq_len,
-        pipeline.per_host_batch_size(config.batch_size, shard_count),
-        config.seed, shard_index, shard_count)
+    per_host = pipeline.per_host_batch_size(config.batch_size, shard_count)
+    if shards:
+      self.train_dataset = token_shards.make_shard_dataset(
+          data.train_files, config.seq_len, per_host, config.seed, shard_index, shard_count)
+    else:
+      self.train_dataset = text_lib.make_text_dataset(
+          data.train_files, tokenizer, config.seq_len, per_host, config.seed,
+          shard_index, shard_count)
     self.train_iterator = iter(self.train_dataset)
     self.total_steps = config.total_steps
     self.tokens_per_step = config.batch_size * config.seq_len
     self._eval_dataset = None
-    if data.eval_files:
+    eval_per_host = pipeline.per_host_batch_size(config.eval_batch_size, shard_count)
+    if data.eval_files and token_shards.is_token_shards(data.eval_files):
+      token_shards.shard_tokenizer(data.eval_files, tokenizer.path, workdir)
+      self._eval_dataset = token_shards.make_shard_eval_dataset(
+          data.eval_files, config.seq_len, eval_per_host, shard_index, shard_count)
+    elif data.eval_files:
       self._eval_dataset = text_lib.make_text_eval_dataset(
-          data.eval_files, tokenizer, config.seq_len,
-          pipeline.per_host_batch_size(config.eval_batch_size, shard_count),
+          data.eval_files, tokenizer, config.seq_len, eval_per_host,
           shard_index, shard_count)
     self._num_eval_batches = data.eval_batches
 

@@ -289,6 +289,33 @@ def test_lm_task_trains_on_text_files(tmp_path):
     trainer.train_and_evaluate(config, str(tmp_path / "run2"))
 
 
+def test_lm_task_trains_on_prepared_token_shards(tmp_path):
+  from palimpsa_jax.data import prepare  # pylint: disable=g-import-not-at-top
+  words = ["memory", "plastic", "prior", "state", "forget", "learn", "token"]
+  for split in ("train", "valid"):
+    (tmp_path / split).mkdir()
+    for i in range(12):
+      text = " ".join(words[(i * j) % len(words)] for j in range(60))
+      (tmp_path / split / f"doc{i}.txt").write_text(text)
+  prepare.main(["--files", str(tmp_path / "train" / "*.txt"), "--tokenizer", "bpe:300",
+                "--output", str(tmp_path / "tokens_train")])
+  prepare.main(["--files", str(tmp_path / "valid" / "*.txt"), "--tokenizer",
+                str(tmp_path / "tokens_train" / "tokenizer.json"),
+                "--output", str(tmp_path / "tokens_valid")])
+  config = tiny_lm.tiny_mqar_config(total_steps=4, log_every_steps=2, eval_every_steps=4,
+                                    checkpoint_every_steps=4)
+  config.task, config.seq_len, config.batch_size, config.eval_batch_size = "lm", 32, 4, 4
+  config.model.vocab_size = 300
+  config.data = ml_collections.ConfigDict(dict(
+      train_files=str(tmp_path / "tokens_train" / "*.npy"),
+      eval_files=str(tmp_path / "tokens_valid" / "*.npy"), tokenizer="bpe:300",
+      eval_batches=2))
+  workdir = tmp_path / "run"
+  summary = trainer.train_and_evaluate(config, str(workdir))
+  assert summary["final_step"] == 4 and (workdir / "tokenizer_bpe300.json").exists()
+  assert np.isfinite(summary["last_eval"]["eval/loss"])
+
+
 @pytest.mark.parametrize("overrides", [
     dict(grad_accum_steps=2),
     dict(grad_accum_steps=0, device_batch=8),  # auto: 16 sequences -> 2 x 8
