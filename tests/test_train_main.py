@@ -63,14 +63,16 @@ def test_train_then_eval_palimpsa_d(tmp_path):
       "train.py",
       "--config=configs/mqar.py:seq_len=16,kv=2,vocab=32,d_model=16,heads=2,"
       "head_v=8,examples=64,test_examples=32,batch=16,epochs=2,evals_per_epoch=1",
-      "--config.eval_batch_size=32", f"--workdir={workdir}").stdout
-  assert "steps/s" in out
+      "--config.eval_batch_size=32", f"--workdir={workdir}",
+      f"--compilation_cache_dir={tmp_path / 'cache'}").stdout
+  assert "steps/s" in out and "first step after" in out
+  assert any((tmp_path / "cache").iterdir())  # The compiled steps are cached there.
   assert out.strip().splitlines()[-1].startswith("final: best eval accuracy")
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   assert records[-1]["step"] == 8 and "eval/accuracy" in records[-1]
   assert 0 <= records[-1]["diag/layer0/metaplastic_fraction"] <= 1
   out = _run("eval.py", "--suite=mqar", f"--workdir={workdir}", "--num_examples=32",
-             "--mqar_settings=32:4").stdout
+             "--mqar_settings=32:4", "--compilation_cache_dir=").stdout
   assert "accuracy" in out
   saved = json.loads((workdir / "eval_mqar.json").read_text())
   results = saved["evaluations"][0]["results"]
