@@ -17,6 +17,8 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
+from palimpsa_jax.training import config_overrides
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:args]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and config go here.")
 _DRY_RUN = flags.DEFINE_bool(
@@ -65,4 +67,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=config_overrides.parse_flags)
