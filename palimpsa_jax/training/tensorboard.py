@@ -139,7 +139,8 @@ def event_files(logdir: str) -> list[str]:
   def created(path):
     stamp = os.path.basename(path).split(".")[3]
     return (int(stamp) if stamp.isdigit() else 0, path)
-  return sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")), key=created)
+  paths = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+  return sorted((p for p in paths if not p.endswith(".partial")), key=created)
 
 
 def drop_events_after(logdir: str, step: int) -> None:

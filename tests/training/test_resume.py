@@ -113,6 +113,22 @@ def test_drop_metrics_after_skips_a_torn_last_line(tmp_path):
   assert [r["step"] for r in metrics_lib.read_metrics(str(tmp_path))] == [2, 4]
 
 
+def test_drop_events_after_keeps_one_stream_and_skips_a_torn_record(tmp_path):
+  writer = tensorboard.EventFileWriter(str(tmp_path))
+  for step in (2, 4, 6):
+    writer.scalars(step, {"train/loss": float(step)})
+  writer.close()
+  with open(writer.path, "ab") as f:
+    f.write(tensorboard.frame_record(tensorboard.encode_event(0.0, 8, {"a": 1.0}))[:-3])
+  tensorboard.drop_events_after(str(tmp_path), 4)
+  again = tensorboard.EventFileWriter(str(tmp_path))
+  again.scalars(6, {"train/loss": 6.0})
+  again.close()
+  assert again.path == writer.path and len(list(tmp_path.iterdir())) == 1
+  assert [tensorboard.event_step(r) for r in tensorboard.read_records(writer.path)] == [
+      0, 2, 4, 6]
+
+
 def test_summary_is_kept_across_segments(tmp_path, finished):
   workdir = _copy(finished[0], tmp_path)
   first = finished[1]
