@@ -24,10 +24,10 @@ import ml_collections
 ARGUMENT_FIELDS = ("args", "finetune")
 
 
-def overrides(argv: list[str], name: str = "config") -> dict[str, str | None]:
-  """{dotted field path: value text, or None} of the `--<name>.<path>=value` flags."""
+def overrides(argv: list[str]) -> dict[str, str | None]:
+  """{dotted field path: value text, or None} of the `--config.<path>=value` flags."""
   found = {}
-  pattern = re.compile(rf"^--?(?:no)?{re.escape(name)}\.([^=]+)(?:=(.*))?$", re.DOTALL)
+  pattern = re.compile(r"^--?(?:no)?config\.([^=]+)(?:=(.*))?$", re.DOTALL)
   for arg in argv:
     match = pattern.match(arg)
     if match:
@@ -35,34 +35,32 @@ def overrides(argv: list[str], name: str = "config") -> dict[str, str | None]:
   return found
 
 
-def config_argument(argv: list[str], name: str = "config") -> str | None:
-  """The value of `--<name>=path[:args]` or `--<name> path[:args]` in argv."""
+def config_argument(argv: list[str]) -> str | None:
+  """The value of `--config=path[:args]` or `--config path[:args]` in argv."""
   for i, arg in enumerate(argv):
-    for prefix in (f"--{name}=", f"-{name}="):
+    for prefix in ("--config=", "-config="):
       if arg.startswith(prefix):
         return arg[len(prefix):]
-    if arg in (f"--{name}", f"-{name}") and i + 1 < len(argv):
+    if arg in ("--config", "-config") and i + 1 < len(argv):
       return argv[i + 1]
   return None
 
 
-def _argument_form(config_arg: str | None, key: str, value: str | None,
-                   name: str) -> str:
-  """`--<name>=file[:args],key=value`: the config-argument form of key=value."""
+def _argument_form(config_arg: str | None, key: str, value: str | None) -> str:
+  """`--config=file[:args],key=value`: the config-argument form of key=value."""
   file = config_arg or "configs/<file>.py"
   separator = "," if ":" in file else ":"
-  return f"--{name}={file}{separator}{key}={'<value>' if value is None else value}"
+  return f"--config={file}{separator}{key}={'<value>' if value is None else value}"
 
 
-def argument_field_message(path: str, value: str | None, config_arg: str | None,
-                           name: str = "config") -> str:
-  """Why `--<name>.<path>` (under an argument field) is refused, and what to write."""
+def argument_field_message(path: str, value: str | None, config_arg: str | None) -> str:
+  """Why `--config.<path>` (under an argument field) is refused, and what to write."""
   field, _, key = path.partition(".")
   return (
-      f"--{name}.{path} would not change the run: config.{field} records the "
+      f"--config.{path} would not change the run: config.{field} records the "
       "arguments of the config file, from which the other fields were derived. "
       "Give it as a config argument instead: "
-      f"{_argument_form(config_arg, key or '<key>', value, name)}")
+      f"{_argument_form(config_arg, key or '<key>', value)}")
 
 
 def _paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -76,13 +74,12 @@ def _paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
 
 
 def unknown_field_message(config: ml_collections.ConfigDict, path: str,
-                          value: str | None = None, config_arg: str | None = None,
-                          name: str = "config") -> str | None:
+                          value: str | None = None, config_arg: str | None = None) -> str | None:
   """A one-line message if `path` is not a field of `config`; None if it is."""
   node, walked = config, []
   for part in path.split("."):
     if not isinstance(node, ml_collections.ConfigDict):
-      return (f"--{name}.{path}: no such config field; {name}.{'.'.join(walked)} "
+      return (f"--config.{path}: no such config field; config.{'.'.join(walked)} "
               f"is a value of type {type(node).__name__}, not a group of fields.")
     if part not in node:
       break
@@ -95,33 +92,33 @@ def unknown_field_message(config: ml_collections.ConfigDict, path: str,
   if not near:  # the same name elsewhere in the config
     near = [p for p in _paths(config) if p.split(".")[0] not in ARGUMENT_FIELDS
             and difflib.SequenceMatcher(None, part, p.split(".")[-1]).ratio() >= 0.8][:3]
-  suggestions = [f"--{name}.{p}" for p in near]
+  suggestions = [f"--config.{p}" for p in near]
   suggestions += [
-      f"the config argument {key} ({_argument_form(config_arg, key, value, name)})"
+      f"the config argument {key} ({_argument_form(config_arg, key, value)})"
       for key in difflib.get_close_matches(part, list(config.get("args") or {}), n=1,
                                            cutoff=0.6)]
   if suggestions:
-    return f"--{name}.{path}: no such config field; nearest: {', '.join(suggestions)}."
-  return (f"--{name}.{path}: no such config field; the fields of "
-          f"{'.'.join([name, *walked])} are {', '.join(sorted(node))}.")
+    return f"--config.{path}: no such config field; nearest: {', '.join(suggestions)}."
+  return (f"--config.{path}: no such config field; the fields of "
+          f"{'.'.join(['config', *walked])} are {', '.join(sorted(node))}.")
 
 
-def parse_flags(argv: list[str], name: str = "config") -> list[str]:
+def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser), with the checks above.
 
   Exits with a one-line message for a refused or unknown override.
   """
-  found = overrides(argv, name)
+  found = overrides(argv)
   for path, value in found.items():
     if path.split(".")[0] in ARGUMENT_FIELDS:
-      sys.exit(argument_field_message(path, value, config_argument(argv, name), name))
+      sys.exit(argument_field_message(path, value, config_argument(argv)))
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError):  # ml_collections' error for a missing field
-    config_arg = config_argument(argv, name)
-    config = flags.FLAGS[name].parser.parse(config_arg)
+    config_arg = config_argument(argv)
+    config = flags.FLAGS["config"].parser.parse(config_arg)
     for path, value in found.items():
-      message = unknown_field_message(config, path, value, config_arg, name)
+      message = unknown_field_message(config, path, value, config_arg)
       if message:
         sys.exit(message)
     raise
