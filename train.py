@@ -24,6 +24,7 @@ import jax
 from ml_collections import config_flags
 
 from palimpsa_jax.training import compile_cache
+from palimpsa_jax.training import config_overrides
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:args]).")
@@ -76,4 +77,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=config_overrides.parse_flags)

@@ -65,7 +65,7 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
-  if "steps" not in given:
+  if args.steps <= 0:
     if args.tokens <= 0 or args.batch <= 0 or args.seq_len <= 0:
       raise ValueError(
           f"tokens, batch and seq_len must be positive, got {args.tokens}, "
@@ -109,7 +109,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = args.lr
-  config.optimizer.warmup_steps = args.warmup
+  # The paper's warmup steps as a share of the run, which follows its actual length.
+  config.optimizer.warmup_fraction = min(1.0, args.warmup / args.steps)
   config.optimizer.decay_steps = 0  # 0: total_steps.
   config.optimizer.end_fraction = 0.1
   config.optimizer.b1 = 0.9

@@ -10,7 +10,8 @@ Palimpsa-D reaches >= 99% test accuracy within minutes on two CPU cores
 vocabulary, d_model 64 and 4 heads of 16 x 16 state, lr 1e-2. preset=paper selects SPEC.md section 6:
 vocabulary 8192, d_model 128, 8 heads (K=16, V=32), 100k/3k examples, batch 128
 (64 at length >= 1024), up to 60 epochs, early stop at 99%. Any argument given
-explicitly overrides the preset.
+explicitly overrides the preset. steps=N trains N steps instead of `epochs`
+passes; warmup is a fraction of the steps the run actually takes.
 """
 
 import math
@@ -37,8 +38,9 @@ DEFAULTS = dict(
     test_examples=1_000,
     batch=32,
     epochs=4,
+    steps=0,  # 0: epochs passes over the training set.
     lr=1e-2,
-    warmup=0.05,  # Fraction of the run.
+    warmup=0.05,  # Fraction of the run's steps.
     seed=0,
     power_a=0.01,
     random_non_queries=False,
@@ -93,6 +95,8 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
       args.batch = 64
   if args.mixer not in MIXERS:
     raise ValueError(f"mixer must be one of {MIXERS}, got {args.mixer!r}.")
+  if args.steps < 0:
+    raise ValueError(f"steps must be >= 0 (0: `epochs` passes), got {args.steps}.")
   return args
 
 
@@ -109,7 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1
   steps_per_epoch = args.examples // args.batch
   config.num_epochs = args.epochs
-  config.total_steps = -1  # -1: num_epochs passes over the training set.
+  config.total_steps = args.steps or -1  # -1: num_epochs passes over the training set.
   config.log_every_steps = max(1, steps_per_epoch // 10)
   config.eval_every_steps = max(1, steps_per_epoch // args.evals_per_epoch)
   config.checkpoint_every_steps = max(1, steps_per_epoch)
@@ -131,7 +135,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = args.lr
-  config.optimizer.warmup_steps = int(args.warmup * steps_per_epoch * args.epochs)
+  config.optimizer.warmup_fraction = args.warmup  # Of the run's actual steps.
   config.optimizer.decay_steps = 0  # 0: the whole run.
   config.optimizer.end_fraction = 0.0
   config.optimizer.b1 = 0.9

@@ -5,12 +5,18 @@ A workdir written by train.py holds:
   checkpoints/<step>/    Orbax items: "model" {params, model_state},
                          "optimizer" {step, opt_state}, "data" (grain
                          iterator state, one JSON file per host)
+  corrupt_checkpoints/<step>-<UTC time>/
+                         checkpoints that could not be restored, moved
+                         aside when an older one restored instead
   metrics.jsonl          see training/metrics.py
 """
 
+import datetime
 import json
 import os
+import shutil
 from typing import Any
+import warnings
 
 import grain
 import jax
@@ -22,6 +28,20 @@ from palimpsa_jax.training import state as state_lib
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+CORRUPT_DIR = "corrupt_checkpoints"
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint exists but cannot be read (truncated or missing files)."""
+
+
+def _first_line(error: BaseException) -> str:
+  """"Type: first line" of the innermost cause of `error` (what failed, and where)."""
+  while error.__cause__ is not None or error.__context__ is not None:
+    error = error.__cause__ or error.__context__
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  return f"{type(error).__name__}: {text[:300]}"
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -54,13 +74,10 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=every_steps,
         enable_async_checkpointing=async_save, create=True)
+    self._workdir = os.path.abspath(workdir)
     self._manager = ocp.CheckpointManager(
-        os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
+        os.path.join(self._workdir, CHECKPOINT_DIR),
         item_names=("model", "optimizer", "data"), options=options)
-
-  @property
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
 
   def save(self, step: int, state: dict, data_iterator: Any,
            force: bool = False) -> bool:
@@ -75,7 +92,7 @@ class Checkpointer:
             data=grain.checkpoint.CheckpointSave(data_iterator)),
         force=force)
 
-  def restore(self, step: int, abstract_state: dict, data_iterator: Any) -> dict:
+  def _restore(self, step: int, abstract_state: dict, data_iterator: Any) -> dict:
     """Restores the train state onto the shardings in `abstract_state`.
 
     The data iterator is restored in place.
@@ -91,6 +108,52 @@ class Checkpointer:
                  "opt_state": abstract_state["opt_state"]}),
             data=grain.checkpoint.CheckpointRestore(data_iterator)))
     return {**restored["model"], **restored["optimizer"]}
+
+  def restore_latest(self, abstract_state: dict, data_iterator: Any
+                     ) -> tuple[int | None, dict | None]:
+    """(step, state) of the newest checkpoint that restores; (None, None) if none exist.
+
+    The data iterator is restored in place. Newer checkpoints that cannot be
+    read (a truncated array file, a missing item or data file) are moved to
+    <workdir>/corrupt_checkpoints/ (never deleted), each with one warning,
+    once an older one has restored.
+
+    Raises:
+      CheckpointError: checkpoints exist but none of them restores (nothing
+        is moved then: a changed model config fails this way too).
+    """
+    failures = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state = self._restore(step, abstract_state, data_iterator)
+      except Exception as error:  # pylint: disable=broad-exception-caught
+        failures.append((step, _first_line(error)))
+        continue
+      for bad_step, failure in failures:
+        dest = self._move_aside(bad_step)
+        if jax.process_index() == 0:
+          warnings.warn(
+              f"checkpoint step {bad_step} in {self._workdir}/{CHECKPOINT_DIR} cannot "
+              f"be restored ({failure}); moved it to {dest} and resumed from step "
+              f"{step}.", RuntimeWarning, stacklevel=2)
+      self._manager.reload()
+      return step, state
+    if failures:
+      steps = ", ".join(str(s) for s, _ in failures)
+      raise CheckpointError(
+          f"no checkpoint in {self._workdir}/{CHECKPOINT_DIR} restores (steps {steps}); "
+          f"the newest, step {failures[0][0]}: {failures[0][1]}. Move the folder "
+          "aside to start afresh, or fix the config if it changed.")
+    return None, None
+
+  def _move_aside(self, step: int) -> str:
+    """Moves checkpoints/<step> to corrupt_checkpoints/<step>-<UTC time> (process 0)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = os.path.join(self._workdir, CORRUPT_DIR, f"{step}-{stamp}")
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(dest), exist_ok=True)
+      shutil.move(os.path.join(self._workdir, CHECKPOINT_DIR, str(step)), dest)
+    return dest
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -141,9 +204,17 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
     raise FileNotFoundError(f"no checkpoint under {workdir}/{CHECKPOINT_DIR}.")
   parts = state_lib.abstract_model(trainer.model_fn(config), config.seed)
   abstract = state_lib.abstract_on_first_local_device(parts)
-  restored = manager.restore(
-      step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
-  manager.close()
+  try:
+    restored = manager.restore(
+        step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    others = [s for s in manager.all_steps() if s != step]
+    hint = f" Other steps there: {sorted(others)}." if others else ""
+    raise CheckpointError(
+        f"cannot read step {step} of {workdir}/{CHECKPOINT_DIR}/{step}: "
+        f"{_first_line(error).rstrip('.')}.{hint}") from None
+  finally:
+    manager.close()
   model = state_lib.merge_model(parts.graphdef, restored["model"]["params"],
                                 restored["model"]["model_state"])
   return model, config, int(step)

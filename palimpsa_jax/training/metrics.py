@@ -39,15 +39,23 @@ def _jsonable(value: Any) -> Any:
 
 class MetricWriter:
   """One JSON object per logged step in DIR/metrics.jsonl, and the same scalars
-  as TensorBoard events in DIR/tensorboard/ (process 0 only)."""
+  as TensorBoard events in DIR/tensorboard/ (process 0 only).
 
-  def __init__(self, workdir: str):
+  A run that starts at `start_step` (resumed from that checkpoint, or 0) first
+  drops what an earlier run logged after it, in both, so each step appears once.
+  """
+
+  def __init__(self, workdir: str, start_step: int = 0):
     self._file: TextIO | None = None
     self._events: tensorboard.EventFileWriter | None = None
     if jax.process_index() == 0:
       os.makedirs(workdir, exist_ok=True)
+      drop_metrics_after(workdir, start_step)
+      logdir = os.path.join(workdir, "tensorboard")
+      if os.path.isdir(logdir):
+        tensorboard.drop_events_after(logdir, start_step)
       self._file = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      self._events = tensorboard.EventFileWriter(os.path.join(workdir, "tensorboard"))
+      self._events = tensorboard.EventFileWriter(logdir)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if self._file is None:
@@ -69,6 +77,29 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """The records of DIR/metrics.jsonl, in order."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def drop_metrics_after(workdir: str, step: int) -> None:
+  """Rewrites DIR/metrics.jsonl without its records past `step` (and a torn last line)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.read().splitlines(keepends=True)
+  kept = []
+  for line in lines:
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:  # a line cut short by a crash
+      continue
+    if record["step"] <= step:
+      kept.append(line if line.endswith("\n") else line + "\n")
+  if kept == lines:
+    return
+  partial = path + ".partial"
+  with open(partial, "w") as f:
+    f.writelines(kept)
+  os.replace(partial, path)
 
 
 def _duration(seconds: float) -> str:

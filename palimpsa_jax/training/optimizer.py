@@ -11,15 +11,17 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
   """Linear warmup from 0 to `config.learning_rate`, then cosine to `end_fraction` of it.
 
   Args:
-    config: the optimizer config (learning_rate, warmup_steps, end_fraction,
-      decay_steps: the cosine's horizon, warmup included; 0 means total_steps.
-      Fixing it lets a run be extended without changing its past schedule).
+    config: the optimizer config (learning_rate, end_fraction, decay_steps: the
+      cosine's horizon, warmup included; 0 means total_steps. Fixing it lets a
+      run be extended without changing its past schedule. warmup_fraction:
+      the warmup's share of that horizon, so that warmup follows the run's
+      actual length).
     total_steps: optimizer steps of the whole run (warmup included).
   """
   if total_steps <= 0:
     raise ValueError(f"total_steps must be positive, got {total_steps}.")
   horizon = config.decay_steps if config.decay_steps > 0 else total_steps
-  warmup = min(config.warmup_steps, horizon)
+  warmup = round(config.warmup_fraction * horizon)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=config.learning_rate,
@@ -33,7 +35,7 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   """Global-norm clipping followed by AdamW with the schedule above.
 
   Args:
-    config: learning_rate, warmup_steps, end_fraction, b1, b2, eps,
+    config: learning_rate, warmup_fraction, decay_steps, end_fraction, b1, b2, eps,
       weight_decay, clip_norm (<= 0 disables clipping).
     total_steps: optimizer steps of the whole run.
     weight_decay_mask: pytree of bools shaped like the parameters (True: decay)
@@ -52,7 +54,7 @@ def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first out-of-range optimizer field."""
   checks = (
       ("learning_rate", config.learning_rate > 0, "> 0"),
-      ("warmup_steps", config.warmup_steps >= 0, ">= 0"),
+      ("warmup_fraction", 0 <= config.warmup_fraction <= 1, "in [0, 1]"),
       ("decay_steps", config.decay_steps >= 0, ">= 0 (0: total_steps)"),
       ("end_fraction", 0 <= config.end_fraction <= 1, "in [0, 1]"),
       ("b1", 0 <= config.b1 < 1, "in [0, 1)"),

@@ -2,12 +2,10 @@
 
 import abc
 from collections.abc import Callable, Iterator
-import json
 import os
 import time
 from typing import Any
 
-from etils import epath
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -26,12 +24,12 @@ from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
+from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 
 TASKS = ("mqar", "lm")
-SUMMARY_FILE = "summary.json"
 
 
 class NonFiniteError(FloatingPointError):
@@ -319,19 +317,6 @@ def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: Task,
           **{k: float(v) for k, v in diagnostics.items()}}
 
 
-def _previous_best(workdir: str, up_to_step: int) -> tuple[float | None, int | None]:
-  """Best eval accuracy logged by earlier runs in this workdir (for resumes)."""
-  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-    return None, None
-  best, best_step = None, None
-  for record in metrics_lib.read_metrics(workdir):
-    accuracy = record.get("eval/accuracy")
-    if accuracy is not None and record["step"] <= up_to_step and (
-        best is None or accuracy > best):
-      best, best_step = accuracy, record["step"]
-  return best, best_step
-
-
 def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> None:
   if not bool(finite):
     detail = ""
@@ -359,10 +344,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   first step (perf/time_to_first_step_s) are logged once, at the first step.
 
   Returns:
-    The run summary (also written to workdir/summary.json): best_accuracy,
+    The run summary over this and earlier segments of the run (also written
+    to workdir/summary.json, see training/run_summary.py): best_accuracy,
     best_step, final_step, total_steps, stopped_early, wall_time_s, last_eval,
-    compile_s, time_to_first_step_s and tokens_per_sec (every step after the
-    first, evaluation and checkpointing included).
+    num_params, segments; and, for this segment, compile_s,
+    time_to_first_step_s and tokens_per_sec (every step after the first,
+    evaluation and checkpointing included).
   """
   start_time = time.perf_counter()
   started_at = time.time() if started_at is None else started_at
@@ -379,12 +366,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = checkpoint_lib.Checkpointer(
       workdir, every_steps=config.checkpoint_every_steps,
       keep=config.keep_checkpoints, async_save=config.async_checkpointing)
-  start_step = checkpointer.latest_step
+  start_step, state = checkpointer.restore_latest(spec.abstract, task.train_iterator)
   if start_step is None:  # a fine-tuning run resumes from its own checkpoints
     start_step = 0
     state = initial_state(spec, config)
   else:
-    state = checkpointer.restore(start_step, spec.abstract, task.train_iterator)
     if jax.process_index() == 0:
       print(f"resumed from {workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
             flush=True)
@@ -403,10 +389,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
   early_stop = config.early_stop_accuracy
-  writer = metrics_lib.MetricWriter(workdir)
+  writer = metrics_lib.MetricWriter(workdir, start_step)
   progress = metrics_lib.Progress(total_steps, start_step)
-  best, best_step = _previous_best(workdir, start_step)
-  last_eval: dict[str, float] = {}
+  best, best_step, last_eval = run_summary.previous_evals(workdir, start_step)
+  summary_file = run_summary.RunSummary(workdir, start_step)
   # A resumed run that had already reached the early-stop accuracy is done.
   stopped_early = best is not None and early_stop is not None and 0 < early_stop <= best
   finite = jnp.array(True)
@@ -463,24 +449,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if step % config.checkpoint_every_steps == 0 or last or stopped_early:
         _check_finite(finite, step)
         checkpointer.save(step, state, task.train_iterator, force=True)
+        summary_file.progress(step, time.perf_counter() - start_time)
   finally:
     checkpointer.close()
     writer.close()
 
   end_time = time.perf_counter()
   after_first = (step - start_step - 1) * task.tokens_per_step
-  summary = {
-      "best_accuracy": best, "best_step": best_step, "final_step": step,
-      "total_steps": total_steps, "stopped_early": stopped_early,
-      "wall_time_s": end_time - start_time, "last_eval": last_eval,
-      "num_params": int(num_params),
-      "compile_s": startup.get("perf/compile_s"),
-      "time_to_first_step_s": startup.get("perf/time_to_first_step_s"),
-      "tokens_per_sec": (after_first / (end_time - first_step_done)
-                         if after_first > 0 else None),
-  }
+  summary = summary_file.write(
+      {"best_accuracy": best, "best_step": best_step, "total_steps": total_steps,
+       "stopped_early": stopped_early, "last_eval": last_eval,
+       "num_params": int(num_params),
+       "compile_s": startup.get("perf/compile_s"),
+       "time_to_first_step_s": startup.get("perf/time_to_first_step_s"),
+       "tokens_per_sec": (after_first / (end_time - first_step_done)
+                          if after_first > 0 else None)},
+      final_step=step, wall_time_s=end_time - start_time)
   if jax.process_index() == 0:
-    (epath.Path(workdir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
     best_text = "n/a" if best is None else f"{100 * best:.2f}% at step {best_step}"
     reason = (f"early stop at accuracy >= {early_stop}" if stopped_early
               else f"{step}/{total_steps} steps")

@@ -17,7 +17,7 @@ from palimpsa_jax.training import state as state_lib
 
 def _optimizer_config(**overrides):
   config = ml_collections.ConfigDict(dict(
-      learning_rate=1e-2, warmup_steps=10, decay_steps=0, end_fraction=0.1,
+      learning_rate=1e-2, warmup_fraction=1 / 11, decay_steps=0, end_fraction=0.1,
       b1=0.9, b2=0.95, eps=1e-15, weight_decay=0.1, clip_norm=1.0))
   config.update(overrides)
   return config
@@ -37,7 +37,7 @@ def test_schedule_warmup_then_cosine_to_end_fraction():
 def test_weight_decay_mask_and_clipping():
   params = {"kernel": jnp.ones((2, 2)), "A_log": jnp.ones((2,))}
   tx = optimizer_lib.make_optimizer(
-      _optimizer_config(warmup_steps=0, learning_rate=1.0, end_fraction=1.0), 10,
+      _optimizer_config(warmup_fraction=0.0, learning_rate=1.0, end_fraction=1.0), 10,
       models.weight_decay_mask)
   zero = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zero, tx.init(params), params)

@@ -1,0 +1,124 @@
+"""train.py's `--config.<field>=value` overrides, checked with short messages.
+
+  app.run(main, flags_parser=config_overrides.parse_flags)
+
+An override of a field that does not exist stops with one line naming it and
+the nearest known fields. An override of config.args (or config.finetune) is
+refused: those record the config file's arguments, from which the other fields
+were already derived, so changing them afterwards would change nothing but
+config.json; the message gives the config-argument form that does work.
+Wrong types are reported by absl's flag parser as before ("FATAL Flags parsing
+error: ..."), also in a couple of lines.
+"""
+
+import difflib
+import re
+import sys
+
+from absl import app
+from absl import flags
+import ml_collections
+
+# Top-level fields that hold a config file's arguments (configs/*.py: args;
+# configs/finetune.py: finetune).
+ARGUMENT_FIELDS = ("args", "finetune")
+
+
+def overrides(argv: list[str]) -> dict[str, str | None]:
+  """{dotted field path: value text, or None} of the `--config.<path>=value` flags."""
+  found = {}
+  pattern = re.compile(r"^--?(?:no)?config\.([^=]+)(?:=(.*))?$", re.DOTALL)
+  for arg in argv:
+    match = pattern.match(arg)
+    if match:
+      found[match.group(1)] = match.group(2)
+  return found
+
+
+def config_argument(argv: list[str]) -> str | None:
+  """The value of `--config=path[:args]` or `--config path[:args]` in argv."""
+  for i, arg in enumerate(argv):
+    for prefix in ("--config=", "-config="):
+      if arg.startswith(prefix):
+        return arg[len(prefix):]
+    if arg in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _argument_form(config_arg: str | None, key: str, value: str | None) -> str:
+  """`--config=file[:args],key=value`: the config-argument form of key=value."""
+  file = config_arg or "configs/<file>.py"
+  separator = "," if ":" in file else ":"
+  return f"--config={file}{separator}{key}={'<value>' if value is None else value}"
+
+
+def argument_field_message(path: str, value: str | None, config_arg: str | None) -> str:
+  """Why `--config.<path>` (under an argument field) is refused, and what to write."""
+  field, _, key = path.partition(".")
+  return (
+      f"--config.{path} would not change the run: config.{field} records the "
+      "arguments of the config file, from which the other fields were derived. "
+      "Give it as a config argument instead: "
+      f"{_argument_form(config_arg, key or '<key>', value)}")
+
+
+def _paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  paths = []
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    paths.append(path)
+    if isinstance(value, ml_collections.ConfigDict):
+      paths.extend(_paths(value, path + "."))
+  return paths
+
+
+def unknown_field_message(config: ml_collections.ConfigDict, path: str,
+                          value: str | None = None, config_arg: str | None = None) -> str | None:
+  """A one-line message if `path` is not a field of `config`; None if it is."""
+  node, walked = config, []
+  for part in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict):
+      return (f"--config.{path}: no such config field; config.{'.'.join(walked)} "
+              f"is a value of type {type(node).__name__}, not a group of fields.")
+    if part not in node:
+      break
+    node = node[part]
+    walked.append(part)
+  else:
+    return None
+  prefix = "".join(f"{p}." for p in walked)
+  near = [prefix + key for key in difflib.get_close_matches(part, list(node), n=3)]
+  if not near:  # the same name elsewhere in the config
+    near = [p for p in _paths(config) if p.split(".")[0] not in ARGUMENT_FIELDS
+            and difflib.SequenceMatcher(None, part, p.split(".")[-1]).ratio() >= 0.8][:3]
+  suggestions = [f"--config.{p}" for p in near]
+  suggestions += [
+      f"the config argument {key} ({_argument_form(config_arg, key, value)})"
+      for key in difflib.get_close_matches(part, list(config.get("args") or {}), n=1,
+                                           cutoff=0.6)]
+  if suggestions:
+    return f"--config.{path}: no such config field; nearest: {', '.join(suggestions)}."
+  return (f"--config.{path}: no such config field; the fields of "
+          f"{'.'.join(['config', *walked])} are {', '.join(sorted(node))}.")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (app.run's flags_parser), with the checks above.
+
+  Exits with a one-line message for a refused or unknown override.
+  """
+  found = overrides(argv)
+  for path, value in found.items():
+    if path.split(".")[0] in ARGUMENT_FIELDS:
+      sys.exit(argument_field_message(path, value, config_argument(argv)))
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):  # ml_collections' error for a missing field
+    config_arg = config_argument(argv)
+    config = flags.FLAGS["config"].parser.parse(config_arg)
+    for path, value in found.items():
+      message = unknown_field_message(config, path, value, config_arg)
+      if message:
+        sys.exit(message)
+    raise

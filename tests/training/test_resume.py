@@ -1,0 +1,150 @@
+"""Resuming a run: unreadable checkpoints, one metrics row per step, the summary across segments."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+import tiny_lm
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import tensorboard
+from palimpsa_jax.training import trainer
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model(monkeypatch):
+  tiny_lm.use_tiny_model(monkeypatch)
+
+
+def _config(total_steps):
+  return tiny_lm.tiny_mqar_config(
+      total_steps=total_steps, log_every_steps=2, eval_every_steps=4,
+      checkpoint_every_steps=4, **{"optimizer.decay_steps": 16})
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """An 8-step run with checkpoints at steps 4 and 8."""
+  with pytest.MonkeyPatch.context() as patcher:
+    tiny_lm.use_tiny_model(patcher)
+    workdir = tmp_path_factory.mktemp("finished")
+    summary = trainer.train_and_evaluate(_config(8), str(workdir))
+  return workdir, summary
+
+
+def _copy(workdir, tmp_path) -> pathlib.Path:
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  return copy
+
+
+def _truncate_arrays(step_dir):
+  for path in (step_dir / "model").glob("ocdbt.process_0/d/*"):
+    path.write_bytes(path.read_bytes()[:10])
+
+
+def _remove_data_file(step_dir):
+  (step_dir / "data" / "process_0-of-1.json").unlink()
+
+
+def _remove_optimizer(step_dir):
+  shutil.rmtree(step_dir / "optimizer")
+
+
+def _losses(workdir):
+  return {r["step"]: r["train/loss"] for r in metrics_lib.read_metrics(str(workdir))
+          if "train/loss" in r}
+
+
+@pytest.mark.parametrize("damage", [_truncate_arrays, _remove_data_file, _remove_optimizer])
+def test_unreadable_latest_checkpoint_is_moved_aside(tmp_path, finished, damage):
+  workdir = _copy(finished[0], tmp_path)
+  damage(workdir / "checkpoints" / "8")
+  with pytest.warns(RuntimeWarning, match="checkpoint step 8 .* cannot be restored") as caught:
+    summary = trainer.train_and_evaluate(_config(8), str(workdir))
+  assert len(caught) == 1 and "resumed from step 4" in str(caught[0].message)
+  (moved,) = (workdir / "corrupt_checkpoints").iterdir()
+  assert moved.name.startswith("8-")
+  # Steps 5-8 trained again from step 4, as in the uninterrupted run.
+  assert summary["final_step"] == 8
+  assert _losses(workdir) == _losses(finished[0])
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "8"]
+
+
+def test_no_readable_checkpoint_stops_naming_the_directory(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  for step in ("4", "8"):
+    _remove_optimizer(workdir / "checkpoints" / step)
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=f"no checkpoint in {workdir}/checkpoints restores"):
+    trainer.train_and_evaluate(_config(8), str(workdir))
+  assert not (workdir / "corrupt_checkpoints").exists()
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "8"]
+
+
+def test_load_model_names_the_unreadable_step_and_file(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  _truncate_arrays(workdir / "checkpoints" / "8")
+  with pytest.raises(checkpoint_lib.CheckpointError,
+                     match=r"step 8 of .*checkpoints/8: .*OUT_OF_RANGE.*Other steps there: \[4\]"):
+    checkpoint_lib.load_model(str(workdir))
+  _, _, step = checkpoint_lib.load_model(str(workdir / "checkpoints" / "4"))
+  assert step == 4
+
+
+def test_resume_logs_each_step_once(tmp_path, finished):
+  """Killed after logging step 8 but before its checkpoint: steps 6 and 8 are redone."""
+  workdir = _copy(finished[0], tmp_path)
+  shutil.rmtree(workdir / "checkpoints" / "8")
+  trainer.train_and_evaluate(_config(8), str(workdir))
+  steps = [r["step"] for r in metrics_lib.read_metrics(str(workdir))]
+  assert steps == [2, 4, 6, 8]
+  (events,) = (workdir / "tensorboard").iterdir()
+  event_steps = [tensorboard.event_step(r) for r in tensorboard.read_records(str(events))]
+  assert event_steps == [0, 2, 4, 6, 8]  # the file header, then one event per logged step
+
+
+def test_drop_metrics_after_skips_a_torn_last_line(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text(
+      '{"step": 2, "a": 1}\n{"step": 4, "a": 2}\n{"step": 6, "a": 3}\n{"step": 8, "a"')
+  metrics_lib.drop_metrics_after(str(tmp_path), 4)
+  assert [r["step"] for r in metrics_lib.read_metrics(str(tmp_path))] == [2, 4]
+
+
+def test_drop_events_after_keeps_one_stream_and_skips_a_torn_record(tmp_path):
+  writer = tensorboard.EventFileWriter(str(tmp_path))
+  for step in (2, 4, 6):
+    writer.scalars(step, {"train/loss": float(step)})
+  writer.close()
+  with open(writer.path, "ab") as f:
+    f.write(tensorboard.frame_record(tensorboard.encode_event(0.0, 8, {"a": 1.0}))[:-3])
+  tensorboard.drop_events_after(str(tmp_path), 4)
+  again = tensorboard.EventFileWriter(str(tmp_path))
+  again.scalars(6, {"train/loss": 6.0})
+  again.close()
+  assert again.path == writer.path and len(list(tmp_path.iterdir())) == 1
+  assert [tensorboard.event_step(r) for r in tensorboard.read_records(writer.path)] == [
+      0, 2, 4, 6]
+
+
+def test_summary_is_kept_across_segments(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  first = finished[1]
+  assert first["last_eval"] and len(first["segments"]) == 1
+  again = trainer.train_and_evaluate(_config(8), str(workdir))  # already finished
+  saved = json.loads((workdir / "summary.json").read_text())
+  assert saved == again
+  for key in ("wall_time_s", "last_eval", "best_accuracy", "best_step", "final_step",
+              "segments"):
+    assert again[key] == first[key], key
+  # Killed before its summary: that segment's time still counts.
+  (workdir / "summary.json").unlink()
+  extended = trainer.train_and_evaluate(_config(12), str(workdir))
+  assert extended["final_step"] == 12
+  assert [(s["start_step"], s["final_step"]) for s in extended["segments"]] == [(0, 8), (8, 12)]
+  assert extended["wall_time_s"] == pytest.approx(
+      first["wall_time_s"] + extended["segments"][1]["wall_time_s"])
+  assert extended["last_eval"]["eval/loss"] == metrics_lib.read_metrics(
+      str(workdir))[-1]["eval/loss"]
