@@ -19,7 +19,8 @@ from absl import logging
 from palimpsa_jax.evaluation import generation
 from palimpsa_jax.evaluation import lm as lm_lib
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Workdir, checkpoints/<step> or conversion output.")
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A workdir, one of its checkpoints/<step> folders, or a conversion output.")
 _PROMPT = flags.DEFINE_string("prompt", None, "The prompt (may be empty).")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "A UTF-8 text file, one prompt per line.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Most new tokens per sample.")

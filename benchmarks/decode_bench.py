@@ -1,6 +1,6 @@
 """Decoding speed of Palimpsa-D against Transformer++: the path generate.py runs.
 
-    python benchmarks/decode_bench.py                     # 170m, batch 1 and 64, prompts 512 and 8192
+    python benchmarks/decode_bench.py        # 170m, batch 1 and 64, prompts of 512 and 8192 tokens
     python benchmarks/decode_bench.py --size tiny --batches 1,2 --prompt_lengths 16,32 --no_record
 
 Each model is built at --size with random initial weights (bf16 compute, f32 parameters, the
@@ -10,9 +10,9 @@ tokens: the prompt is prefilled in chunks of decoding.PREFILL_CHUNK tokens, then
 step per token (Palimpsa-D: the O(1) recurrent state; Transformer++: a KV cache of prompt +
 new positions). One untimed pass compiles, then a timed pass records the time to the first
 token (the prefill) and each later step (all rows; each step waits for its tokens on the host,
-as streaming does); the decode rate is batch / the median step time. Results go to --output (JSON, rewritten after each
-case so that a stopped run keeps what it measured), a bar chart to --plot, and a section with
-date, device, versions, git ref and the exact command to --results.
+as streaming does); the decode rate is batch / the median step time. Results go to --output
+(JSON, rewritten after each case so that a stopped run keeps what it measured), a bar chart to
+--plot, and a section with date, device, versions, git ref and the exact command to --results.
 """
 
 import argparse
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          f"- command: `{command}`",
          f"- random initial weights, bf16 compute, greedy; models.decoding.stream (generate.py's "
          f"path): prefill in chunks of {decoding.PREFILL_CHUNK}, then one jitted step per token "
-         f"with the tokens fetched to the host; timed pass after a compiling pass; decode tok/s = batch / "
-         f"median step"],
+         f"with the tokens fetched to the host; timed pass after a compiling pass; decode "
+         f"tok/s = batch / median step"],
         result["table"], pathlib.Path(args.results))
     log(f"appended to {path}")
   return result
