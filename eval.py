@@ -3,6 +3,7 @@
   python eval.py --suite mqar --workdir runs/mqar
   python eval.py --suite mqar --workdir runs/mqar --mqar_settings 128:16,256:32
   python eval.py --suite lm --checkpoint runs/lm --files 'data/valid/*.txt'
+  python eval.py --suite lm --checkpoint runs/conv --files 'data/valid/*.txt'  (a conversion output)
 
 Suites live in palimpsa_jax/evaluation/suites.py. The JSON goes to --output,
 or by default to <first checkpoint's workdir>/eval_<suite>.json.
@@ -22,7 +23,8 @@ from palimpsa_jax.training import compile_cache
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Evaluation suite.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir (latest checkpoint).")
 _CHECKPOINT = flags.DEFINE_multi_string(
-    "checkpoint", [], "Workdirs or checkpoints/<step> folders; repeatable or comma-separated.")
+    "checkpoint", [], "Workdirs, checkpoints/<step> folders or conversion outputs "
+    "(python -m palimpsa_jax.conversion --dest); repeatable or comma-separated.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
 _FILES = flags.DEFINE_string("files", None, "Held-out text files (glob) for lm / long_context.")
 _TASKS = flags.DEFINE_list("tasks", None, "lm-eval tasks (commonsense).")

@@ -4,8 +4,8 @@
 
 Times the kernel's three stages (boundary states, forward walk, backward walk) each jitted alone
 and, with --sweep, tile variants of each stage, then the whole kernel with the chosen tiles.
-Shapes, inputs (bf16 here), timing and the PERF.md floor rates come from benchmarks/op_bench.py,
-which is also the table that compares implementations.
+Shapes, inputs (bf16 here), timing and the floor rates of docs/gpu_performance.md come from
+benchmarks/op_bench.py, which is also the table that compares implementations.
 """
 
 import argparse
@@ -27,7 +27,7 @@ from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_t
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 from pallas_kernels.palimpsa_gpu import boundary, walk, walk_mosaic
 
-REFERENCE_MS = {  # PERF.md: authors' Triton kernel fwd, fwd+bwd
+REFERENCE_MS = {  # docs/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
     "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
     "MQAR": (1.32, 6.67)}
 

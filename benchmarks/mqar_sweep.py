@@ -1,6 +1,6 @@
 """The paper's MQAR sweep: run a shard of the grid, collect results, plot accuracy.
 
-Grid (SPEC.md section 6): 5 mixers (Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2,
+Grid (docs/models.md, MQAR): 5 mixers (Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2,
 Gated DeltaNet; --with_transformer adds Transformer++) x (seq_len, kv) in
 {(512, 128), (1024, 256)} x lr in {1e-3, 2.15e-3, 4.64e-3, 1e-2} x seeds, each a
 `train.py --config configs/mqar.py:preset=paper,...` run in ROOT/<run name>.

@@ -1,7 +1,7 @@
 """Times every Palimpsa implementation (forward and forward+backward) in one process.
 
     python benchmarks/op_bench.py --shapes small            # CPU: tiny shapes, a quick check
-    python benchmarks/op_bench.py --shapes perf             # GPU/TPU: the PERF.md shapes
+    python benchmarks/op_bench.py --shapes perf             # GPU/TPU: docs/gpu_performance.md's shapes
 
 Every implementation is first checked against the float64 sequential reference on the same inputs
 (outputs, variance, final state; gradients on the first steps whose float64 backward fits in
@@ -10,12 +10,13 @@ that leaves elements unwritten fails. Then, after warm-up, over rotating input s
 - "ms": per call, with --iters calls queued back to back and one block_until_ready at the end
   (median of 3 such batches). That is the device time of a call, gaps between its kernels
   included, without the host's dispatch and sync round trip; it is what triton's do_bench (the
-  PERF.md reference timings) measures with CUDA events, and what the ratios below use.
+  reference timings of docs/gpu_performance.md) measures with CUDA events, and what the ratios
+  below use.
 - "ms synced": the median of --iters single calls, each blocked on (adds the round trip).
   On CPU the host runs the calls itself: queuing gains nothing there and the two differ by noise.
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
-implementation in the same run (>1: this one is faster) and the fraction of the PERF.md floor
-reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
+implementation in the same run (>1: this one is faster) and the fraction of the floor
+(docs/gpu_performance.md) reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
 A markdown section with the date, device, JAX version and the exact command is appended to
 benchmarks/RESULTS.md.
 """
@@ -55,7 +56,7 @@ SHAPES = {
         "wide": (1, 128, 2, 32, 64),
     },
 }
-FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (PERF.md)
+FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (docs/gpu_performance.md)
 FWD_BWD_FLOOR_RATE = 1.2e12
 INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
 

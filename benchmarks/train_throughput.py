@@ -1,4 +1,4 @@
-"""End-to-end training throughput of the paper's models (issues 5 and 7).
+"""End-to-end training throughput of the paper's models (targets: docs/gpu_performance.md).
 
     python benchmarks/train_throughput.py                       # 4 models at 170m, 4 x 4096 tokens
     python benchmarks/train_throughput.py --compare_implementations pallas_gpu,chunked
@@ -52,7 +52,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LM_CONFIG = ROOT / "configs" / "lm.py"
 DEFAULT_MODELS = ("palimpsa_d", "not_palimpsa", "mamba2", "gated_deltanet")
 BASELINE = "mamba2"
-PAPER_TOKENS = 15e9  # The paper's 170M pretraining run (SPEC.md sec. 5).
+PAPER_TOKENS = 15e9  # The paper's 170M pretraining run (docs/models.md, sizes and recipe).
 MESHES = {"data": dict(data=-1, fsdp=1, tensor=1),
           "fsdp": dict(data=1, fsdp=-1, tensor=1)}
 

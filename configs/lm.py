@@ -7,12 +7,12 @@
 
 Arguments: model (palimpsa_d, not_palimpsa, meta_mamba2, mamba2, gated_deltanet,
 transformer), size (tiny, 170m, 760m, 2.7b), and the common run knobs below.
-Defaults follow the paper's recipe (SPEC.md section 5): AdamW eps 1e-15, weight
+Defaults follow the paper's recipe (docs/models.md, sizes and recipe): AdamW eps 1e-15, weight
 decay 0.1, 2000 warmup steps, cosine to 10%, clipping 1.0, context 4096,
 batch 128 (128 x 4096 = 0.52M tokens per step). Per size (SIZE_DEFAULTS):
   170m: lr 3e-3,    15B tokens -> 28,611 steps;
   760m: lr 1.25e-3, 30B tokens -> 57,221 steps;
-  2.7b: lr 8e-4,    30B tokens -> 57,221 steps (SPEC.md gives no 2.7B recipe, the
+  2.7b: lr 8e-4,    30B tokens -> 57,221 steps (the paper gives no 2.7B recipe, the
         paper converts a pretrained model; lr from the GPT-3 / Mamba scaling);
   tiny: a smoke-test run: context 512, batch 16, lr 3e-3, 200 warmup, 2000 steps.
 Unless `steps` is given, steps = ceil(tokens / (batch * seq_len)), so changing
@@ -43,7 +43,7 @@ DEFAULTS = dict(
     device_batch=8,  # Most sequences per device and microbatch (gradient accumulation).
 )
 
-# SPEC.md section 5 (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
+# docs/models.md, sizes and recipe (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
 # device_batch at context 4096: the 170m train step took 21 GiB at 4 sequences
 # on an H200 (benchmarks/RESULTS.md), so 8 fits 80 GB GPUs; 760m and 2.7b are
 # scaled estimates, not measurements.

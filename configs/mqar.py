@@ -7,7 +7,7 @@
 The default (preset=cpu, no arguments) is a small CPU setting in which
 Palimpsa-D reaches >= 99% test accuracy within minutes on two CPU cores
 (README.md gives the measured time): sequence 32 with 4 pairs, a 64-token
-vocabulary, d_model 64 and 4 heads of 16 x 16 state, lr 1e-2. preset=paper selects SPEC.md section 6:
+vocabulary, d_model 64 and 4 heads of 16 x 16 state, lr 1e-2. preset=paper selects docs/models.md, MQAR:
 vocabulary 8192, d_model 128, 8 heads (K=16, V=32), 100k/3k examples, batch 128
 (64 at length >= 1024), up to 60 epochs, early stop at 99%. Any argument given
 explicitly overrides the preset. steps=N trains N steps instead of `epochs`
@@ -50,7 +50,7 @@ DEFAULTS = dict(
     impl="auto",
 )
 
-# The paper's setting (SPEC.md section 6); arguments given explicitly win.
+# The paper's setting (docs/models.md, MQAR); arguments given explicitly win.
 PAPER = dict(
     seq_len=512,
     kv=128,

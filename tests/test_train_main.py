@@ -40,7 +40,7 @@ def test_bad_config_argument_fails_clearly():
 
 
 @pytest.mark.parametrize("arg, lr, steps, batch", [
-    ("size=170m", 3e-3, 28_611, 128),             # SPEC.md sec. 5: 15B tokens
+    ("size=170m", 3e-3, 28_611, 128),             # docs/models.md, sizes and recipe: 15B tokens
     ("size=760m", 1.25e-3, 57_221, 128),          # 30B tokens, 0.5M per step
     ("size=760m,batch=256", 1.25e-3, 28_611, 256),  # same token budget
     ("size=760m,lr=1e-3,steps=10", 1e-3, 10, 128),  # explicit arguments win

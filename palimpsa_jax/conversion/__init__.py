@@ -1,4 +1,4 @@
-"""Mamba2 / NotPalimpsa -> Palimpsa conversion ("surgery", SPEC.md sec. 7).
+"""Mamba2 / NotPalimpsa -> Palimpsa conversion ("surgery", docs/models.md, conversion).
 
   python -m palimpsa_jax.conversion --source <checkpoint> --dest <dir> \
       --layers <auto:N | i,j,k | none> --init <paper | zero>

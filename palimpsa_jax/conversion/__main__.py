@@ -1,4 +1,4 @@
-"""Converts a pretrained Mamba2 / NotPalimpsa model into Palimpsa (SPEC.md sec. 7).
+"""Converts a pretrained Mamba2 / NotPalimpsa model into Palimpsa (docs/models.md, conversion).
 
   python -m palimpsa_jax.conversion --source runs/mamba2 --dest runs/conv \
       --layers auto:1 --init paper

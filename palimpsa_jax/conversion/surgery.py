@@ -1,8 +1,8 @@
-"""Turning chosen layers of a Mamba2 / NotPalimpsa model metaplastic (SPEC.md sec. 7).
+"""Turning chosen layers of a Mamba2 / NotPalimpsa model metaplastic (docs/models.md, conversion).
 
 Every source weight is copied; the converted layers gain beta_down, beta_up,
-b_scale and Ip_log. init="paper" keeps the layers' own initialisers (SPEC.md
-sec. 4: beta_down ~ N(0, 0.02), beta_up ~ U(+-r^-1/2), b_scale 1, Ip_log 0);
+b_scale and Ip_log. init="paper" keeps the layers' own initialisers (docs/models.md,
+layers: beta_down ~ N(0, 0.02), beta_up ~ U(+-r^-1/2), b_scale 1, Ip_log 0);
 init="zero" sets b_scale so low that softplus(b_scale) is exactly 0 in float32,
 so beta == 0 and the model computes the source function exactly (Ip = 1). The
 metaplastic branch then has zero gradient in every new parameter, so a "zero"

@@ -2,7 +2,7 @@
 
 A head forgets at rate alpha = exp(-A dt) per token, so it remembers about
 N = 1 / (1 - alpha) tokens. The layers with the largest window averaged over
-heads forget the least; SPEC.md sec. 7 converts those. dt is softplus(dt_bias)
+heads forget the least; the paper converts those (docs/models.md). dt is softplus(dt_bias)
 (the gate with a zero input projection), or measured: its mean over the tokens
 of a calibration batch.
 """

@@ -110,10 +110,15 @@ def checkpoint_tokenizer(checkpoint: str, config: Any) -> tokenizer_lib.TextToke
 
 
 def load_checkpoint(checkpoint: str):
-  """(model, config, step, tokenizer) of a checkpoint written by train.py."""
-  from palimpsa_jax.training.checkpoint import load_model  # pylint: disable=g-import-not-at-top
-  model, config, step = load_model(checkpoint)
-  return model, config, step, checkpoint_tokenizer(checkpoint, config)
+  """(model, config, step, tokenizer) of a train.py checkpoint or a conversion output
+  (palimpsa_jax.evaluation.checkpoints)."""
+  from palimpsa_jax.evaluation import checkpoints  # pylint: disable=g-import-not-at-top
+  model, config, step = checkpoints.load_model(checkpoint)
+  if config.get("task", "lm") != "lm":
+    raise ValueError(f"checkpoint {checkpoint!r} was trained on task {config.task!r}; this "
+                     "needs a language model (task lm)")
+  return model, config, step, checkpoint_tokenizer(checkpoints.tokenizer_folder(checkpoint),
+                                                   config)
 
 
 def checkpoints_option(options: Mapping[str, Any]) -> list[str]:

@@ -10,8 +10,8 @@ import numpy as np
 
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
+from palimpsa_jax.evaluation import checkpoints
 from palimpsa_jax.evaluation import lm as lm_lib
-from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import steps as steps_lib
 
 DEFAULT_NUM_EXAMPLES = 3000
@@ -75,7 +75,7 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
     {"checkpoint", "step", "mixer", "results": [{"seq_len", "num_kv_pairs",
     "accuracy", "loss", "num_queries", "trained_setting"}, ...]}.
   """
-  model, config, step = checkpoint_lib.load_model(checkpoint)
+  model, config, step = checkpoints.load_model(checkpoint)
   if config.task != "mqar":
     raise ValueError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
   data = config.data

@@ -24,7 +24,7 @@ class MetaMamba2Cache(NamedTuple):
 
 
 class MetaMamba2(MetaplasticMixer):
-  """Mamba2 mixer on the Palimpsa op (SPEC.md sec. 4, Palimpsa-M).
+  """Mamba2 mixer on the Palimpsa op (docs/models.md, layers, Palimpsa-M).
 
   in_proj(x) = [z (d_inner), xBC (d_inner + 2 G N), dt (H)]; xBC goes through a
   causal depthwise conv (bias, SiLU) and splits into x [H heads of P], B, C

@@ -26,7 +26,7 @@ class PalimpsaDCache(NamedTuple):
 
 
 class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
-  """Palimpsa-D (SPEC.md sec. 4); metaplasticity=False is NotPalimpsa.
+  """Palimpsa-D (docs/models.md, layers); metaplasticity=False is NotPalimpsa.
 
   q, k, v: Linear + causal short conv + SiLU; q, k L2-normalised, q * K^-0.5.
   log_alpha = -A * softplus(dt_proj(x) + dt_bias); s = sigmoid(s_proj(x)) scales

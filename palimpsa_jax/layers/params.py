@@ -1,4 +1,4 @@
-"""Parameter creation with logical sharding names, and the initialisers of SPEC.md sec. 4."""
+"""Parameter creation with logical sharding names, and the initialisers of docs/models.md, layers."""
 
 from collections.abc import Callable, Sequence
 import math

@@ -1,4 +1,4 @@
-"""Model configs: paper sizes (SPEC.md sec. 5) and MQAR settings (sec. 6).
+"""Model configs: paper sizes and MQAR settings (docs/models.md).
 
 A model config is a flat ml_collections.ConfigDict. Shared fields:
   model, mixer ("palimpsa_d" | "meta_mamba2" | "gated_deltanet" | "attention"),
@@ -16,7 +16,7 @@ Mixer fields:
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
 metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
   what config.metaplasticity says for every layer (a converted Mamba2 /
-  NotPalimpsa model, SPEC.md sec. 7); () (the default): none beyond it. Only
+  NotPalimpsa model, docs/models.md, conversion); () (the default): none beyond it. Only
   for the palimpsa_d and meta_mamba2 mixers.
 """
 
@@ -113,7 +113,7 @@ def _check_model(model: str) -> None:
 
 
 def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDict:
-  """Config of `model` at `size` (SPEC.md sec. 5), with field overrides."""
+  """Config of `model` at `size` (docs/models.md, sizes and recipe), with field overrides."""
   _check_model(model)
   if size not in SIZES:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
@@ -135,7 +135,7 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
 
 def mqar_model_config(mixer: str, d_model: int = 128, vocab_size: int = 8192,
                       **overrides) -> ml_collections.ConfigDict:
-  """MQAR model (SPEC.md sec. 6): 2 layers, no MLP, no positional embeddings.
+  """MQAR model (docs/models.md, MQAR): 2 layers, no MLP, no positional embeddings.
 
   mixer is a model name (palimpsa_d, not_palimpsa, meta_mamba2, mamba2,
   gated_deltanet, transformer). Forget gates start "small": A spread evenly

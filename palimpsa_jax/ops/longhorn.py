@@ -1,4 +1,5 @@
-"""Longhorn's state update (SPEC.md sec. 3), a sequential reference, and how it relates to Palimpsa.
+"""Longhorn's state update (docs/math.md, special cases), a sequential reference, and how it
+relates to Palimpsa.
 
 Per batch element and head, with beta_t in R^V (>= 0) and no forget gate:
 

@@ -486,7 +486,7 @@ def _check_nvidia_gpu() -> None:
 def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
                  initial_precision, segment_ids, *, return_variance: bool,
                  chunk_size: int, interpret: bool):
-  """Exact Palimpsa (SPEC.md sec. 2) with Pallas GPU kernels; differentiable.
+  """Exact Palimpsa (docs/math.md) with Pallas GPU kernels; differentiable.
 
   Args:
     q, k: [B, T, H, K]; v, beta: [B, T, H, V] (beta >= 0); log_alpha: [B, T, H]

@@ -3,8 +3,11 @@
 import functools
 
 import jax
-import jax.numpy as jnp
+import jax.extend as jex
 from jax.experimental.pallas import tpu as pltpu
+from jax.interpreters import batching
+from jax.interpreters import mlir
+import jax.numpy as jnp
 
 from pallas_kernels.palimpsa_tpu import layout
 from pallas_kernels.palimpsa_tpu.backward import backward
@@ -54,6 +57,8 @@ def _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial
 def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
              segment_ids, return_variance, chunk_size, interpret):
   """Kernel outputs and the residuals of the backward (inputs, chunk-start and final states)."""
+  if not interpret:
+    q = _lowers_only_for_tpu.bind(q)
   g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
                      interpret)
   ip_state = prior_precision.astype(jnp.float32)[None, :, None, None]
@@ -110,8 +115,29 @@ def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
 _palimpsa_tpu.defvjp(_forward, _bwd)
 
 
+# The identity, whose lowering decides where the compiled kernels may go: for TPU it lowers to
+# nothing, for any other platform it raises. So jit / jax.export / AOT lowering for TPU works from
+# a host of any kind, while lowering the compiled kernels for CPU or GPU fails with a clear message.
+_lowers_only_for_tpu = jex.core.Primitive("palimpsa_tpu_lowers_only_for_tpu")
+_lowers_only_for_tpu.def_impl(lambda x: x)
+_lowers_only_for_tpu.def_abstract_eval(lambda x: x)
+batching.primitive_batchers[_lowers_only_for_tpu] = (
+    lambda args, dims: (_lowers_only_for_tpu.bind(*args), dims[0]))
+mlir.register_lowering(_lowers_only_for_tpu, lambda ctx, x: [x], platform="tpu")
+
+
+def _refuse_lowering(ctx, x):
+  del x
+  raise NotImplementedError(
+      "palimpsa_tpu's compiled kernels lower only for TPU (or use interpret=True); this "
+      f"computation is being lowered for {ctx.module_context.platforms}")
+
+
+mlir.register_lowering(_lowers_only_for_tpu, _refuse_lowering)
+
+
 def _check_tpu() -> None:
-  """Compiled (non-interpreted) Mosaic kernels run only with a TPU as the default device."""
+  """An eager compiled call runs on the default device, which must then be a TPU."""
   platform = jax.devices()[0].platform
   if platform != "tpu":
     raise NotImplementedError(
@@ -139,10 +165,12 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
      precision [B,H,V,K] float32).
 
   Raises:
-    NotImplementedError: K > 256, or a compiled call (interpret=False) without a TPU as the
-      default device ("auto" then falls back to "chunked").
+    NotImplementedError: K > 256, or an eager compiled call (interpret=False) without a TPU as
+      the default device ("auto" then falls back to "chunked"). Under a trace (jit, export) the
+      lowering platform decides: lowering for TPU works from any host, lowering for another
+      platform raises NotImplementedError then.
   """
-  if not interpret:
+  if not interpret and not isinstance(q, jax.core.Tracer):
     _check_tpu()
   layout.geometry(q.shape, v.shape[-1], chunk_size)
   return _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,

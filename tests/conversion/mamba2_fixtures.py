@@ -91,6 +91,25 @@ def write_hf_checkpoint(folder: str, tensors: dict[str, np.ndarray],
   return folder
 
 
+def write_workdir(workdir: str, config: ml_collections.ConfigDict, params: dict,
+                  run_config: ml_collections.ConfigDict | None = None) -> None:
+  """A train.py workdir holding `params` at step 7 (no optimizer state).
+
+  run_config: the rest of the run's config.json (its model is `config`).
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  full = ml_collections.ConfigDict(run_config or {"seed": 0})
+  full.model = config
+  checkpoint_lib.save_config(full, workdir)
+  checkpointer = checkpoint_lib.Checkpointer(workdir, every_steps=1, keep=1, async_save=False)
+  data = iter(pipeline.array_dataset({"x": np.zeros((4, 1))}, batch_size=2, seed=0))
+  checkpointer.save(7, {"step": jnp.asarray(7), "params": params, "model_state": {},
+                        "opt_state": {}}, data, force=True)
+  checkpointer.close()
+
+
 def _rms(x, eps=1e-5):
   return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 

@@ -11,7 +11,6 @@ import sys
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -20,7 +19,6 @@ from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.conversion import command
 from palimpsa_jax.conversion import finetune
-from palimpsa_jax.data import pipeline
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import trainer
@@ -82,21 +80,11 @@ def test_cli_converts_hf_checkpoint_with_zero_init_to_the_same_function(
     command.run_conversion(folder, str(dest), "0", verbose=False)
 
 
-def _write_workdir(workdir: str, config: ml_collections.ConfigDict, params: dict) -> None:
-  """A train.py workdir holding `params` at step 7 (no optimizer state)."""
-  checkpoint_lib.save_config(ml_collections.ConfigDict({"model": config, "seed": 0}), workdir)
-  checkpointer = checkpoint_lib.Checkpointer(workdir, every_steps=1, keep=1, async_save=False)
-  data = iter(pipeline.array_dataset({"x": np.zeros((4, 1))}, batch_size=2, seed=0))
-  checkpointer.save(7, {"step": jnp.asarray(7), "params": params, "model_state": {},
-                        "opt_state": {}}, data, force=True)
-  checkpointer.close()
-
-
 def test_orbax_not_palimpsa_source_calibration_and_control_copy(tokens, tmp_path):
   config = fx.tiny_config("not_palimpsa")
   params = fx.random_params(config, seed=4)
   workdir = str(tmp_path / "run")
-  _write_workdir(workdir, config, params)
+  fx.write_workdir(workdir, config, params)
   info = command.run_conversion(workdir, str(tmp_path / "conv"), "auto:1", "paper", seed=5,
                                 calibration_tokens=tokens, verbose=False)
   assert info["source_kind"] == "orbax" and info["source_step"] == 7
@@ -116,7 +104,7 @@ def test_orbax_not_palimpsa_source_calibration_and_control_copy(tokens, tmp_path
   with pytest.raises(ValueError, match="mixer 'attention'"):
     transformer = models.model_config("transformer", "tiny", num_layers=1, dtype="float32")
     _, t_params, _ = state_lib.split_model(models.build_model(transformer, nnx.Rngs(0)))
-    _write_workdir(str(tmp_path / "tf"), transformer, t_params)
+    fx.write_workdir(str(tmp_path / "tf"), transformer, t_params)
     command.run_conversion(str(tmp_path / "tf"), str(tmp_path / "tf_conv"), "0", verbose=False)
 
 

@@ -242,7 +242,7 @@ def test_bad_input_raises(model):
 
 
 def _palimpsa_steps(q, k, v, beta, log_alpha, ip):
-  """SPEC.md sec. 2 stepped token by token in the (mu, I) form.
+  """docs/math.md stepped token by token in the (mu, I) form.
 
   q, k [B, T, H, K]; v, beta [B, T, H, V]; log_alpha [B, T, H]; ip [H].
   Returns o [B, T, H, V] with o_t = mu_t q_t.
@@ -270,7 +270,7 @@ def _rms(x, eps):
 
 
 def _palimpsa_d_reference(p, x, heads, key_dim, value_dim, eps):
-  """Palimpsa-D (SPEC.md sec. 4) in float64 numpy; x [B, T, d] -> [B, T, d]."""
+  """Palimpsa-D (docs/models.md, layers) in float64 numpy; x [B, T, d] -> [B, T, d]."""
   batch, length, _ = x.shape
   per_head = lambda a, dim: a.reshape(batch, length, heads, dim)
   l2 = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)
@@ -291,7 +291,7 @@ def _palimpsa_d_reference(p, x, heads, key_dim, value_dim, eps):
 
 
 def _meta_mamba2_reference(p, x, heads, head_dim, state_dim, groups, eps):
-  """MetaMamba2 (SPEC.md sec. 4, Palimpsa-M) in float64 numpy."""
+  """MetaMamba2 (docs/models.md, layers, Palimpsa-M) in float64 numpy."""
   batch, length, _ = x.shape
   d_inner = heads * head_dim
   z, xs, b, c, dt = _mamba2_inputs(p, x, heads, head_dim, state_dim, groups)

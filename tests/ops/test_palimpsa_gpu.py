@@ -137,7 +137,7 @@ def test_backward_walk_in_pieces_agrees():
 
 
 def test_saved_boundary_states_fit_the_residual_budget():
-  """Issue 5: saved states <= (T/64) * V * K * 2 floats per batch-head, padding dropped."""
+  """The memory budget: saved states <= (T/64) * V * K * 2 floats per batch-head, padding dropped."""
   b, t, h, kd, vd = 1, 128, 2, 40, 40  # K and V padded to 48 inside the kernel.
   q = jnp.ones((b, t, h, kd)) / 8
   v = jnp.ones((b, t, h, vd))

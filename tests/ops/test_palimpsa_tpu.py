@@ -134,6 +134,23 @@ def test_exports_for_tpu():
     assert f'kernel_name = "palimpsa_tpu_{kernel}"' in text
 
 
+def test_public_op_exports_for_tpu_from_any_host():
+  """The lowering platform decides, not the default device: export for TPU works here."""
+  q, k, v, beta, la, ip = _abstract_args(16, 32, jnp.bfloat16, 40)[:6]
+
+  def loss(q, k, v, beta, la, ip):
+    result = palimpsa(q, k, v, beta, la, ip, implementation="pallas_tpu")
+    return jnp.sum(result.out.astype(jnp.float32)) + jnp.sum(result.state.mu)
+
+  exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))),
+                               platforms=["tpu"])(q, k, v, beta, la, ip)
+  assert exported.platforms == ("tpu",)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
+  if jax.default_backend() != "tpu":
+    with pytest.raises(NotImplementedError, match="lower only for TPU"):
+      jax.jit(loss).lower(q, k, v, beta, la, ip)
+
+
 @pytest.mark.parametrize("short_chunks", [False, True])
 def test_blocks_are_tpu_legal(short_chunks):
   for kd in HEAD_DIMS:

@@ -1,4 +1,4 @@
-"""The paper's special cases (SPEC.md sec. 3), made executable.
+"""The paper's special cases (docs/math.md, special cases), made executable.
 
 - beta = 0: Palimpsa is the SSD / SimpleGLA recurrence divided by Ip (checked against the SSD's
   quadratic dual form, written without any scan).

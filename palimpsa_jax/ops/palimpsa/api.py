@@ -26,7 +26,7 @@ _KERNEL_MODULES = {"pallas_gpu": "pallas_kernels.palimpsa_gpu",
 def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, segment_ids=None,
              return_variance=False, implementation="auto", chunk_size=64,
              interpret=False) -> PalimpsaResult:
-  """Palimpsa recurrence (SPEC.md section 2), no scale applied.
+  """Palimpsa recurrence (docs/math.md), no scale applied.
 
   Args:
     q, k: [B, T, H, K] float.

@@ -2,7 +2,7 @@
 
 Layout inside: inputs [C, N, B, H, ...] (N chunks of C steps, step-major so every walk scans over
 the leading axis without copies); states of all chunks [N, B, H, V, K]. Forward:
-1. chunk-boundary states as matmuls (SPEC.md section 2):
+1. chunk-boundary states as matmuls (docs/math.md):
    M_end = P * M_start + (V * w)^T K,  Ibar_end = P * Ibar_start + (Beta * w)^T K^2,
    w_t = prod_{s>t} a_s within the chunk, P = prod of the chunk's gates; a scan across chunks
    strings them together;

@@ -1,4 +1,4 @@
-"""Shared pieces of the linear form M = mu * I, Ibar = I - Ip (SPEC.md section 2).
+"""Shared pieces of the linear form M = mu * I, Ibar = I - Ip (docs/math.md).
 
 Every XLA implementation takes float32 inputs in the op's layout and a gate a_t = alpha_t that is
 already 0 where a segment restarts (restarting from the prior is M = 0, Ibar = 0), and returns

@@ -1,4 +1,4 @@
-"""Plain sequential Palimpsa in the literal form of SPEC.md section 2: the test oracle.
+"""Plain sequential Palimpsa in the literal form of docs/math.md: the test oracle.
 
 Runs in the dtype it is given (tests call it with float64 inside `jax.enable_x64(True)`), carries
 (mu, I) directly rather than the linear form the fast implementations use.

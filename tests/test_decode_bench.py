@@ -1,0 +1,38 @@
+"""benchmarks/decode_bench.py end to end on CPU with a tiny model."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+_SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "decode_bench.py"
+_spec = importlib.util.spec_from_file_location("decode_bench", _SCRIPT)
+decode_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_bench)
+
+
+def test_main_writes_table_json_plot_and_results(tmp_path):
+  results, output, plot = tmp_path / "RESULTS.md", tmp_path / "out.json", tmp_path / "rates.png"
+  argv = ["--models", "palimpsa_d", "--size", "tiny", "--batches", "2", "--prompt_lengths",
+          "5", "--new_tokens", "3", "--output", str(output), "--plot", str(plot),
+          "--results", str(results)]
+  result = decode_bench.main(argv)
+  (row,) = result["rows"]
+  assert (row["model"], row["batch"], row["prompt_length"], row["new_tokens"]) == (
+      "palimpsa_d", 2, 5, 3)
+  assert len(row["step_s"]) == 2 and row["decode_tokens_per_s"] > 0
+  assert json.loads(output.read_text())["rows"][0]["batch"] == 2
+  assert plot.stat().st_size > 0
+  section = results.read_text()
+  assert "decode_bench tiny, 3 new tokens" in section and "--prompt_lengths 5" in section
+  assert "| palimpsa_d |" in section and "git " in section
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--models", "lstm"], "--models"), (["--new_tokens", "1"], "--new_tokens"),
+    (["--batches", "0"], "--batches")])
+def test_bad_arguments_exit(flags, message, capsys):
+  with pytest.raises(SystemExit):
+    decode_bench.parse_args(flags)
+  assert message in capsys.readouterr().err

@@ -1,0 +1,112 @@
+"""generate.py and palimpsa_jax.evaluation.generation on a tiny Palimpsa-D LM checkpoint."""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+import types
+
+from flax import nnx
+import ml_collections
+import numpy as np
+import pytest
+
+from palimpsa_jax import models
+from palimpsa_jax.data import tokenizer as tokenizer_lib
+from palimpsa_jax.evaluation import generation
+from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax.training import state as state_lib
+
+pytest.importorskip("tokenizers")
+
+REPO = pathlib.Path(__file__).parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "mamba2_fixtures", REPO / "tests" / "conversion" / "mamba2_fixtures.py")
+fx = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fx)
+VOCAB = 300
+DOCS = [f"Document {i}: " + "alpha beta gamma δέλτα " * (1 + i % 3) for i in range(8)]
+
+
+@pytest.fixture(name="lm", scope="module")
+def _lm(tmp_path_factory):
+  """A train.py LM workdir of a 1-layer Palimpsa-D (random weights, a bpe tokenizer)."""
+  root = tmp_path_factory.mktemp("generate")
+  files = root / "docs.jsonl"
+  files.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+  workdir = root / "run"
+  workdir.mkdir()
+  tokenizer_lib.load_or_train_tokenizer(f"bpe:{VOCAB}", str(files), str(workdir))
+  config = models.model_config("palimpsa_d", "tiny", num_layers=1, vocab_size=VOCAB,
+                               dtype="float32")
+  _, params, _ = state_lib.split_model(models.build_model(config, nnx.Rngs(0)))
+  fx.write_workdir(str(workdir), config, params, ml_collections.ConfigDict(
+      {"task": "lm", "seq_len": 16, "seed": 0, "data": {"tokenizer": f"bpe:{VOCAB}"}}))
+  model, _, _, tokenizer = lm_lib.load_checkpoint(str(workdir))
+  return types.SimpleNamespace(root=root, workdir=str(workdir), model=model, tokenizer=tokenizer)
+
+
+def _sample(lm, prompt, **settings):
+  written = []
+  texts, timing = generation.sample(lm.model, lm.tokenizer, prompt,
+                                    generation.Sampling(**settings), written.append)
+  return texts, timing, "".join(written)
+
+
+def test_prompts_start_with_eos_as_training_documents_do(lm):
+  ids = generation.prompt_ids(lm.tokenizer, "Document 1")
+  assert ids == [lm.tokenizer.eos_id] + lm.tokenizer.encode("Document 1")
+  assert generation.prompt_ids(lm.tokenizer, "") == [lm.tokenizer.eos_id]
+
+
+def test_sample_streams_one_sample_and_is_deterministic_per_seed(lm):
+  (text,), timing, written = _sample(lm, "Document", max_new_tokens=6, seed=1)
+  assert written == text and timing.prompt_tokens == len(generation.prompt_ids(lm.tokenizer,
+                                                                                "Document"))
+  assert 1 <= timing.new_tokens <= 6 and timing.rest_tokens == timing.new_tokens - 1
+  assert _sample(lm, "Document", max_new_tokens=6, seed=1)[0] == [text]
+  texts, timing, written = _sample(lm, "Document", max_new_tokens=6, seed=1, num_samples=3,
+                                   top_k=50, top_p=0.9)
+  assert len(texts) == 3 and written.count("--- sample ") == 3
+  assert written.startswith("--- sample 1 ---\nDocument" + texts[0] + "\n")
+  assert "tokens/s" in generation.timing_line([timing])
+
+
+def test_text_stream_holds_back_an_incomplete_character(lm):
+  ids = lm.tokenizer.encode("δέλτα")
+  pieces, stream = [], generation.TextStream(lm.tokenizer)
+  for token in ids:
+    piece = stream.add(token)
+    assert "\ufffd" not in piece
+    pieces.append(piece)
+  assert "".join(pieces) + stream.flush() == "δέλτα"
+
+
+def test_lm_tools_reject_an_mqar_checkpoint(tmp_path):
+  config = models.model_config("palimpsa_d", "tiny", num_layers=1)
+  _, params, _ = state_lib.split_model(models.build_model(config, nnx.Rngs(0)))
+  fx.write_workdir(str(tmp_path), config, params, ml_collections.ConfigDict({"task": "mqar",
+                                                                           "seed": 0}))
+  with pytest.raises(ValueError, match="trained on task 'mqar'; this needs a language model"):
+    lm_lib.load_checkpoint(str(tmp_path))
+
+
+def _generate(*args):
+  return subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=600, check=False)
+
+
+def test_command_line_with_a_prompt_file(lm):
+  prompts = lm.root / "prompts.txt"
+  prompts.write_text("Document 1:\n\nalpha beta\n")
+  result = _generate("--checkpoint", lm.workdir, "--prompt_file", str(prompts),
+                     "--max_new_tokens", "5", "--temperature", "0")
+  assert result.returncode == 0, result.stderr
+  expected = "".join(
+      f"=== prompt {i + 1}/2 ===\n{p}{_sample(lm, p, max_new_tokens=5, temperature=0.0)[0][0]}\n"
+      for i, p in enumerate(["Document 1:", "alpha beta"]))
+  assert result.stdout == expected
+  assert "new tokens for 2 prompt(s)" in result.stderr and "tokens/s" in result.stderr
+  result = _generate("--checkpoint", lm.workdir)
+  assert result.returncode != 0 and "exactly one of --prompt and --prompt_file" in result.stderr
