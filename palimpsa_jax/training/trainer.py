@@ -304,7 +304,7 @@ def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: Task,
           **{k: float(v) for k, v in diagnostics.items()}}
 
 
-def _previous_best(workdir: str, up_to_step: int) -> tuple[float | None, int | None]:
+def previous_best(workdir: str, up_to_step: int) -> tuple[float | None, int | None]:
   """Best eval accuracy logged by earlier runs in this workdir (for resumes)."""
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     return None, None
@@ -381,7 +381,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   early_stop = config.early_stop_accuracy
   writer = metrics_lib.MetricWriter(workdir)
   progress = metrics_lib.Progress(total_steps, start_step)
-  best, best_step = _previous_best(workdir, start_step)
+  best, best_step = previous_best(workdir, start_step)
   last_eval: dict[str, float] = {}
   # A resumed run that had already reached the early-stop accuracy is done.
   stopped_early = best is not None and early_stop is not None and 0 < early_stop <= best
