@@ -169,7 +169,8 @@ class _Model:
     where = jax.local_devices(backend="cpu")[0] if on_host else device
     init = jax.jit(jax.vmap(lambda seed: self._init_one(jax.random.key(seed))),
                    out_shardings=jax.sharding.SingleDeviceSharding(where))
-    return jax.device_put(init(jnp.asarray(seeds, jnp.int32)), device)
+    # A host array: the computation runs where out_shardings puts it.
+    return jax.device_put(init(np.asarray(seeds, np.int32)), device)
 
   def abstract_one(self, device: jax.Device) -> dict:
     """ShapeDtypeStructs of one run's state on `device` (the restore target)."""
