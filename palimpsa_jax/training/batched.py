@@ -282,17 +282,16 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         "the runs of a group must resume from the same step; their latest "
         f"checkpoints are at {sorted(latest, key=str)} (None: none).")
   start_step = latest.pop()
+  abstract = model.abstract_one(device)
   if start_step is None:
     start_step = 0
     state = model.init([run.seed for run in todo], device)
   else:
-    abstract = model.abstract_one(device)
     state = _stack([run.checkpointer.restore(start_step, abstract,
                                              tasks[run.seed].train_iterator)
                     for run in todo])
     print(f"resumed {len(todo)} runs from step {start_step}", flush=True)
-  num_params = sum(x.size for x in jax.tree.leaves(
-      model.abstract_one(device)["params"]))
+  num_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
   tokens_per_step = next(iter(tasks.values())).tokens_per_step
   early_stop = config.early_stop_accuracy

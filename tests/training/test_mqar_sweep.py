@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 
 import pytest
 
@@ -164,6 +165,16 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
   assert records[0]["final_step"] == 32
   sweep.main(["run", *args])
   assert "runs (" not in capsys.readouterr().out  # nothing left to train
+
+
+def test_sigterm_sets_the_stop_flag_until_closed():
+  previous = signal.getsignal(signal.SIGTERM)
+  stop = sweep._StopFlag()
+  assert not stop()
+  os.kill(os.getpid(), signal.SIGTERM)
+  assert stop()
+  stop.close()
+  assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_workers_sharing_a_gpu_allocate_on_demand(monkeypatch):
