@@ -13,9 +13,9 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
 `timeout`, checkpoints every running run first) and started again:
 
   # the whole grid on one GPU, in slots: repeat until `status` shows 0 left
-  timeout 1500 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep
+  timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep
   # two-stage: each cell's learning rate from seed-0 runs, then seeds 1, 2 at it
-  timeout 1500 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --two_stage
+  timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --two_stage
   # one worker (shard of the cells) per GPU
   python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --gpus 0,1
   # shortened: fewer examples / epochs, one seed, one setting
@@ -224,7 +224,8 @@ def status(root: pathlib.Path, grid_runs: list[Run], extra: dict[str, object],
   A run is running once it has a checkpoint or a logged step but no summary.
   The rate is the median steps/s per run of the cell's last logged steps (in
   a batched group every run advances at the group's rate). A cell's GPU time
-  left is its most remaining steps over that rate: an upper bound, as runs
+  left is its most remaining steps over that rate (with two_stage: that of the
+  first seed's runs plus that of the later seeds'): an upper bound, as runs
   may stop early. Cells not measured yet borrow the median rate of the
   measured cells of the same setting. With two_stage, a cell's later seeds
   count as left (at the full schedule) until their learning rate is chosen.
@@ -235,8 +236,8 @@ def status(root: pathlib.Path, grid_runs: list[Run], extra: dict[str, object],
   for key, cell in cells(planned).items():
     total = planned_steps(run_config(cell[0], extra))
     row = {"mixer": key[0], "seq_len": key[1], "kv": key[2], "finished": 0,
-           "running": 0, "left": 0, "steps_done": 0, "steps_planned": 0,
-           "max_steps_left": 0}
+           "running": 0, "left": 0, "steps_done": 0, "steps_planned": 0}
+    stage_left = {}  # stage (0: first seed, 1: later seeds with two_stage) -> most left
     rates = []
     runs = [(run, True) for run in cell]
     if two_stage and not any(run.seed != seeds[0] for run in cell):
@@ -259,18 +260,19 @@ def status(root: pathlib.Path, grid_runs: list[Run], extra: dict[str, object],
       row["steps_done"] += done
       row["steps_planned"] += done if ended else total
       if not ended:
-        row["max_steps_left"] = max(row["max_steps_left"], total - done)
+        stage = int(two_stage and (run is None or run.seed != seeds[0]))
+        stage_left[stage] = max(stage_left.get(stage, 0), total - done)
+    row["steps_left"] = sum(stage_left.values())
     row["steps_per_sec"] = _median(rates)
+    row["rate_measured"] = row["steps_per_sec"] is not None
     rows.append(row)
   for row in rows:
-    row["rate_measured"] = row["steps_per_sec"] is not None
     if not row["rate_measured"]:
       row["steps_per_sec"] = _median([r["steps_per_sec"] for r in rows if r["rate_measured"]
                                       and r["seq_len"] == row["seq_len"]])
     rate = row["steps_per_sec"]
-    row["gpu_hours_left"] = (None if rate is None and row["max_steps_left"]
-                             else row["max_steps_left"] / rate / 3600 if row["max_steps_left"]
-                             else 0.0)
+    row["gpu_hours_left"] = (0.0 if not row["steps_left"] else None if rate is None
+                             else row["steps_left"] / rate / 3600)
   return rows
 
 
@@ -523,7 +525,8 @@ def main(argv=None) -> None:
           command += [f"--{k}={v}" for k, v in extra.items()]
           command += ["--two_stage"] if args.two_stage else []
           workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
-        signal.signal(signal.SIGTERM, lambda *_: None)  # the workers checkpoint and exit
+        # SIGTERM: the workers checkpoint and exit (`timeout` signals them too).
+        signal.signal(signal.SIGTERM, lambda *_: [w.terminate() for w in workers])
         codes = [w.wait() for w in workers]
       if any(codes):
         raise SystemExit(f"worker exit codes: {codes}")

@@ -109,10 +109,11 @@ def test_two_stage_runs_later_seeds_at_each_cells_best_lr(tmp_path):
 
 
 def test_status_counts_runs_steps_and_gpu_time_left(tmp_path, capsys):
-  runs = sweep.grid(mixers=("mamba2", "palimpsa_d"), settings=((512, 128),),
+  # The unmeasured cell first: it borrows the rate of a later one.
+  runs = sweep.grid(mixers=("palimpsa_d", "mamba2"), settings=((512, 128),),
                     lrs=(1e-3, 1e-2), seeds=(0,))
   extra = {"examples": 1280, "epochs": 10}  # 100 steps per run
-  done, running = runs[:2]
+  done, running = runs[2:]
   (tmp_path / done.name).mkdir()
   _write_summary(tmp_path, done, 0.99, 40, final_step=40)
   (tmp_path / running.name / "checkpoints" / "30").mkdir(parents=True)
@@ -126,7 +127,7 @@ def test_status_counts_runs_steps_and_gpu_time_left(tmp_path, capsys):
   assert (palimpsa["left"], palimpsa["steps_planned"]) == (2, 200)
   assert not palimpsa["rate_measured"]  # borrowed from mamba2 at the same setting
   assert palimpsa["gpu_hours_left"] == pytest.approx(100 / 0.02 / 3600)
-  sweep.main(["status", "--root", str(tmp_path), "--mixers", "mamba2,palimpsa_d",
+  sweep.main(["status", "--root", str(tmp_path), "--mixers", "palimpsa_d,mamba2",
               "--settings", "512:128", "--lrs", "1e-3,1e-2", "--seeds", "0",
               "--examples", "1280", "--epochs", "10"])
   assert "runs: 1 finished, 1 running, 2 left; steps 75 of 340" in capsys.readouterr().out
@@ -134,6 +135,8 @@ def test_status_counts_runs_steps_and_gpu_time_left(tmp_path, capsys):
       mixers=("mamba2",), settings=((512, 128),), lrs=(1e-3, 1e-2), seeds=(0, 1, 2)),
       extra, two_stage=True)
   assert (two_stage[0]["left"], two_stage[0]["steps_planned"]) == (2, 340)
+  # Seeds 1 and 2 follow the first seed's runs: 65 + 100 steps at 0.02 steps/s.
+  assert two_stage[0]["gpu_hours_left"] == pytest.approx(165 / 0.02 / 3600)
 
 
 def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys):
