@@ -12,9 +12,10 @@ is the median of the logged perf/steps_per_sec after the first log interval
 (which includes compilation); the total is rate x runs. Evaluation runs only
 after the last step and is not timed.
 
-A batched measurement that fails is retried with XLA's deterministic ops
-(which turns off the Palimpsa kernel's accumulating backward walk) and then
-with the XLA "chunked" implementation; the JSON records every attempt.
+A batched measurement that runs out of GPU memory is retried with half the
+runs; one that fails otherwise, with XLA's deterministic ops (which turn off
+the Palimpsa kernel's accumulating backward walk) and then with the XLA
+"chunked" implementation. The JSON records every attempt.
 """
 
 import argparse
@@ -89,9 +90,10 @@ def measure(mode: str, mixer: str, runs: int, impl: str, xla_flag: str,
   command = [sys.executable, __file__, "--child", f"--mode={mode}", f"--mixer={mixer}",
              f"--runs={runs}", f"--impl={impl}", f"--setting={args.setting}",
              f"--steps={args.steps}", f"--single_steps={args.single_steps}"]
-  env = None
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   if xla_flag:
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + xla_flag))
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + xla_flag
   record = {"mode": mode, "mixer": mixer, "runs": runs, "impl": impl,
             "xla_flag": xla_flag, "setting": args.setting}
   print(f"== {mode} {mixer} x{runs} impl={impl} {xla_flag} (limit {timeout_s:.0f} s)",
@@ -133,8 +135,9 @@ def main(argv=None) -> None:
   records = []
   for mixer in args.mixers.split(","):
     for mode, runs in (("batched", args.runs), ("single", 1)):
-      fallbacks = FALLBACKS if mode == "batched" else FALLBACKS[:1]
-      for xla_flag, impl in fallbacks:
+      attempts = list(FALLBACKS if mode == "batched" else FALLBACKS[:1])
+      while attempts:
+        xla_flag, impl = attempts.pop(0)
         left = deadline - time.perf_counter()
         if left < 20:
           records.append({"mode": mode, "mixer": mixer, "runs": runs, "impl": impl,
@@ -144,6 +147,9 @@ def main(argv=None) -> None:
         print(json.dumps(records[-1]), file=sys.stderr, flush=True)
         if "error" not in records[-1]:
           break
+        if runs > 1 and "RESOURCE_EXHAUSTED" in "\n".join(records[-1].get("output_tail", [])):
+          runs //= 2  # out of GPU memory: the same attempt with half the runs
+          attempts.insert(0, (xla_flag, impl))
   summary = {}
   for mixer in args.mixers.split(","):
     done = {r["mode"]: r for r in records if r["mixer"] == mixer and "error" not in r}
