@@ -100,6 +100,12 @@ class _Run:
   stopped_early: bool = False
   error: str | None = None
   summary: dict[str, Any] | None = None
+  saved_step: int | None = None  # of its latest checkpoint
+
+  def save(self, step: int, state: dict, data_iterator: Any) -> None:
+    if step != self.saved_step:
+      self.checkpointer.save(step, state, data_iterator, force=True)
+      self.saved_step = step
 
   @property
   def seed(self) -> int:
@@ -282,6 +288,8 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         "the runs of a group must resume from the same step; their latest "
         f"checkpoints are at {sorted(latest, key=str)} (None: none).")
   start_step = latest.pop()
+  for run in todo:
+    run.saved_step = start_step
   abstract = model.abstract_one(device)
   if start_step is None:
     start_step = 0
@@ -318,9 +326,8 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
       if should_stop():
         interrupted = True
         for i, run in enumerate(stack):
-          if run.summary is None and run.checkpointer.latest_step != step:
-            run.checkpointer.save(step, _take(state, i),
-                                  tasks[run.seed].train_iterator, force=True)
+          if run.summary is None:
+            run.save(step, _take(state, i), tasks[run.seed].train_iterator)
         print(f"stopped at step {step}; {len(running())} runs checkpointed", flush=True)
         break
       if rows is None:  # the stack or its running runs changed
@@ -380,8 +387,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         if record:
           run.writer.write(step, record)
         if run.error is None and (save or run.stopped_early):
-          run.checkpointer.save(step, _take(state, i), tasks[run.seed].train_iterator,
-                                force=True)
+          run.save(step, _take(state, i), tasks[run.seed].train_iterator)
         if run.error is not None or run.stopped_early:
           _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
           rows = None
