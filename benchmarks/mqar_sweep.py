@@ -1,32 +1,46 @@
-"""The paper's MQAR sweep: run a shard of the grid, collect results, plot accuracy.
+"""The paper's MQAR sweep: train the grid in batched groups, resume, report, plot.
 
-Grid (docs/models.md, MQAR): 5 mixers (Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2,
-Gated DeltaNet; --with_transformer adds Transformer++) x (seq_len, kv) in
-{(512, 128), (1024, 256)} x lr in {1e-3, 2.15e-3, 4.64e-3, 1e-2} x seeds, each a
-`train.py --config configs/mqar.py:preset=paper,...` run in ROOT/<run name>.
+Grid (the paper's MQAR setting, configs/mqar.py:preset=paper): 5 mixers
+(Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2, Gated DeltaNet; --with_transformer
+adds Transformer++) x (seq_len, kv) in {(512, 128), (1024, 256)} x lr in
+{1e-3, 2.15e-3, 4.64e-3, 1e-2} x 3 seeds, early stop at 99% test accuracy.
+Each run has its workdir ROOT/<run name> with the files of a train.py run.
 
-  # one worker per GPU (each runs its shard of the grid, finished runs skipped)
+The runs of one mixer and setting (a "cell") train together in one process
+(palimpsa_jax/training/batched.py: one vmapped step for all learning rates and
+seeds). `run` trains the unfinished runs of its cells and resumes every run
+from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
+`timeout`, checkpoints every running run first) and started again:
+
+  # the whole grid on one GPU, in slots: repeat until `status` shows 0 left
+  timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep
+  # two-stage: each cell's learning rate from seed-0 runs, then seeds 1, 2 at it
+  timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --two_stage
+  # one worker (shard of the cells) per GPU
   python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --gpus 0,1
-  # or one shard by hand
-  python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --shard 0/2
-  # shortened: fewer examples / epochs, one seed, two settings' subset
-  python benchmarks/mqar_sweep.py run --root R --seeds 0 --examples 20000 --epochs 8
+  # shortened: fewer examples / epochs, one seed, one setting
+  python benchmarks/mqar_sweep.py run --root R --seeds 0 --settings 512:128 --epochs 8
+  # runs finished / running / left, steps done, GPU time left at the measured rates
+  python benchmarks/mqar_sweep.py status --root runs/mqar_sweep
   # results.json, accuracy.png and accuracy_vs_step.png under ROOT
   # (unfinished runs count with their best evaluation so far)
   python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
 
-The plot shows, per mixer and setting, mean +- std over seeds of each seed's
-best accuracy over learning rates.
+`status`, `collect` and `list` take the same grid flags as `run`. The plot
+shows, per mixer and setting, mean +- std over seeds of each seed's best
+accuracy over learning rates.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -66,32 +80,221 @@ def grid(mixers=MIXERS, settings=SETTINGS, lrs=LEARNING_RATES, seeds=SEEDS) -> l
           itertools.product(mixers, settings, lrs, seeds)]
 
 
-def shard(runs: list[Run], spec: str) -> list[Run]:
-  """Runs of shard "i/n" (every n-th run from the i-th)."""
+def shard(items: list, spec: str) -> list:
+  """The items of shard "i/n" (every n-th from the i-th)."""
   try:
     index, count = (int(x) for x in spec.split("/"))
   except ValueError:
     raise ValueError(f"--shard must look like i/n, got {spec!r}.") from None
   if not 0 <= index < count:
     raise ValueError(f"--shard {spec}: need 0 <= i < n.")
-  return runs[index::count]
+  return items[index::count]
 
 
 def is_finished(root: pathlib.Path, run: Run) -> bool:
   return (root / run.name / "summary.json").exists()
 
 
-def run_shard(root: pathlib.Path, runs: list[Run], extra: dict[str, object]) -> None:
-  """Trains every unfinished run in `runs`, one after another."""
-  for i, run in enumerate(runs):
-    if is_finished(root, run):
-      print(f"[{i + 1}/{len(runs)}] {run.name}: finished, skipped", flush=True)
-      continue
-    print(f"[{i + 1}/{len(runs)}] {run.name}", flush=True)
-    command = [sys.executable, str(REPO / "train.py"),
-               f"--config={REPO / 'configs' / 'mqar.py'}:{run.config_arg(extra)}",
-               f"--workdir={root / run.name}"]
-    subprocess.run(command, check=True, cwd=REPO)
+def _mqar_config_module():
+  spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def run_config(run: Run, extra: dict[str, object]):
+  """The run's train.py config (configs/mqar.py:preset=paper,...)."""
+  return _mqar_config_module().get_config(run.config_arg(extra))
+
+
+def planned_steps(config) -> int:
+  """Training steps of the run's full schedule."""
+  if config.total_steps > 0:
+    return config.total_steps
+  return config.num_epochs * (config.data.num_train_examples // config.batch_size)
+
+
+def latest_checkpoint(workdir: pathlib.Path) -> int | None:
+  """The step of the run's latest finished Orbax checkpoint, or None."""
+  steps = [int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()]
+  return max(steps, default=None)
+
+
+def cells(runs: list[Run]) -> dict[tuple[str, int, int], list[Run]]:
+  """The runs grouped by (mixer, seq_len, kv), in grid order."""
+  grouped: dict[tuple[str, int, int], list[Run]] = {}
+  for run in runs:
+    grouped.setdefault((run.mixer, run.seq_len, run.kv), []).append(run)
+  return grouped
+
+
+def best_lr(root: pathlib.Path, runs: list[Run]) -> float | None:
+  """The learning rate of the run with the highest best accuracy, once all are finished.
+
+  Ties go to the run that reached it first, then to the smaller rate.
+  """
+  if not all(is_finished(root, run) for run in runs):
+    return None
+  def key(run):
+    summary = json.loads((root / run.name / "summary.json").read_text())
+    return (-(summary["best_accuracy"] or 0.0), summary["best_step"] or 0, run.lr)
+  return min(runs, key=key).lr
+
+
+def planned_runs(root: pathlib.Path, runs: list[Run], two_stage: bool) -> list[Run]:
+  """The runs to train now.
+
+  two_stage: of `runs`, the first seed's only; once a cell's first-seed runs are
+  all finished, also its other seeds at the cell's best learning rate.
+  """
+  if not two_stage:
+    return runs
+  seeds = list(dict.fromkeys(run.seed for run in runs))
+  planned = []
+  for (mixer, seq_len, kv), cell in cells(runs).items():
+    first = [run for run in cell if run.seed == seeds[0]]
+    planned += first
+    lr = best_lr(root, first)
+    if lr is not None:
+      planned += [Run(mixer, seq_len, kv, lr, seed) for seed in seeds[1:]]
+  return planned
+
+
+class _StopFlag:
+  """Set by SIGTERM (e.g. from `timeout`): the groups checkpoint and return."""
+
+  def __init__(self):
+    self.raised = False
+    self._previous = signal.signal(signal.SIGTERM, self._raise)
+
+  def close(self) -> None:
+    signal.signal(signal.SIGTERM, self._previous)
+
+  def _raise(self, signum, frame):
+    del signum, frame
+    print("SIGTERM: checkpointing the running runs", flush=True)
+    self.raised = True
+
+  def __call__(self) -> bool:
+    return self.raised
+
+
+def train_cells(root: pathlib.Path, grid_runs: list[Run], cell_keys: list[tuple],
+                extra: dict[str, object], two_stage: bool) -> None:
+  """Trains every unfinished run of the given cells, one batched group at a time.
+
+  A cell's unfinished runs train as one group, or as one group per resume
+  step where their checkpoints differ. With two_stage, a cell's later seeds
+  follow in the same call once its first-seed runs are finished.
+  """
+  # Imported here: `collect` and `status` need no accelerator.
+  from palimpsa_jax.training import batched  # pylint: disable=g-import-not-at-top
+  stop = _StopFlag()
+  try:
+    for key in cell_keys:
+      while not stop():
+        cell = cells(planned_runs(root, grid_runs, two_stage)).get(key, [])
+        todo = [run for run in cell if not is_finished(root, run)]
+        if not todo:
+          break
+        by_step: dict[int | None, list[Run]] = {}
+        for run in todo:
+          by_step.setdefault(latest_checkpoint(root / run.name), []).append(run)
+        for step, group in by_step.items():
+          names = ", ".join(f"lr {run.lr:g} s{run.seed}" for run in group)
+          print(f"{key[0]} L={key[1]} kv={key[2]}: {len(group)} runs ({names}) from "
+                f"step {step or 0}", flush=True)
+          batched.train_group([run_config(run, extra) for run in group],
+                              [str(root / run.name) for run in group], should_stop=stop)
+          if stop():
+            return
+  finally:
+    stop.close()
+
+
+def _median(values: list[float]) -> float | None:
+  values = sorted(values)
+  return values[len(values) // 2] if values else None
+
+
+def status(root: pathlib.Path, grid_runs: list[Run], extra: dict[str, object],
+           two_stage: bool) -> list[dict[str, object]]:
+  """Per cell: runs finished / running / left, steps done and left, rate, GPU time left.
+
+  A run is running once it has a checkpoint or a logged step but no summary.
+  The rate is the median steps/s per run of the cell's last logged steps (in
+  a batched group every run advances at the group's rate). A cell's GPU time
+  left is its most remaining steps over that rate (with two_stage: that of the
+  first seed's runs plus that of the later seeds'): an upper bound, as runs
+  may stop early. Cells not measured yet borrow the median rate of the
+  measured cells of the same setting. With two_stage, a cell's later seeds
+  count as left (at the full schedule) until their learning rate is chosen.
+  """
+  planned = planned_runs(root, grid_runs, two_stage)
+  seeds = list(dict.fromkeys(run.seed for run in grid_runs))
+  rows = []
+  for key, cell in cells(planned).items():
+    total = planned_steps(run_config(cell[0], extra))
+    row = {"mixer": key[0], "seq_len": key[1], "kv": key[2], "finished": 0,
+           "running": 0, "left": 0, "steps_done": 0, "steps_planned": 0}
+    stage_left = {}  # stage (0: first seed, 1: later seeds with two_stage) -> most left
+    rates = []
+    runs = [(run, True) for run in cell]
+    if two_stage and not any(run.seed != seeds[0] for run in cell):
+      runs += [(None, False)] * (len(seeds) - 1)
+    for run, exists in runs:
+      done, ended = 0, False
+      if exists and is_finished(root, run):
+        done, ended = json.loads((root / run.name / "summary.json").read_text())[
+            "final_step"], True
+        row["finished"] += 1
+      elif exists and (_metrics(root / run.name) or latest_checkpoint(root / run.name)):
+        done = max([r["step"] for r in _metrics(root / run.name)] +
+                   [latest_checkpoint(root / run.name) or 0])
+        row["running"] += 1
+      else:
+        row["left"] += 1
+      if exists:
+        rates += [r["perf/steps_per_sec"] for r in _metrics(root / run.name)[-10:]
+                  if "perf/steps_per_sec" in r]
+      row["steps_done"] += done
+      row["steps_planned"] += done if ended else total
+      if not ended:
+        stage = int(two_stage and (run is None or run.seed != seeds[0]))
+        stage_left[stage] = max(stage_left.get(stage, 0), total - done)
+    row["steps_left"] = sum(stage_left.values())
+    row["steps_per_sec"] = _median(rates)
+    row["rate_measured"] = row["steps_per_sec"] is not None
+    rows.append(row)
+  for row in rows:
+    if not row["rate_measured"]:
+      row["steps_per_sec"] = _median([r["steps_per_sec"] for r in rows if r["rate_measured"]
+                                      and r["seq_len"] == row["seq_len"]])
+    rate = row["steps_per_sec"]
+    row["gpu_hours_left"] = (0.0 if not row["steps_left"] else None if rate is None
+                             else row["steps_left"] / rate / 3600)
+  return rows
+
+
+def format_status(rows: list[dict[str, object]]) -> str:
+  lines = ["| cell | finished | running | left | steps done | steps/s per run | "
+           "GPU h left |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    rate = "n/a" if r["steps_per_sec"] is None else (
+        f"{r['steps_per_sec']:.1f}" + ("" if r["rate_measured"] else " (other mixers)"))
+    hours = "n/a" if r["gpu_hours_left"] is None else f"{r['gpu_hours_left']:.2f}"
+    lines.append(f"| {r['mixer']} L={r['seq_len']} kv={r['kv']} | {r['finished']} | "
+                 f"{r['running']} | {r['left']} | {r['steps_done']:,} / "
+                 f"{r['steps_planned']:,} | {rate} | {hours} |")
+  count = lambda k: sum(r[k] for r in rows)
+  known = [r["gpu_hours_left"] for r in rows if r["gpu_hours_left"] is not None]
+  unknown = sum(1 for r in rows if r["gpu_hours_left"] is None)
+  lines.append(
+      f"runs: {count('finished')} finished, {count('running')} running, "
+      f"{count('left')} left; steps {count('steps_done'):,} of {count('steps_planned'):,}; "
+      f"GPU time left at the measured rates, one group at a time, no early stops: "
+      f"{sum(known):.2f} h" + (f" + {unknown} cells without a rate" if unknown else ""))
+  return "\n".join(lines)
 
 
 def _metrics(workdir: pathlib.Path) -> list[dict[str, object]]:
@@ -165,7 +368,7 @@ def collect(root: pathlib.Path) -> list[dict[str, object]]:
         "finished": finished, "best_accuracy": summary["best_accuracy"],
         "best_step": summary["best_step"], "final_step": summary["final_step"],
         "stopped_early": summary["stopped_early"],
-        "wall_time_s": summary["wall_time_s"]})
+        "wall_time_s": summary["wall_time_s"], "error": summary.get("error")})
   return records
 
 
@@ -273,9 +476,10 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("command", choices=("run", "collect", "list"))
+  parser.add_argument("command", choices=("run", "status", "collect", "list"))
   parser.add_argument("--root", required=True, type=pathlib.Path)
-  parser.add_argument("--shard", default="0/1", help="i/n: run every n-th grid point from i.")
+  parser.add_argument("--shard", default="0/1",
+                      help="i/n: run every n-th cell (mixer x setting) from i.")
   parser.add_argument("--gpus", default=None,
                       help="comma-separated GPU ids: one worker (shard) per entry; "
                            "repeat an id to run several workers on that GPU.")
@@ -286,6 +490,9 @@ def main(argv=None) -> None:
   parser.add_argument("--settings", default="512:128,1024:256")
   parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES))
   parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+  parser.add_argument("--two_stage", action="store_true",
+                      help="first seed at every lr; then the other seeds at each "
+                           "cell's best lr.")
   parser.add_argument("--examples", type=int, default=None, help="shorten: training examples.")
   parser.add_argument("--epochs", type=int, default=None, help="shorten: epochs.")
   args = parser.parse_args(argv)
@@ -300,8 +507,10 @@ def main(argv=None) -> None:
            if v is not None}
   root = args.root.resolve()
   if args.command == "list":
-    for run in shard(runs, args.shard):
+    for run in planned_runs(root, runs, args.two_stage):
       print(run.name, "finished" if is_finished(root, run) else "")
+  elif args.command == "status":
+    print(format_status(status(root, runs, extra, args.two_stage)))
   elif args.command == "run":
     root.mkdir(parents=True, exist_ok=True)
     if args.gpus:
@@ -314,12 +523,16 @@ def main(argv=None) -> None:
                      f"--lrs={args.lrs}", f"--seeds={args.seeds}",
                      f"--shard={i}/{len(gpus)}"]
           command += [f"--{k}={v}" for k, v in extra.items()]
+          command += ["--two_stage"] if args.two_stage else []
           workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
+        # SIGTERM: the workers checkpoint and exit (`timeout` signals them too).
+        signal.signal(signal.SIGTERM, lambda *_: [w.terminate() for w in workers])
         codes = [w.wait() for w in workers]
       if any(codes):
         raise SystemExit(f"worker exit codes: {codes}")
     else:
-      run_shard(root, shard(runs, args.shard), extra)
+      train_cells(root, runs, shard(list(cells(runs)), args.shard), extra,
+                  args.two_stage)
   else:
     records = collect(root)
     if not records:

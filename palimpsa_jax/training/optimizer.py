@@ -31,7 +31,9 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
 
 
 def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
-                   weight_decay_mask: Any) -> optax.GradientTransformation:
+                   weight_decay_mask: Any,
+                   schedule: optax.Schedule | None = None
+                   ) -> optax.GradientTransformation:
   """Global-norm clipping followed by AdamW with the schedule above.
 
   Args:
@@ -40,9 +42,12 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
     total_steps: optimizer steps of the whole run.
     weight_decay_mask: pytree of bools shaped like the parameters (True: decay)
       or a function params -> such a pytree.
+    schedule: the learning rate per step; None: learning_rate_schedule(config,
+      total_steps).
   """
   validate_optimizer_config(config)
-  schedule = learning_rate_schedule(config, total_steps)
+  if schedule is None:
+    schedule = learning_rate_schedule(config, total_steps)
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
                       weight_decay=config.weight_decay, mask=weight_decay_mask)
   if config.clip_norm > 0:

@@ -75,20 +75,12 @@ def _microbatches(batch: Batch, count: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
-def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, state_shardings: dict,
-                    metric_sharding: Any, grad_accum_steps: int = 1,
-                    kernel_context: KernelContext = contextlib.nullcontext
-                    ) -> Callable[[dict, Batch], tuple[dict, dict]]:
-  """Returns jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
+def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
+                  schedule: optax.Schedule, grad_accum_steps: int = 1
+                  ) -> Callable[[dict, Batch], tuple[dict, dict]]:
+  """The un-jitted `step(state, batch) -> (state, metrics)` of make_train_step.
 
-  The step is traced inside kernel_context() (for every step maker here), so
-  Pallas kernels run per device shard (training.sharding.kernel_context).
-
-  The loss is the mean cross-entropy over every counted target of the global
-  batch, also when the batch is processed in `grad_accum_steps` microbatches.
-  Metrics: train/loss, train/accuracy, train/grad_norm (before clipping),
-  train/lr (used by this update), train/finite (loss and gradient finite).
+  training/batched.py vmaps it over runs.
   """
   if grad_accum_steps < 1:
     raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
@@ -129,8 +121,33 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
                "train/finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
     return new_state, metrics
 
+  return step
+
+
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, state_shardings: dict,
+                    metric_sharding: Any, grad_accum_steps: int = 1,
+                    kernel_context: KernelContext = contextlib.nullcontext
+                    ) -> Callable[[dict, Batch], tuple[dict, dict]]:
+  """Returns jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
+
+  The step is traced inside kernel_context() (for every step maker here), so
+  Pallas kernels run per device shard (training.sharding.kernel_context).
+
+  The loss is the mean cross-entropy over every counted target of the global
+  batch, also when the batch is processed in `grad_accum_steps` microbatches.
+  Metrics: train/loss, train/accuracy, train/grad_norm (before clipping),
+  train/lr (used by this update), train/finite (loss and gradient finite).
+  """
+  step = train_step_fn(graphdef, tx, schedule, grad_accum_steps)
   return jax.jit(_traced_within(kernel_context, step), donate_argnums=0,
                  out_shardings=(state_shardings, metric_sharding))
+
+
+def eval_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch
+              ) -> jax.Array:
+  """[3] f32 (loss_sum, correct, count) of one evaluation batch (un-jitted)."""
+  return jnp.stack(_forward_sums(graphdef, params, model_state, batch))
 
 
 def make_eval_step(graphdef: Any, metric_sharding: Any,
@@ -140,29 +157,32 @@ def make_eval_step(graphdef: Any, metric_sharding: Any,
 
   The result holds (loss_sum, correct, count); sum it over batches.
   """
-  def eval_step(params, model_state, batch):
-    return jnp.stack(_forward_sums(graphdef, params, model_state, batch))
-  return jax.jit(_traced_within(kernel_context, eval_step),
+  return jax.jit(_traced_within(kernel_context, functools.partial(eval_sums, graphdef)),
                  out_shardings=metric_sharding)
 
 
-def make_diagnostics_step(graphdef: Any, metric_sharding: Any,
-                          kernel_context: KernelContext = contextlib.nullcontext
-                          ) -> Callable[[dict, dict, Batch], dict[str, jax.Array]]:
-  """Returns jitted `diagnostics(params, model_state, batch) -> {name: scalar}`.
+def diagnostics(graphdef: Any, params: dict, model_state: dict, batch: Batch
+                ) -> dict[str, jax.Array]:
+  """{name: scalar} of the mixers' per-layer diagnostics on a batch (un-jitted).
 
   Names are "diag/layer<i>/<statistic>" from the mixers' diagnostics (for
   Palimpsa: precision mean/std, metaplastic fraction, ...); layers without
   diagnostics are skipped.
   """
-  def diagnostics_step(params, model_state, batch):
-    model = state_lib.merge_model(graphdef, params, model_state)
-    _, per_layer = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
-                         return_diagnostics=True)
-    out = {}
-    for index, layer in enumerate(per_layer):
-      for name, value in (layer or {}).items():
-        out[f"diag/layer{index}/{name}"] = jnp.mean(value).astype(jnp.float32)
-    return out
-  return jax.jit(_traced_within(kernel_context, diagnostics_step),
+  model = state_lib.merge_model(graphdef, params, model_state)
+  _, per_layer = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
+                       return_diagnostics=True)
+  out = {}
+  for index, layer in enumerate(per_layer):
+    for name, value in (layer or {}).items():
+      out[f"diag/layer{index}/{name}"] = jnp.mean(value).astype(jnp.float32)
+  return out
+
+
+def make_diagnostics_step(graphdef: Any, metric_sharding: Any,
+                          kernel_context: KernelContext = contextlib.nullcontext
+                          ) -> Callable[[dict, dict, Batch], dict[str, jax.Array]]:
+  """Returns jitted `diagnostics(params, model_state, batch) -> {name: scalar}`
+  (see `diagnostics`)."""
+  return jax.jit(_traced_within(kernel_context, functools.partial(diagnostics, graphdef)),
                  out_shardings=metric_sharding)

@@ -4,8 +4,11 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 
 import pytest
+
+import tiny_lm
 
 REPO = pathlib.Path(__file__).parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -80,11 +83,101 @@ def test_collect_reports_unfinished_runs_from_metrics(tmp_path, capsys):
   assert (tmp_path / "accuracy_vs_step.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_run_skips_finished(tmp_path, capsys):
-  (run,) = sweep.grid(mixers=("mamba2",), settings=((512, 128),), lrs=(1e-3,), seeds=(0,))
-  _fake_run(tmp_path, run, 0.5)
-  sweep.run_shard(tmp_path, [run], {})
-  assert "finished, skipped" in capsys.readouterr().out
+def _write_summary(root, run, accuracy, best_step, final_step=20):
+  (root / run.name / "summary.json").write_text(json.dumps(
+      {"best_accuracy": accuracy, "best_step": best_step, "final_step": final_step,
+       "stopped_early": False, "wall_time_s": 1.0}))
+
+
+def test_two_stage_runs_later_seeds_at_each_cells_best_lr(tmp_path):
+  runs = sweep.grid(mixers=("mamba2", "palimpsa_d"), settings=((512, 128),),
+                    lrs=(1e-3, 1e-2), seeds=(0, 1, 2))
+  first = sweep.planned_runs(tmp_path, runs, two_stage=True)
+  assert [(r.mixer, r.lr, r.seed) for r in first] == [
+      ("mamba2", 1e-3, 0), ("mamba2", 1e-2, 0), ("palimpsa_d", 1e-3, 0),
+      ("palimpsa_d", 1e-2, 0)]
+  for run, accuracy, step in zip(first, (0.5, 0.7, 0.9, 0.9), (10, 10, 30, 20)):
+    (tmp_path / run.name).mkdir()
+    if run.mixer == "mamba2" or run.lr == 1e-2:
+      _write_summary(tmp_path, run, accuracy, step)
+  later_seeds = lambda: [(r.mixer, r.lr, r.seed) for r in
+                         sweep.planned_runs(tmp_path, runs, two_stage=True) if r.seed]
+  assert later_seeds() == [("mamba2", 1e-2, 1), ("mamba2", 1e-2, 2)]
+  _write_summary(tmp_path, first[2], 0.9, 30)  # a tie: the earlier best wins
+  assert later_seeds()[2:] == [("palimpsa_d", 1e-2, 1), ("palimpsa_d", 1e-2, 2)]
+  assert sweep.planned_runs(tmp_path, runs, two_stage=False) == runs
+
+
+def test_status_counts_runs_steps_and_gpu_time_left(tmp_path, capsys):
+  # The unmeasured cell first: it borrows the rate of a later one.
+  runs = sweep.grid(mixers=("palimpsa_d", "mamba2"), settings=((512, 128),),
+                    lrs=(1e-3, 1e-2), seeds=(0,))
+  extra = {"examples": 1280, "epochs": 10}  # 100 steps per run
+  done, running = runs[2:]
+  (tmp_path / done.name).mkdir()
+  _write_summary(tmp_path, done, 0.99, 40, final_step=40)
+  (tmp_path / running.name / "checkpoints" / "30").mkdir(parents=True)
+  (tmp_path / running.name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+      {"step": 30, "perf/steps_per_sec": 0.02}, {"step": 35, "perf/steps_per_sec": 0.01}]))
+  rows = {r["mixer"]: r for r in sweep.status(tmp_path, runs, extra, two_stage=False)}
+  mamba2, palimpsa = rows["mamba2"], rows["palimpsa_d"]
+  assert (mamba2["finished"], mamba2["running"], mamba2["left"]) == (1, 1, 0)
+  assert (mamba2["steps_done"], mamba2["steps_planned"]) == (75, 140)
+  assert mamba2["gpu_hours_left"] == pytest.approx(65 / 0.02 / 3600)
+  assert (palimpsa["left"], palimpsa["steps_planned"]) == (2, 200)
+  assert not palimpsa["rate_measured"]  # borrowed from mamba2 at the same setting
+  assert palimpsa["gpu_hours_left"] == pytest.approx(100 / 0.02 / 3600)
+  sweep.main(["status", "--root", str(tmp_path), "--mixers", "palimpsa_d,mamba2",
+              "--settings", "512:128", "--lrs", "1e-3,1e-2", "--seeds", "0",
+              "--examples", "1280", "--epochs", "10"])
+  assert "runs: 1 finished, 1 running, 2 left; steps 75 of 340" in capsys.readouterr().out
+  two_stage = sweep.status(tmp_path, sweep.grid(
+      mixers=("mamba2",), settings=((512, 128),), lrs=(1e-3, 1e-2), seeds=(0, 1, 2)),
+      extra, two_stage=True)
+  assert (two_stage[0]["left"], two_stage[0]["steps_planned"]) == (2, 340)
+  # Seeds 1 and 2 follow the first seed's runs: 65 + 100 steps at 0.02 steps/s.
+  assert two_stage[0]["gpu_hours_left"] == pytest.approx(165 / 0.02 / 3600)
+
+
+def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys):
+  tiny_lm.use_tiny_model(monkeypatch)
+  def tiny_config(run, extra):
+    del extra
+    return tiny_lm.tiny_mqar_config(**{
+        "optimizer.learning_rate": run.lr, "seed": run.seed, "args.lr": run.lr,
+        "args.seed": run.seed, "args.mixer": run.mixer})
+  monkeypatch.setattr(sweep, "run_config", tiny_config)
+  args = ["--root", str(tmp_path), "--mixers", "mamba2", "--settings", "512:128",
+          "--lrs", "1e-2,3e-2", "--seeds", "0,1", "--two_stage"]
+  polls = []
+  monkeypatch.setattr(sweep._StopFlag, "__call__", lambda self: len(polls) > 5
+                      or polls.append(None))
+  sweep.main(["run", *args])  # stopped after 5 steps: checkpointed, no summaries
+  runs = sweep.grid(mixers=("mamba2",), settings=((512, 128),), lrs=(1e-2, 3e-2),
+                    seeds=(0,))
+  assert [sweep.latest_checkpoint(tmp_path / r.name) for r in runs] == [5, 5]
+  assert not any(sweep.is_finished(tmp_path, r) for r in runs)
+  monkeypatch.setattr(sweep._StopFlag, "__call__", lambda self: False)
+  sweep.main(["run", *args])
+  out = capsys.readouterr().out
+  assert "2 runs (lr 0.01 s0, lr 0.03 s0) from step 5" in out
+  records = json.loads(json.dumps(sweep.collect(tmp_path)))
+  assert sorted((r["lr"], r["seed"], r["finished"]) for r in records)[:2] == [
+      (0.01, 0, True), (0.03, 0, True)]
+  assert len(records) == 3 and all(r["finished"] for r in records)
+  assert records[0]["final_step"] == 32
+  sweep.main(["run", *args])
+  assert "runs (" not in capsys.readouterr().out  # nothing left to train
+
+
+def test_sigterm_sets_the_stop_flag_until_closed():
+  previous = signal.getsignal(signal.SIGTERM)
+  stop = sweep._StopFlag()
+  assert not stop()
+  os.kill(os.getpid(), signal.SIGTERM)
+  assert stop()
+  stop.close()
+  assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def test_workers_sharing_a_gpu_allocate_on_demand(monkeypatch):

@@ -1,0 +1,171 @@
+"""MQAR training steps/s: many runs batched in one process vs one run per process.
+
+    python benchmarks/mqar_batched_throughput.py --output $OUT/mqar_batched_throughput.json
+
+Per mixer, in the paper's MQAR setting (configs/mqar.py:preset=paper) at one
+(seq_len, kv): the single-run trainer (trainer.train_and_evaluate, train.py's
+loop) on one run, and the batched trainer (training/batched.py) on --runs runs
+(the paper's learning rates x seeds 0, 1, 2, ...), each from scratch for a
+fixed number of steps. Each measurement is a child process of its own, so that
+a failure or a hang costs only that one (within the --budget_s left). The rate
+is the median of the logged perf/steps_per_sec after the first log interval
+(which includes compilation); the total is rate x runs. Evaluation runs only
+after the last step and is not timed.
+
+A batched measurement that runs out of GPU memory is retried with half the
+runs; one that fails otherwise, with XLA's deterministic ops (which turn off
+the Palimpsa kernel's accumulating backward walk) and then with the XLA
+"chunked" implementation. The JSON records every attempt.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # Run as a script: the repository's packages.
+  sys.path.insert(0, str(REPO))
+LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
+# Retries of a failed batched measurement: (extra XLA flag, implementation).
+FALLBACKS = (("", "auto"), ("--xla_gpu_deterministic_ops=true", "auto"), ("", "chunked"))
+
+
+def measurement_config(mixer: str, seq_len: int, kv: int, lr: float, seed: int,
+                       impl: str, steps: int, log_every: int):
+  """The paper's config, cut to `steps` steps, logged every `log_every`."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  # Fewer examples than the paper's 100k: only data generation time changes.
+  config = module.get_config(
+      f"preset=paper,mixer={mixer},seq_len={seq_len},kv={kv},lr={lr},seed={seed},"
+      f"impl={impl},examples=20000,test_examples=256")
+  config.total_steps = steps
+  config.log_every_steps = log_every
+  config.eval_every_steps = steps
+  config.checkpoint_every_steps = steps
+  config.log_diagnostics = False
+  return config
+
+
+def child(args: argparse.Namespace) -> None:
+  """One measurement; prints 'RESULT <json>'."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import batched  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  seq_len, kv = (int(x) for x in args.setting.split(":"))
+  pairs = [(LEARNING_RATES[i % len(LEARNING_RATES)], i // len(LEARNING_RATES))
+           for i in range(args.runs)]
+  steps = args.steps if args.mode == "batched" else args.single_steps
+  configs = [measurement_config(args.mixer, seq_len, kv, lr, seed, args.impl, steps,
+                                steps // 6) for lr, seed in pairs]
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory() as root:
+    workdirs = [f"{root}/run{i}" for i in range(len(configs))]
+    if args.mode == "batched":
+      batched.train_group(configs, workdirs)
+    else:
+      trainer.train_and_evaluate(configs[0], workdirs[0])
+    rates = [r["perf/steps_per_sec"] for r in metrics_lib.read_metrics(workdirs[0])
+             if "perf/steps_per_sec" in r][1:]
+  rate = statistics.median(rates)
+  print("RESULT " + json.dumps({
+      "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+      "steps": steps, "steps_per_sec_per_run": rate,
+      "total_steps_per_sec": rate * len(configs), "logged_rates": rates,
+      "wall_s": time.perf_counter() - start}), flush=True)
+
+
+def measure(mode: str, mixer: str, runs: int, impl: str, xla_flag: str,
+            args: argparse.Namespace, timeout_s: float) -> dict:
+  """Runs one child; its result, or the error (last lines of its output)."""
+  command = [sys.executable, __file__, "--child", f"--mode={mode}", f"--mixer={mixer}",
+             f"--runs={runs}", f"--impl={impl}", f"--setting={args.setting}",
+             f"--steps={args.steps}", f"--single_steps={args.single_steps}"]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+  if xla_flag:
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " " + xla_flag
+  record = {"mode": mode, "mixer": mixer, "runs": runs, "impl": impl,
+            "xla_flag": xla_flag, "setting": args.setting}
+  print(f"== {mode} {mixer} x{runs} impl={impl} {xla_flag} (limit {timeout_s:.0f} s)",
+        file=sys.stderr, flush=True)
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=REPO, env=env)
+  except subprocess.TimeoutExpired:
+    return {**record, "error": f"timed out after {timeout_s:.0f} s"}
+  lines = done.stdout.splitlines()
+  results = [line for line in lines if line.startswith("RESULT ")]
+  if done.returncode or not results:
+    tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
+    return {**record, "error": f"exit code {done.returncode}", "output_tail": tail}
+  return {**record, **json.loads(results[-1][len("RESULT "):])}
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--output", type=pathlib.Path, default=None)
+  parser.add_argument("--mixers", default="mamba2,palimpsa_d")
+  parser.add_argument("--runs", type=int, default=12, help="runs in the batched group.")
+  parser.add_argument("--setting", default="512:128", help="seq_len:kv.")
+  parser.add_argument("--steps", type=int, default=150, help="steps of the batched group.")
+  parser.add_argument("--single_steps", type=int, default=300,
+                      help="steps of the single run.")
+  parser.add_argument("--budget_s", type=float, default=330.0,
+                      help="wall time for all measurements together.")
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--mode", choices=("batched", "single"), help=argparse.SUPPRESS)
+  parser.add_argument("--mixer", help=argparse.SUPPRESS)
+  parser.add_argument("--impl", default="auto", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    child(args)
+    return
+
+  deadline = time.perf_counter() + args.budget_s
+  records = []
+  for mixer in args.mixers.split(","):
+    for mode, runs in (("batched", args.runs), ("single", 1)):
+      attempts = list(FALLBACKS if mode == "batched" else FALLBACKS[:1])
+      while attempts:
+        xla_flag, impl = attempts.pop(0)
+        left = deadline - time.perf_counter()
+        if left < 20:
+          records.append({"mode": mode, "mixer": mixer, "runs": runs, "impl": impl,
+                          "error": "skipped: out of the time budget"})
+          break
+        records.append(measure(mode, mixer, runs, impl, xla_flag, args, left))
+        print(json.dumps(records[-1]), file=sys.stderr, flush=True)
+        if "error" not in records[-1]:
+          break
+        if runs > 1 and "RESOURCE_EXHAUSTED" in "\n".join(records[-1].get("output_tail", [])):
+          runs //= 2  # out of GPU memory: the same attempt with half the runs
+          attempts.insert(0, (xla_flag, impl))
+  summary = {}
+  for mixer in args.mixers.split(","):
+    done = {r["mode"]: r for r in records if r["mixer"] == mixer and "error" not in r}
+    if len(done) == 2:
+      summary[mixer] = {
+          "batched_total_steps_per_sec": done["batched"]["total_steps_per_sec"],
+          "single_steps_per_sec": done["single"]["total_steps_per_sec"],
+          "speedup_over_one_single_process": (done["batched"]["total_steps_per_sec"]
+                                              / done["single"]["total_steps_per_sec"])}
+  result = {"command": " ".join(sys.argv), "measurements": records, "summary": summary}
+  text = json.dumps(result, indent=2)
+  print(text)
+  if args.output is not None:
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,416 @@
+"""Several MQAR runs of one model and setting, trained together in one process.
+
+The runs of a group differ only in learning rate and seed. Their train states
+are stacked along a leading run axis [R, ...] and one jitted step, the
+single-run trainer's step (training/steps.py) vmapped over that axis, advances
+all of them: per run its own parameters (initialised from its seed), optimizer
+state, learning-rate schedule and data order (its seed's MQAR train and test
+sets, training/trainer.py's MqarTask). A run that reaches the early-stop
+accuracy (or a non-finite loss) stops there: its updates are masked out, and
+once a quarter of the stacked runs have stopped they are dropped from the stack
+(one recompilation).
+
+Each run keeps, in its own workdir, exactly the files of a single-run
+train.py run: config.json, metrics.jsonl, tensorboard/, checkpoints/<step>
+(Orbax, training/checkpoint.py) and, once it has ended, summary.json. A group
+therefore resumes from its runs' checkpoints after any stop, and any of its
+runs could also be continued alone by train.py.
+
+Runs on one device (the first local one).
+"""
+
+from collections.abc import Callable
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import time
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from palimpsa_jax import models
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import optimizer as optimizer_lib
+from palimpsa_jax.training import run_summary
+from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import steps as steps_lib
+from palimpsa_jax.training import trainer
+
+# Fields in which the runs of a group may differ.
+RUN_FIELDS = ("seed", "optimizer.learning_rate", "args.lr", "args.seed")
+# Stopped runs leave the stack once they are at least this fraction of it.
+_COMPACT_FRACTION = 0.25
+
+
+def _flat(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  flat = {}
+  def walk(prefix, value):
+    if isinstance(value, dict):
+      for key, item in value.items():
+        walk(f"{prefix}{key}.", item)
+    else:
+      flat[prefix[:-1]] = value
+  walk("", config.to_dict())
+  return flat
+
+
+def check_group(configs: list[ml_collections.ConfigDict]) -> None:
+  """Raises ValueError unless the configs can train as one group.
+
+  They must be MQAR configs from scratch, equal in everything but RUN_FIELDS,
+  with distinct (learning rate, seed) pairs.
+  """
+  if not configs:
+    raise ValueError("train_group needs at least one config.")
+  first = _flat(configs[0])
+  for index, config in enumerate(configs):
+    if config.task != "mqar":
+      raise ValueError(f"configs[{index}].task must be 'mqar', got {config.task!r}.")
+    if config.get("init_from") or config.optimizer.get("new_params_only_steps", 0):
+      raise ValueError(f"configs[{index}]: batched runs start from scratch "
+                       "(no init_from, no new_params_only_steps).")
+    flat = _flat(config)
+    for key in sorted(set(first) | set(flat)):
+      if key not in RUN_FIELDS and first.get(key) != flat.get(key):
+        raise ValueError(
+            f"configs[{index}].{key}={flat.get(key)!r} differs from configs[0]'s "
+            f"{first.get(key)!r}; a group's runs may differ only in {RUN_FIELDS}.")
+  pairs = [(c.optimizer.learning_rate, c.seed) for c in configs]
+  if len(set(pairs)) != len(pairs):
+    raise ValueError(f"a group's (learning rate, seed) pairs must differ, got {pairs}.")
+
+
+@dataclasses.dataclass
+class _Run:
+  """Host-side bookkeeping of one run of the group."""
+
+  config: ml_collections.ConfigDict
+  workdir: str
+  writer: metrics_lib.MetricWriter | None = None
+  checkpointer: checkpoint_lib.Checkpointer | None = None
+  best: float | None = None
+  best_step: int | None = None
+  last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+  stopped_early: bool = False
+  error: str | None = None
+  summary: dict[str, Any] | None = None
+  saved_step: int | None = None  # of its latest checkpoint
+
+  def save(self, step: int, state: dict, data_iterator: Any) -> None:
+    if step != self.saved_step:
+      self.checkpointer.save(step, state, data_iterator, force=True)
+      self.saved_step = step
+
+  @property
+  def seed(self) -> int:
+    return self.config.seed
+
+  @property
+  def label(self) -> str:
+    return f"lr {self.config.optimizer.learning_rate:g} seed {self.seed}"
+
+
+def _stack(trees: list[Any]) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _take(tree: Any, index) -> Any:
+  return jax.tree.map(lambda x: x[index], tree)
+
+
+class _Model:
+  """The group's model, optimizer and vmapped steps (shapes: leading run axis R)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, total_steps: int):
+    self.config = config
+    self.total_steps = total_steps
+    self.model_fn = trainer.model_fn(config)
+    self.graphdef = state_lib.abstract_model(self.model_fn).graphdef
+    # The schedule of learning rate 1; a run's rate scales it (the product
+    # is the single-run schedule's peak * factor, bit for bit).
+    unit = ml_collections.ConfigDict(config.optimizer.to_dict())
+    unit.learning_rate = 1.0
+    self._unit_schedule = optimizer_lib.learning_rate_schedule(unit, total_steps)
+    accum = trainer.grad_accum_steps(config, 1)
+
+    def one_step(state, batch, lr, active):
+      tx, schedule = self._optimizer(lr)
+      new, metrics = steps_lib.train_step_fn(self.graphdef, tx, schedule, accum)(
+          state, batch)
+      return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, state), metrics
+
+    # (state [R], batch [R, B, ...], lr [R], active [R] bool) -> (state, metrics [R])
+    self.train_step = jax.jit(jax.vmap(one_step), donate_argnums=0)
+    self.eval_step = jax.jit(jax.vmap(functools.partial(steps_lib.eval_sums,
+                                                        self.graphdef)))
+    self.diagnostics_step = jax.jit(jax.vmap(functools.partial(
+        steps_lib.diagnostics, self.graphdef)))
+
+  def _optimizer(self, lr):
+    schedule = lambda count: lr * self._unit_schedule(count)
+    tx = optimizer_lib.make_optimizer(self.config.optimizer, self.total_steps,
+                                      models.weight_decay_mask, schedule)
+    return tx, schedule
+
+  def _init_one(self, key: jax.Array) -> dict:
+    with nnx.use_eager_sharding(False):
+      _, params, model_state = state_lib.split_model(self.model_fn(nnx.Rngs(key)))
+    tx, _ = self._optimizer(1.0)  # the optimizer state does not depend on the rate
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "model_state": model_state, "opt_state": tx.init(params)}
+
+  def init(self, seeds: list[int], device: jax.Device) -> dict:
+    """Fresh stacked state: run i's parameters are those train.py draws for seeds[i].
+
+    Like the single-run trainer, computed on the CPU when config.init_on_host
+    resolves to True (off the CPU backend), then copied to `device`.
+    """
+    on_host = state_lib.resolve_init_on_host(self.config.get("init_on_host", "auto"))
+    where = jax.local_devices(backend="cpu")[0] if on_host else device
+    init = jax.jit(jax.vmap(lambda seed: self._init_one(jax.random.key(seed))),
+                   out_shardings=jax.sharding.SingleDeviceSharding(where))
+    # A host array: the computation runs where out_shardings puts it.
+    return jax.device_put(init(np.asarray(seeds, np.int32)), device)
+
+  def abstract_one(self, device: jax.Device) -> dict:
+    """ShapeDtypeStructs of one run's state on `device` (the restore target)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    shapes = jax.eval_shape(self._init_one, jax.random.key(0))
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes)
+
+
+def _summary_path(workdir: str) -> pathlib.Path:
+  return pathlib.Path(workdir) / run_summary.SUMMARY_FILE
+
+
+def _stacked_eval_batches(tasks: dict[int, trainer.MqarTask], seeds: list[int],
+                          device: jax.Device) -> list[dict[str, jax.Array]]:
+  """The test batches of every run, stacked [R, B, ...] on `device`."""
+  per_seed = {seed: list(task.eval_batches()) for seed, task in tasks.items()}
+  counts = {len(batches) for batches in per_seed.values()}
+  if len(counts) != 1:
+    raise ValueError(f"the runs' test sets have different batch counts {counts}.")
+  return [jax.device_put({key: np.stack([per_seed[s][i][key] for s in seeds])
+                          for key in per_seed[seeds[0]][i]}, device)
+          for i in range(counts.pop())]
+
+
+def _evaluate(model: _Model, state: dict, eval_batches: list[dict]
+              ) -> list[dict[str, float]]:
+  """Per run: eval/loss, eval/accuracy (and diagnostics), as trainer.evaluate."""
+  total, diagnostics = None, {}
+  for batch in eval_batches:
+    if model.config.log_diagnostics and total is None:
+      diagnostics = model.diagnostics_step(state["params"], state["model_state"], batch)
+    sums = model.eval_step(state["params"], state["model_state"], batch)
+    total = sums if total is None else total + sums
+  total, diagnostics = jax.device_get((total, diagnostics))
+  results = []
+  for i, (loss_sum, correct, count) in enumerate(total):
+    count = max(float(count), 1.0)
+    results.append({"eval/loss": float(loss_sum) / count,
+                    "eval/accuracy": float(correct) / count,
+                    **{k: float(v[i]) for k, v in diagnostics.items()}})
+  return results
+
+
+def _finish(run: _Run, step: int, total_steps: int, num_params: int,
+            wall_time_s: float) -> None:
+  """Writes the run's summary.json (the single-run trainer's fields) and prints it."""
+  run.summary = {
+      "best_accuracy": run.best, "best_step": run.best_step, "final_step": step,
+      "total_steps": total_steps, "stopped_early": run.stopped_early,
+      "wall_time_s": wall_time_s, "last_eval": run.last_eval,
+      "num_params": int(num_params)}
+  if run.error is not None:
+    run.summary["error"] = run.error
+  _summary_path(run.workdir).write_text(json.dumps(run.summary, indent=2))
+  best = "n/a" if run.best is None else f"{100 * run.best:.2f}% at step {run.best_step}"
+  reason = run.error or ("early stop" if run.stopped_early
+                         else f"{step}/{total_steps} steps")
+  print(f"{run.label}: final: best eval accuracy {best} ({reason})", flush=True)
+
+
+def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
+                should_stop: Callable[[], bool] = lambda: False
+                ) -> list[dict[str, Any] | None]:
+  """Trains the runs `configs[i]` into `workdirs[i]` together (see module docstring).
+
+  Runs whose workdir holds summary.json are done and skipped. The others
+  resume from their latest checkpoint, which must be the same step for all
+  of them (none: step 0).
+
+  Args:
+    configs: MQAR configs (configs/mqar.py) that differ only in RUN_FIELDS.
+    workdirs: one directory per config.
+    should_stop: polled before every step; when it returns True, every
+      running run is checkpointed at the current step and the call returns.
+
+  Returns:
+    Per run its summary (as trainer.train_and_evaluate returns it), or None
+    for a run still unfinished (should_stop).
+  """
+  start_time = time.perf_counter()
+  if len(configs) != len(workdirs):
+    raise ValueError(f"got {len(configs)} configs but {len(workdirs)} workdirs.")
+  check_group(configs)
+  for config in configs:
+    trainer.validate_config(config)
+  runs = [_Run(config, os.path.abspath(workdir))
+          for config, workdir in zip(configs, workdirs)]
+  for run in runs:
+    if _summary_path(run.workdir).exists():
+      run.summary = json.loads(_summary_path(run.workdir).read_text())
+  todo = [run for run in runs if run.summary is None]
+  if not todo:
+    return [run.summary for run in runs]
+
+  config = todo[0].config
+  device = jax.local_devices()[0]
+  tasks = {run.seed: trainer.MqarTask(run.config) for run in todo}
+  total_steps = next(iter(tasks.values())).total_steps
+  model = _Model(config, total_steps)
+  for run in todo:
+    checkpoint_lib.save_config(run.config, run.workdir)
+    run.checkpointer = checkpoint_lib.Checkpointer(
+        run.workdir, every_steps=config.checkpoint_every_steps,
+        keep=config.keep_checkpoints, async_save=config.async_checkpointing)
+  abstract = model.abstract_one(device)
+  restored = [run.checkpointer.restore_latest(abstract, tasks[run.seed].train_iterator)
+              for run in todo]
+  latest = {step for step, _ in restored}
+  if len(latest) != 1:
+    raise ValueError(
+        "the runs of a group must resume from the same step; their latest "
+        f"checkpoints are at {sorted(latest, key=str)} (None: none).")
+  start_step = latest.pop()
+  for run in todo:
+    run.saved_step = start_step
+  if start_step is None:
+    start_step = 0
+    state = model.init([run.seed for run in todo], device)
+  else:
+    state = _stack([run_state for _, run_state in restored])
+    print(f"resumed {len(todo)} runs from step {start_step}", flush=True)
+  num_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
+  peak_flops = metrics_lib.peak_flops_per_device()
+  tokens_per_step = next(iter(tasks.values())).tokens_per_step
+  early_stop = config.early_stop_accuracy
+  for run in todo:
+    run.writer = metrics_lib.MetricWriter(run.workdir, start_step)
+    run.best, run.best_step, run.last_eval = run_summary.previous_evals(
+        run.workdir, start_step)
+    run.stopped_early = (run.best is not None and early_stop is not None
+                         and 0 < early_stop <= run.best)
+
+  # The stack: runs[i] is row i of `state`; a stopped run stays until compaction.
+  stack = list(todo)
+  running = lambda: [r for r in stack if r.summary is None and not r.stopped_early]
+  for run in stack:  # resumed after their early stop, before their summary
+    if run.stopped_early:
+      _finish(run, start_step, total_steps, num_params, 0.0)
+  eval_batches = None
+  progress = metrics_lib.Progress(total_steps, start_step)
+  finite = jnp.ones((len(stack),), bool)
+  step = start_step
+  interrupted = False
+  rows = None  # per stacked run: (learning rates [R], running [R])
+  try:
+    while step < total_steps and running():
+      if should_stop():
+        interrupted = True
+        for i, run in enumerate(stack):
+          if run.summary is None:
+            run.save(step, _take(state, i), tasks[run.seed].train_iterator)
+        print(f"stopped at step {step}; {len(running())} runs checkpointed", flush=True)
+        break
+      if rows is None:  # the stack or its running runs changed
+        active = [r.summary is None for r in stack]
+        seeds = [r.seed for r in stack]
+        rows = (jnp.asarray([r.config.optimizer.learning_rate for r in stack],
+                            jnp.float32), jnp.asarray(active))
+      batches = {seed: next(tasks[seed].train_iterator) for seed in dict.fromkeys(seeds)}
+      batch = {key: np.stack([batches[s][key] for s in seeds]) for key in batches[seeds[0]]}
+      state, step_metrics = model.train_step(state, batch, *rows)
+      finite = finite & step_metrics["train/finite"]
+      step += 1
+      last = step == total_steps
+      log = step % config.log_every_steps == 0 or last
+      evaluate = step % config.eval_every_steps == 0 or last
+      save = step % config.checkpoint_every_steps == 0 or last
+      if not (log or evaluate or save):
+        continue
+      values, finite_now = jax.device_get((step_metrics, finite))
+      records: dict[int, dict[str, float]] = {i: {} for i, a in enumerate(active) if a}
+      for i in records:
+        if not finite_now[i]:
+          stack[i].error = (f"non-finite loss or gradient at or before step {step}; "
+                            "run stopped")
+      if log:
+        rate = progress.rate(step)
+        for i in records:
+          records[i].update({k: float(v[i]) for k, v in values.items()
+                             if k != "train/finite"})
+          records[i]["perf/steps_per_sec"] = rate
+          records[i]["perf/tokens_per_sec"] = rate * tokens_per_step
+          if peak_flops is not None:
+            records[i]["perf/mfu"] = (6 * num_params * rate * tokens_per_step
+                                      / peak_flops)
+      if evaluate:
+        if eval_batches is None:
+          eval_batches = _stacked_eval_batches(tasks, seeds, device)
+        results = _evaluate(model, state, eval_batches)
+        progress.restart_clock(step)
+        for i in records:
+          run = stack[i]
+          if run.error is not None:
+            continue
+          run.last_eval = results[i]
+          records[i].update(results[i])
+          accuracy = results[i]["eval/accuracy"]
+          if run.best is None or accuracy > run.best:
+            run.best, run.best_step = accuracy, step
+          run.stopped_early = early_stop is not None and 0 < early_stop <= accuracy
+        progress.last_accuracy = max(stack[i].last_eval.get("eval/accuracy", 0.0)
+                                     for i in records)
+        print(f"eval at step {step}: " + ", ".join(
+            f"{stack[i].label} {100 * stack[i].last_eval['eval/accuracy']:.2f}%"
+            for i in records if stack[i].last_eval), flush=True)
+      for i, record in records.items():
+        run = stack[i]
+        if record:
+          run.writer.write(step, record)
+        if run.error is None and (save or run.stopped_early):
+          run.save(step, _take(state, i), tasks[run.seed].train_iterator)
+        if run.error is not None or run.stopped_early:
+          _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
+          rows = None
+      if log:
+        losses = [records[i]["train/loss"] for i in records if stack[i].summary is None]
+        if losses:
+          progress.show(step, rate, float(np.mean(losses)))
+      stopped = [i for i, r in enumerate(stack) if r.summary is not None]
+      if stopped and running() and len(stopped) >= _COMPACT_FRACTION * len(stack):
+        keep = [i for i, r in enumerate(stack) if r.summary is None]
+        state, finite = _take(state, np.asarray(keep)), finite[np.asarray(keep)]
+        stack = [stack[i] for i in keep]
+        rows = None
+        eval_batches = None
+        print(f"{len(stack)} runs left in the stack", flush=True)
+  finally:
+    for run in todo:
+      run.checkpointer.close()
+      run.writer.close()
+  if not interrupted:
+    for run in stack:
+      if run.summary is None:
+        _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
+  return [run.summary for run in runs]
