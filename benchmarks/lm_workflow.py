@@ -1,7 +1,9 @@
 """train.py as a researcher runs it, measured end to end on one machine (GPU or CPU).
 
     python benchmarks/lm_workflow.py --output_dir OUT                 # Palimpsa-D 170m
-    python benchmarks/lm_workflow.py --output_dir OUT --size tiny --seq_len 256 --steps 40
+    python benchmarks/lm_workflow.py --output_dir OUT --size tiny --seq_len 64 --batch 2 \
+        --steps 12 --kill_after_step 6 --checkpoint_every 4 --eval_every 4 --log_every 2 \
+        --corpus_mb 1.5                                              # a CPU check, minutes
 
 In order, each stage adding to OUT/lm_workflow.json as it completes:
 1. corpus: the running Python's standard library (.py sources, and its documentation where
@@ -9,8 +11,9 @@ In order, each stage adding to OUT/lm_workflow.json as it completes:
 2. data: `python -m palimpsa_jax.data.prepare` (a BPE of the model's vocabulary trained on the
    training files, then token shards), and how fast tokenising on the fly (data/text.py, as
    train.py would) and reading the shards produce tokens in this process;
-3. train, cold: `train.py` with evaluation, async checkpoints and a fresh compilation cache, killed
-   (SIGKILL) once a checkpoint is complete and a few more steps have run;
+3. train, cold: `train.py` with evaluation (no per-layer diagnostics), async checkpoints and a
+   fresh compilation cache, killed (SIGKILL) once a checkpoint is complete and a few more steps
+   have run;
 4. train, warm: the same command again: it resumes from the last checkpoint, with the cache warm,
    and finishes; the losses of the steps both runs made are compared;
 5. benchmark: `benchmarks/train_throughput.py` on the same model and batch.
@@ -136,6 +139,8 @@ def train_command(args, work: pathlib.Path) -> list[str]:
           f"--config.data.train_files={work / 'tokens_train'}/*.npy",
           f"--config.data.eval_files={work / 'tokens_valid'}/*.npy",
           "--config.data.eval_batches=4",
+          # The per-layer diagnostics would add a third cold compile to the time budget.
+          "--config.log_diagnostics=False",
           f"--config.log_every_steps={args.log_every}",
           f"--config.eval_every_steps={args.eval_every}",
           f"--config.checkpoint_every_steps={args.checkpoint_every}",
@@ -257,6 +262,9 @@ def main(argv=None) -> dict:
               "--size", args.size, "--seq_len", str(args.seq_len),
               "--batch_size", str(args.batch), "--steps", "10", "--warmup_steps", "3",
               "--output", str(bench_json), "--results", str(out / "train_throughput.md"),
+              # Host initialisation is the same program as train.py's; the train step is
+              # not (a batch without segment ids), so it is compiled cold.
+              "--compilation_cache_dir", str(work / "jax_cache"),
               *(["--scan_layers", "on"] if "scan_layers=True" in args.extra_config else [])],
              out / "benchmark.log", 400)
   bench_result = json.loads(bench_json.read_text())
