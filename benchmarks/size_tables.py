@@ -31,15 +31,15 @@ FIVE = "mamba2,palimpsa_d,not_palimpsa,gated_deltanet"
 # (name, train_throughput flags, seconds: the least worth starting with, the most it may take).
 STAGES = (
     ("760m", ["--size", "760m", "--models", FIVE, "--meta_mamba2", "--scan_layers", "on",
-              "--remat", "--batch_size", "8"], 120, 300),
+              "--remat", "--batch_size", "8", "--device_batch", "8"], 120, 300),
     ("2.7b", ["--size", "2.7b", "--models", "palimpsa_d", "--scan_layers", "on", "--remat",
-              "--batch_size", "4"], 60, 150),
+              "--batch_size", "4", "--device_batch", "4"], 60, 150),
     ("170m_scan", ["--size", "170m", "--models", "palimpsa_d", "--scan_layers", "on",
                    "--batch_size", "4"], 40, 90),
     ("170m_loop", ["--size", "170m", "--models", "palimpsa_d", "--scan_layers", "off",
                    "--batch_size", "4"], 120, 240),
     ("760m_loop", ["--size", "760m", "--models", "palimpsa_d", "--scan_layers", "off",
-                   "--remat", "--batch_size", "8"], 150, 300),
+                   "--remat", "--batch_size", "8", "--device_batch", "8"], 150, 300),
 )
 COMMON = ["--seq_len", "4096", "--steps", "5", "--warmup_steps", "2", "--no_record"]
 
@@ -92,13 +92,14 @@ def render(result: dict) -> str:
       continue
     parts.append(f"{name} ({stage.get('device')}, jax {stage.get('jax')}, {stage.get('date')}, "
                  f"{stage['status']}):\n`{stage['command']}`\n")
-    parts.append("| model | params (M) | scanned | remat | tokens/step | tokens/s | step ms "
-                 "| peak GiB | batch that fits (est.) | compile s | x Mamba2 step |\n"
-                 "|---|---|---|---|---|---|---|---|---|---|---|")
+    parts.append("| model | params (M) | scanned | remat | tokens/step | microbatches "
+                 "| tokens/s | step ms | peak GiB | batch that fits (est.) | compile s "
+                 "| x Mamba2 step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in stage.get("rows", []):
       parts.append(
           f"| {r['model']} | {r['params'] / 1e6:.0f} | {'yes' if r['scan_layers'] else 'no'} "
           f"| {'yes' if remat else 'no'} | {stage.get('tokens_per_step')} "
+          f"| {r.get('grad_accum_steps')} "
           f"| {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} "
           f"| {_fmt(r.get('peak_gib'), '.1f')} | {_fmt(r.get('batch_that_fits'), 'd')} "
           f"| {r['compile_s']:.1f} | {_fmt(r.get('x_mamba2'), '.2f')} |")
