@@ -216,11 +216,11 @@ def main(argv=None) -> dict:
   data_log = out / "data.log"
   result["prepare_train_s"] = run_logged(
       prepare + ["--files", str(work / "corpus" / "train.jsonl"), "--tokenizer", f"bpe:{vocab}",
-                 "--output", str(work / "tokens_train")], data_log, 300)
+                 "--output", str(work / "tokens_train")], data_log, 240)
   result["prepare_valid_s"] = run_logged(
       prepare + ["--files", str(work / "corpus" / "valid.jsonl"), "--tokenizer",
                  str(work / "tokens_train" / "tokenizer.json"),
-                 "--output", str(work / "tokens_valid")], data_log, 120)
+                 "--output", str(work / "tokens_valid")], data_log, 60)
   result["tokens"] = json.loads((work / "tokens_train" / "manifest.json").read_text())[
       "num_tokens"]
   result["data_rates"] = data_rates(work / "corpus", work / "tokens_train", args.seq_len,
@@ -230,13 +230,13 @@ def main(argv=None) -> dict:
   command = train_command(args, work)
   result["train_command"] = shlex.join(["python"] + command[1:])
   cold = run_until_killed(command, out / "train_cold.log", work / "run" / "checkpoints",
-                          args.kill_after_step, 420)
+                          args.kill_after_step, 330)
   cold_records = read_metrics(work / "run")
   result["cold"] = {**cold, **startup(cold_records)}
   save("cold start")
 
   warm_start = len(cold_records)
-  result["warm"] = {"wall_s": run_logged(command, out / "train_warm.log", 300)}
+  result["warm"] = {"wall_s": run_logged(command, out / "train_warm.log", 180)}
   records = read_metrics(work / "run")
   warm_records = records[warm_start:]
   summary = json.loads((work / "run" / "summary.json").read_text())
@@ -266,7 +266,7 @@ def main(argv=None) -> dict:
               # not (a batch without segment ids), so it is compiled cold.
               "--compilation_cache_dir", str(work / "jax_cache"),
               *(["--scan_layers", "on"] if "scan_layers=True" in args.extra_config else [])],
-             out / "benchmark.log", 400)
+             out / "benchmark.log", 280)
   bench_result = json.loads(bench_json.read_text())
   bench = bench_result["rows"][0]["tokens_per_s"]
   result.update(device=bench_result["device"], jax=bench_result["jax"],
