@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -157,18 +158,20 @@ def run_until_killed(command: list[str], log_path: pathlib.Path, checkpoints: pa
     f.write(f"$ {shlex.join(command)}\n")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Also while it prints nothing (compiling): the kill ends its output, and the loop.
+    watchdog = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
     killed_at = None
     for line in process.stdout:
       f.write(line)
       f.flush()
-      if time.perf_counter() - start > timeout:
-        break
       if line.startswith("step "):
         step = int(line.split()[1].split("/")[0])
         complete = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()]
         if step >= kill_after_step and complete:
           killed_at = step
           break
+    watchdog.cancel()
     if process.poll() is None:
       os.killpg(process.pid, signal.SIGKILL)
     process.wait()

@@ -34,6 +34,13 @@ def test_killed_at_the_first_step_after_a_checkpoint(tmp_path):
   assert "step 4/9" in (tmp_path / "log").read_text()
 
 
+def test_silent_run_is_killed_at_the_timeout(tmp_path):
+  result = lm_workflow.run_until_killed(
+      [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log",
+      tmp_path / "checkpoints", kill_after_step=1, timeout=1)
+  assert result["killed_at_step"] is None and result["wall_s"] < 30
+
+
 def test_startup_reads_the_last_start_up_record():
   records = [{"step": 1, "perf/compile_s": 9.0, "perf/lower_s": 1.0,
               "perf/compile_cache_hits": 0, "perf/time_to_first_step_s": 20.0},
