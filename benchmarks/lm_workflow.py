@@ -1,7 +1,9 @@
 """train.py as a researcher runs it, measured end to end on one machine (GPU or CPU).
 
     python benchmarks/lm_workflow.py --output_dir OUT                 # Palimpsa-D 170m
-    python benchmarks/lm_workflow.py --output_dir OUT --size tiny --seq_len 256 --steps 40
+    python benchmarks/lm_workflow.py --output_dir OUT --size tiny --seq_len 64 --batch 2 \
+        --steps 12 --kill_after_step 6 --checkpoint_every 4 --eval_every 4 --log_every 2 \
+        --corpus_mb 1.5                                              # a CPU check, minutes
 
 In order, each stage adding to OUT/lm_workflow.json as it completes:
 1. corpus: the running Python's standard library (.py sources, and its documentation where
@@ -9,8 +11,9 @@ In order, each stage adding to OUT/lm_workflow.json as it completes:
 2. data: `python -m palimpsa_jax.data.prepare` (a BPE of the model's vocabulary trained on the
    training files, then token shards), and how fast tokenising on the fly (data/text.py, as
    train.py would) and reading the shards produce tokens in this process;
-3. train, cold: `train.py` with evaluation, async checkpoints and a fresh compilation cache, killed
-   (SIGKILL) once a checkpoint is complete and a few more steps have run;
+3. train, cold: `train.py` with evaluation (no per-layer diagnostics), async checkpoints and a
+   fresh compilation cache, killed (SIGKILL) once a checkpoint is complete and a few more steps
+   have run;
 4. train, warm: the same command again: it resumes from the last checkpoint, with the cache warm,
    and finishes; the losses of the steps both runs made are compared;
 5. benchmark: `benchmarks/train_throughput.py` on the same model and batch.
@@ -30,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -136,6 +140,8 @@ def train_command(args, work: pathlib.Path) -> list[str]:
           f"--config.data.train_files={work / 'tokens_train'}/*.npy",
           f"--config.data.eval_files={work / 'tokens_valid'}/*.npy",
           "--config.data.eval_batches=4",
+          # The per-layer diagnostics would add a third cold compile to the time budget.
+          "--config.log_diagnostics=False",
           f"--config.log_every_steps={args.log_every}",
           f"--config.eval_every_steps={args.eval_every}",
           f"--config.checkpoint_every_steps={args.checkpoint_every}",
@@ -152,18 +158,20 @@ def run_until_killed(command: list[str], log_path: pathlib.Path, checkpoints: pa
     f.write(f"$ {shlex.join(command)}\n")
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Also while it prints nothing (compiling): the kill ends its output, and the loop.
+    watchdog = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
     killed_at = None
     for line in process.stdout:
       f.write(line)
       f.flush()
-      if time.perf_counter() - start > timeout:
-        break
       if line.startswith("step "):
         step = int(line.split()[1].split("/")[0])
         complete = [int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()]
         if step >= kill_after_step and complete:
           killed_at = step
           break
+    watchdog.cancel()
     if process.poll() is None:
       os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -211,11 +219,11 @@ def main(argv=None) -> dict:
   data_log = out / "data.log"
   result["prepare_train_s"] = run_logged(
       prepare + ["--files", str(work / "corpus" / "train.jsonl"), "--tokenizer", f"bpe:{vocab}",
-                 "--output", str(work / "tokens_train")], data_log, 300)
+                 "--output", str(work / "tokens_train")], data_log, 240)
   result["prepare_valid_s"] = run_logged(
       prepare + ["--files", str(work / "corpus" / "valid.jsonl"), "--tokenizer",
                  str(work / "tokens_train" / "tokenizer.json"),
-                 "--output", str(work / "tokens_valid")], data_log, 120)
+                 "--output", str(work / "tokens_valid")], data_log, 60)
   result["tokens"] = json.loads((work / "tokens_train" / "manifest.json").read_text())[
       "num_tokens"]
   result["data_rates"] = data_rates(work / "corpus", work / "tokens_train", args.seq_len,
@@ -225,13 +233,13 @@ def main(argv=None) -> dict:
   command = train_command(args, work)
   result["train_command"] = shlex.join(["python"] + command[1:])
   cold = run_until_killed(command, out / "train_cold.log", work / "run" / "checkpoints",
-                          args.kill_after_step, 420)
+                          args.kill_after_step, 330)
   cold_records = read_metrics(work / "run")
   result["cold"] = {**cold, **startup(cold_records)}
   save("cold start")
 
   warm_start = len(cold_records)
-  result["warm"] = {"wall_s": run_logged(command, out / "train_warm.log", 300)}
+  result["warm"] = {"wall_s": run_logged(command, out / "train_warm.log", 180)}
   records = read_metrics(work / "run")
   warm_records = records[warm_start:]
   summary = json.loads((work / "run" / "summary.json").read_text())
@@ -257,8 +265,11 @@ def main(argv=None) -> dict:
               "--size", args.size, "--seq_len", str(args.seq_len),
               "--batch_size", str(args.batch), "--steps", "10", "--warmup_steps", "3",
               "--output", str(bench_json), "--results", str(out / "train_throughput.md"),
+              # Host initialisation is the same program as train.py's; the train step is
+              # not (a batch without segment ids), so it is compiled cold.
+              "--compilation_cache_dir", str(work / "jax_cache"),
               *(["--scan_layers", "on"] if "scan_layers=True" in args.extra_config else [])],
-             out / "benchmark.log", 400)
+             out / "benchmark.log", 280)
   bench_result = json.loads(bench_json.read_text())
   bench = bench_result["rows"][0]["tokens_per_s"]
   result.update(device=bench_result["device"], jax=bench_result["jax"],

@@ -11,8 +11,9 @@ OUT/size_tables.json as soon as it ends:
   170m_scan  Palimpsa-D at 170M with scanned layers;
   170m_loop  Palimpsa-D at 170M with unrolled layers (the current default);
   760m_loop  Palimpsa-D at 760M, unrolled layers + remat.
-A stage starts only if at least its minimum time is left in the budget, runs at most the time
-left, and a failed or cut-short stage keeps the rows it finished (with the end of its log).
+A stage starts only if at least its least time is left in the budget, runs at most its most
+time (or what is left), and a failed or cut-short stage keeps the rows it finished (with the end
+of its log).
 """
 
 import argparse
@@ -21,23 +22,24 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIVE = "mamba2,palimpsa_d,not_palimpsa,gated_deltanet"
 
-# (name, train_throughput flags, minimum seconds worth starting with).
+# (name, train_throughput flags, seconds: the least worth starting with, the most it may take).
 STAGES = (
     ("760m", ["--size", "760m", "--models", FIVE, "--meta_mamba2", "--scan_layers", "on",
-              "--remat", "--batch_size", "8"], 120),
+              "--remat", "--batch_size", "8", "--device_batch", "8"], 120, 300),
     ("2.7b", ["--size", "2.7b", "--models", "palimpsa_d", "--scan_layers", "on", "--remat",
-              "--batch_size", "4"], 60),
+              "--batch_size", "4", "--device_batch", "4"], 60, 150),
     ("170m_scan", ["--size", "170m", "--models", "palimpsa_d", "--scan_layers", "on",
-                   "--batch_size", "8"], 40),
+                   "--batch_size", "4"], 40, 90),
     ("170m_loop", ["--size", "170m", "--models", "palimpsa_d", "--scan_layers", "off",
-                   "--batch_size", "8"], 120),
+                   "--batch_size", "4"], 120, 240),
     ("760m_loop", ["--size", "760m", "--models", "palimpsa_d", "--scan_layers", "off",
-                   "--remat", "--batch_size", "8"], 150),
+                   "--remat", "--batch_size", "8", "--device_batch", "8"], 150, 300),
 )
 COMMON = ["--seq_len", "4096", "--steps", "5", "--warmup_steps", "2", "--no_record"]
 
@@ -48,9 +50,9 @@ def log(message: str) -> None:
 
 def run_stage(name: str, flags: list[str], seconds: float, out: pathlib.Path) -> dict:
   """One train_throughput.py process; its rows (as far as it got) and status."""
-  output = pathlib.Path("/tmp") / f"size_tables_{name}.json"
+  output = pathlib.Path(tempfile.gettempdir()) / f"size_tables_{name}.json"
   output.unlink(missing_ok=True)
-  command = [sys.executable, "benchmarks/train_throughput.py", *flags, *COMMON,
+  command = [sys.executable, "benchmarks/train_throughput.py", *COMMON, *flags,
              "--output", str(output)]
   log(f"{name}: $ {shlex.join(command)} (at most {seconds:.0f} s)")
   start = time.perf_counter()
@@ -85,15 +87,19 @@ def render(result: dict) -> str:
   parts = []
   for name, stage in result["stages"].items():
     remat = "--remat" in stage["command"]
+    if not stage.get("rows"):
+      parts.append(f"{name}: {stage['status']}, no rows (`{stage['command']}`)\n")
+      continue
     parts.append(f"{name} ({stage.get('device')}, jax {stage.get('jax')}, {stage.get('date')}, "
                  f"{stage['status']}):\n`{stage['command']}`\n")
-    parts.append("| model | params (M) | scanned | remat | tokens/step | tokens/s | step ms "
-                 "| peak GiB | batch that fits (est.) | compile s | x Mamba2 step |\n"
-                 "|---|---|---|---|---|---|---|---|---|---|---|")
+    parts.append("| model | params (M) | scanned | remat | tokens/step | microbatches "
+                 "| tokens/s | step ms | peak GiB | batch that fits (est.) | compile s "
+                 "| x Mamba2 step |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in stage.get("rows", []):
       parts.append(
           f"| {r['model']} | {r['params'] / 1e6:.0f} | {'yes' if r['scan_layers'] else 'no'} "
           f"| {'yes' if remat else 'no'} | {stage.get('tokens_per_step')} "
+          f"| {r.get('grad_accum_steps')} "
           f"| {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} "
           f"| {_fmt(r.get('peak_gib'), '.1f')} | {_fmt(r.get('batch_that_fits'), 'd')} "
           f"| {r['compile_s']:.1f} | {_fmt(r.get('x_mamba2'), '.2f')} |")
@@ -125,14 +131,14 @@ def main(argv=None) -> dict:
   start = time.perf_counter()
   result = {"budget_s": args.budget_s, "stages": {}}
   for name in names:
-    _, flags, minimum = known[name]
+    _, flags, least, most = known[name]
     left = args.budget_s - (time.perf_counter() - start)
-    if left < minimum:
+    if left < least:
       result["stages"][name] = {"command": "python benchmarks/train_throughput.py "
-                                           + shlex.join(flags + COMMON),
-                                "status": f"skipped: {left:.0f} s left of the budget"}
+                                           + shlex.join(COMMON + flags),
+                                "status": f"skipped: {max(left, 0):.0f} s left of the budget"}
       continue
-    result["stages"][name] = run_stage(name, flags, left, out)
+    result["stages"][name] = run_stage(name, flags, min(left, most), out)
     (out / "size_tables.json").write_text(json.dumps(result, indent=2))
     (out / "size_tables.md").write_text(render(result))
     log(f"{name}: {result['stages'][name]['status']}")

@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--seq_len", type=positive_int, default=4096)
   parser.add_argument("--batch_size", type=positive_int, default=4,
                       help="global batch in sequences")
+  parser.add_argument("--device_batch", type=non_negative_int, default=0,
+                      help="most sequences per device and microbatch (0: configs/lm.py's "
+                           "default for the size); a smaller one accumulates gradients")
   parser.add_argument("--steps", type=positive_int, default=10, help="timed steps")
   parser.add_argument("--warmup_steps", type=non_negative_int, default=2)
   parser.add_argument("--implementation", default="auto",
@@ -151,8 +154,9 @@ def load_lm_config(model: str, args: argparse.Namespace) -> ml_collections.Confi
   spec = importlib.util.spec_from_file_location("lm_config", LM_CONFIG)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  device_batch = f",device_batch={args.device_batch}" if args.device_batch else ""
   return module.get_config(f"model={model},size={args.size},seq_len={args.seq_len},"
-                           f"batch={args.batch_size}")
+                           f"batch={args.batch_size}{device_batch}")
 
 
 def model_implementation(model: str, requested: str) -> str:
@@ -182,6 +186,7 @@ class BuiltStep(NamedTuple):
   batch: dict[str, jax.Array]
   config: ml_collections.ConfigDict
   num_params: int
+  grad_accum_steps: int
   init_s: float
   compile_s: float
   temp_gib: float | None
@@ -202,10 +207,10 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
       trainer.model_fn(config), config.seed,
       trainer.make_tx_fn(config, total_steps), mesh, rules)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
+  accum = trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh))
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,
-      sharding_lib.replicated(mesh),
-      trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh)),
+      sharding_lib.replicated(mesh), accum,
       contextlib.nullcontext if args.no_kernel_sharding
       else sharding_lib.kernel_context(mesh, rules))
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
@@ -226,7 +231,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   if memory is not None:
     peak_gib = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                 + memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2**30
-  return BuiltStep(compiled, state, batch, config, num_params, init_s, compile_s,
+  return BuiltStep(compiled, state, batch, config, num_params, accum, init_s, compile_s,
                    temp_gib, peak_gib)
 
 
@@ -274,7 +279,8 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   mfu = (6 * built.num_params * tokens_per_s / (peak * mesh.size)) if peak else None
   row = {"model": model, "implementation": built.config.model.implementation,
          "scan_layers": scan_layers, "params": built.num_params,
-         "layers": int(built.config.model.num_layers), "init_s": built.init_s,
+         "layers": int(built.config.model.num_layers),
+         "grad_accum_steps": built.grad_accum_steps, "init_s": built.init_s,
          "compile_s": built.compile_s, "temp_gib": built.temp_gib,
          "peak_gib": built.peak_gib,
          "batch_that_fits": batch_that_fits(built, args.batch_size),

@@ -102,7 +102,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.early_stop_accuracy = 0.0  # 0: never stop early.
 
   config.data = ml_collections.ConfigDict()
-  config.data.train_files = ""  # Required: glob(s) of .txt/.jsonl/.parquet/ArrayRecord.
+  config.data.train_files = ""  # Required: glob(s) of text files or of .npy token shards.
   config.data.eval_files = ""  # Optional held-out files.
   config.data.eval_batches = 20
   config.data.tokenizer = f"bpe:{config.model.vocab_size}"

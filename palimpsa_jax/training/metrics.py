@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 import jax
 
+from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import tensorboard
 
 # Peak dense bf16 FLOP/s per device, for MFU; devices not listed get no MFU.
@@ -109,18 +110,19 @@ def _duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
-def startup_metrics(timing, time_to_first_step_s: float) -> dict[str, float]:
+def startup_metrics(timing: compile_cache.CompileTiming,
+                    time_to_first_step_s: float) -> dict[str, float]:
   """The once-per-start record: perf/lower_s, perf/compile_s, perf/compile_cache_hits
-  (from a compile_cache.CompileTiming of the train step) and perf/time_to_first_step_s
-  (command start to the end of the first step)."""
+  (from the train step's timing) and perf/time_to_first_step_s (command start to the end of
+  the first step)."""
   return {"perf/lower_s": timing.lower_s, "perf/compile_s": timing.compile_s,
           "perf/compile_cache_hits": timing.cache_hits,
           "perf/time_to_first_step_s": time_to_first_step_s}
 
 
 def summary_details(summary: dict[str, Any]) -> str:
-  """"; 1.2e+05 tokens/s, first step after 31 s (compile 4.2 s), eval loss 3.21" for the
-  final line (parts whose values are missing are left out)."""
+  """"; 120,000 tokens/s; first step after 31.0 s (compile 4.2 s); eval loss 3.2100" for
+  the final line (parts whose values are missing are left out)."""
   parts = []
   if summary.get("tokens_per_sec"):
     parts.append(f"{summary['tokens_per_sec']:,.0f} tokens/s")

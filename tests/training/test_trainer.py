@@ -258,6 +258,16 @@ def test_lm_targets_stop_at_document_boundaries_and_padding():
   np.testing.assert_array_equal(out["targets"], [[6, -100, 8, -100, -100]])
 
 
+def _write_text_docs(root) -> None:
+  """root/{train,valid}/doc<i>.txt: 12 documents each, of 60 words."""
+  words = ["memory", "plastic", "prior", "state", "forget", "learn", "token"]
+  for split in ("train", "valid"):
+    (root / split).mkdir()
+    for i in range(12):
+      text = " ".join(words[(i * j) % len(words)] for j in range(60))
+      (root / split / f"doc{i}.txt").write_text(text)
+
+
 def test_lm_task_trains_on_text_files(tmp_path):
   import importlib.util  # pylint: disable=g-import-not-at-top
   spec = importlib.util.spec_from_file_location("lm_config", REPO / "configs" / "lm.py")
@@ -265,12 +275,7 @@ def test_lm_task_trains_on_text_files(tmp_path):
   spec.loader.exec_module(module)
   config = module.get_config("model=palimpsa_d,size=tiny,seq_len=32,batch=4,steps=6,warmup=2")
   config.model = ml_collections.ConfigDict({"vocab_size": 300, "width": 16})
-  words = ["memory", "plastic", "prior", "state", "forget", "learn", "token"]
-  for split in ("train", "valid"):
-    (tmp_path / split).mkdir()
-    for i in range(12):
-      text = " ".join(words[(i * j) % len(words)] for j in range(60))
-      (tmp_path / split / f"doc{i}.txt").write_text(text)
+  _write_text_docs(tmp_path)
   config.data.train_files = str(tmp_path / "train" / "*.txt")
   config.data.eval_files = str(tmp_path / "valid" / "*.txt")
   config.data.tokenizer = "bpe:300"
@@ -291,12 +296,7 @@ def test_lm_task_trains_on_text_files(tmp_path):
 
 def test_lm_task_trains_on_prepared_token_shards(tmp_path):
   from palimpsa_jax.data import prepare  # pylint: disable=g-import-not-at-top
-  words = ["memory", "plastic", "prior", "state", "forget", "learn", "token"]
-  for split in ("train", "valid"):
-    (tmp_path / split).mkdir()
-    for i in range(12):
-      text = " ".join(words[(i * j) % len(words)] for j in range(60))
-      (tmp_path / split / f"doc{i}.txt").write_text(text)
+  _write_text_docs(tmp_path)
   prepare.main(["--files", str(tmp_path / "train" / "*.txt"), "--tokenizer", "bpe:300",
                 "--output", str(tmp_path / "tokens_train")])
   prepare.main(["--files", str(tmp_path / "valid" / "*.txt"), "--tokenizer",

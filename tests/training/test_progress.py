@@ -1,0 +1,32 @@
+"""The terminal lines of training: progress, start-up and the final summary's details."""
+
+from palimpsa_jax.training import compile_cache
+from palimpsa_jax.training import metrics as metrics_lib
+
+
+def test_progress_line_has_rates_mfu_eta_and_last_eval(capsys):
+  progress = metrics_lib.Progress(total_steps=100, start_step=0)
+  assert progress.rate(0) is None  # No step since the mark: no rate.
+  progress.last_eval_loss, progress.last_accuracy = 2.5, 0.25
+  progress.show(50, 2.0, 3.0, tokens_per_sec=65536.0, mfu=0.123)
+  progress.show(1, None, 4.0)
+  first, second = capsys.readouterr().out.splitlines()
+  assert "2.00 steps/s    65,536 tokens/s MFU 12.3%" in first and "ETA 0:25" in first
+  assert "loss 3.0000 | last eval loss 2.5000 acc 25.00%" in first
+  assert "- steps/s" in second and "ETA -" in second
+
+
+def test_startup_record_line_and_summary(capsys):
+  timing = compile_cache.CompileTiming(lower_s=1.5, compile_s=20.25, cache_hits=0)
+  record = metrics_lib.startup_metrics(timing, 42.0)
+  assert record == {"perf/lower_s": 1.5, "perf/compile_s": 20.25,
+                    "perf/compile_cache_hits": 0, "perf/time_to_first_step_s": 42.0}
+  metrics_lib.Progress(10, 0).show_startup(record)
+  assert capsys.readouterr().out.strip() == (
+      "first step after 42.0 s; train step traced in 1.5 s, compiled in 20.2 s "
+      "(not from the compilation cache)")
+  details = metrics_lib.summary_details(
+      {"tokens_per_sec": 120000.0, "time_to_first_step_s": 31.0, "compile_s": 4.2,
+       "last_eval": {"eval/loss": 3.21}})
+  assert details == "; 120,000 tokens/s; first step after 31.0 s (compile 4.2 s); eval loss 3.2100"
+  assert metrics_lib.summary_details({"tokens_per_sec": None, "last_eval": {}}) == ""
