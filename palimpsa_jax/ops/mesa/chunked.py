@@ -26,34 +26,38 @@ from palimpsa_jax.ops.common import chunk_masks, pad_time, to_chunks
 _HIGHEST = lax.Precision.HIGHEST
 
 
-def _safe_div(num, den):
-  """num / den where den > 0, else 0 (CG coefficients once a residual is exactly zero)."""
-  positive = den > 0
-  return jnp.where(positive, num / jnp.where(positive, den, 1.0), 0.0)
-
-
 def conjugate_gradient(matvec, rhs, x0, steps):
   """`steps` CG iterations for matvec(x) = rhs, batched over all leading axes of [..., K].
 
-  Every system must be symmetric positive definite. Each iteration is rematerialised in the
-  backward pass, so reverse mode stores only (x, r, p) per iteration.
+  Every system must be symmetric positive definite. Each system is scaled to a unit right-hand
+  side, and a system stops (its x stays fixed) once its residual norm falls to the dtype's
+  epsilon: past that point the iterations only move rounding noise, and their coefficients'
+  derivatives (quotients of squared residuals) would overflow. Each iteration is rematerialised
+  in the backward pass, so reverse mode stores only (x, r, p) per iteration.
   """
-  r = rhs - matvec(x0)
   dot = lambda a, b: jnp.sum(a * b, axis=-1, keepdims=True)
+  norm2 = dot(rhs, rhs)
+  nonzero = norm2 > 0
+  scale = jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, norm2, 1.0)), 1.0)
+  tiny = jnp.finfo(rhs.dtype).eps ** 2
 
   @jax.checkpoint
   def step(carry, _):
     x, r, p, rr = carry
     ap = matvec(p)
-    alpha = _safe_div(rr, dot(p, ap))
+    active = rr > tiny
+    pap = dot(p, ap)
+    alpha = jnp.where(active, rr / jnp.where(active, pap, 1.0), 0.0)
     x = x + alpha * p
     r = r - alpha * ap
     rr_new = dot(r, r)
-    p = r + _safe_div(rr_new, rr) * p
+    p = r + jnp.where(active, rr_new / jnp.where(active, rr, 1.0), 0.0) * p
     return (x, r, p, rr_new), None
 
-  (x, *_), _ = lax.scan(step, (x0, r, r, dot(r, r)), None, length=steps)
-  return x
+  x = x0 / scale
+  r = rhs / scale - matvec(x)
+  (x, *_), _ = lax.scan(step, (x, r, r, dot(r, r)), None, length=steps)
+  return x * scale
 
 
 def mesa_chunked(q, k, v, beta, log_gamma, lam, h0, g0, starts, chunk_size, cg_steps):
