@@ -10,7 +10,7 @@ so the matrix-vector product of step t's system with any vector y_t needs no per
 
     (H_t + diag lam) y_t = gamma_t H_0 y_t + sum_j W[t, j] (k_j . y_t) k_j + lam * y_t,
 
-which is batched over all steps as  gamma (Y H_0) + ((Y K^T) o W) K + lam Y. Conjugate gradients
+which is batched over all steps as gamma (Y H_0^T) + ((Y K^T) o W) K + lam Y. Conjugate gradients
 run a fixed number of these products for every step at once, starting from the diagonal (Jacobi)
 solve x0 = q / (diag H_t + lam); the readout is out_t = G_t x_t = gamma_t G_0 x_t +
 ((X K^T) o W) V. A lax.scan over chunks carries only (H, G) from one chunk start to the next.
