@@ -21,9 +21,9 @@ import ml_collections
 from palimpsa_jax.training import config_args
 
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "transformer")
+          "gated_deltanet", "mesanet", "transformer")
 # Mixers whose head layout (heads, K, V) the `heads` / `head_v` args change.
-_DELTA_MIXERS = ("palimpsa_d", "not_palimpsa", "gated_deltanet")
+_DELTA_MIXERS = ("palimpsa_d", "not_palimpsa", "gated_deltanet", "mesanet")
 
 DEFAULTS = dict(
     preset="cpu",

@@ -4,6 +4,7 @@ from palimpsa_jax.layers.attention import Attention, KVCache
 from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetCache
 from palimpsa_jax.layers.linear import Dense
+from palimpsa_jax.layers.mesanet import MesaNet, MesaNetCache
 from palimpsa_jax.layers.meta_mamba2 import MetaMamba2, MetaMamba2Cache
 from palimpsa_jax.layers.mlp import SwiGLU, swiglu_hidden_dim
 from palimpsa_jax.layers.norms import GatedRMSNorm, RMSNorm, l2_normalize
@@ -17,6 +18,8 @@ __all__ = [
     "GatedDeltaNetCache",
     "GatedRMSNorm",
     "KVCache",
+    "MesaNet",
+    "MesaNetCache",
     "MetaMamba2",
     "MetaMamba2Cache",
     "PalimpsaD",

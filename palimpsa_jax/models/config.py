@@ -1,7 +1,8 @@
 """Model configs: paper sizes and MQAR settings (docs/models.md).
 
 A model config is a flat ml_collections.ConfigDict. Shared fields:
-  model, mixer ("palimpsa_d" | "meta_mamba2" | "gated_deltanet" | "attention"),
+  model, mixer ("palimpsa_d" | "meta_mamba2" | "gated_deltanet" | "mesanet" |
+  "attention"),
   metaplasticity, metaplastic_layers, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
   norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
   scan_layers (one stacked, scanned block; see LanguageModel), implementation,
@@ -10,6 +11,8 @@ Mixer fields:
   palimpsa_d / gated_deltanet: num_heads, head_k_dim, head_v_dim, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor (+ beta_rank for
     palimpsa_d);
+  mesanet: the gated_deltanet fields and cg_steps (conjugate-gradient steps of
+    the readout over whole sequences);
   meta_mamba2: expand, head_dim, state_dim, num_groups, beta_rank, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor;
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
@@ -25,7 +28,7 @@ import ml_collections
 from palimpsa_jax.layers.mlp import swiglu_hidden_dim
 
 MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "transformer")
+          "gated_deltanet", "mesanet", "transformer")
 SIZES = ("tiny", "170m", "760m", "2.7b")
 # Nominal parameter count of each size name (tiny has none).
 NOMINAL_PARAMS = {"170m": 170e6, "760m": 760e6, "2.7b": 2.7e9}
@@ -36,10 +39,14 @@ _MIXER = {
     "meta_mamba2": ("meta_mamba2", True),
     "mamba2": ("meta_mamba2", False),
     "gated_deltanet": ("gated_deltanet", False),
+    "mesanet": ("mesanet", False),
     "transformer": ("attention", False),
 }
 
-# Palimpsa-D / NotPalimpsa, and Gated DeltaNet with the same head layout. Sizes
+# MesaNet's conjugate-gradient steps per readout (the published training value).
+MESANET_CG_STEPS = 30
+
+# Palimpsa-D / NotPalimpsa, and Gated DeltaNet / MesaNet with the same head layout. Sizes
 # without mlp_hidden_dim take swiglu_hidden_dim(d_model) (2048, 4096, 6912);
 # tiny's 128 is smaller than that rule.
 _DELTA_SIZES = {
@@ -126,8 +133,10 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
                   attention_implementation=None)
   else:
     fields.update(_DELTA_SIZES[size], **_gates(mixer))
-    if mixer == "gated_deltanet":
+    if mixer in ("gated_deltanet", "mesanet"):
       del fields["beta_rank"]
+    if mixer == "mesanet":
+      fields["cg_steps"] = MESANET_CG_STEPS
   fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
   fields["size"] = size
   return _apply_overrides(ml_collections.ConfigDict(fields), overrides)
@@ -138,7 +147,7 @@ def mqar_model_config(mixer: str, d_model: int = 128, vocab_size: int = 8192,
   """MQAR model (docs/models.md, MQAR): 2 layers, no MLP, no positional embeddings.
 
   mixer is a model name (palimpsa_d, not_palimpsa, meta_mamba2, mamba2,
-  gated_deltanet, transformer). Forget gates start "small": A spread evenly
+  gated_deltanet, mesanet, transformer). Forget gates start "small": A spread evenly
   over [0.01, 0.16] across heads, dt log-uniform over [1e-3, 1e-1].
   """
   _check_model(mixer)
@@ -161,4 +170,6 @@ def mqar_model_config(mixer: str, d_model: int = 128, vocab_size: int = 8192,
       fields.update(num_heads=8, head_k_dim=16, head_v_dim=32)
       if kind == "palimpsa_d":
         fields.update(beta_rank=8)
+      if kind == "mesanet":
+        fields.update(cg_steps=MESANET_CG_STEPS)
   return _apply_overrides(ml_collections.ConfigDict(fields), overrides)

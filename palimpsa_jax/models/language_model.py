@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache,
+from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache, MesaNet,
                                  MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
 
-Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | Attention
+Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | MesaNet | Attention
 METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
 # Logical name of the stacked layer axis of config.scan_layers models.
 LAYERS_AXIS = "layers"
@@ -80,9 +80,13 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
     return GatedDeltaNet(config.d_model, num_heads=config.num_heads,
                          head_k_dim=config.head_k_dim,
                          head_v_dim=config.head_v_dim, **recurrent)
+  if config.mixer == "mesanet":
+    return MesaNet(config.d_model, num_heads=config.num_heads,
+                   head_k_dim=config.head_k_dim, head_v_dim=config.head_v_dim,
+                   cg_steps=config.cg_steps, **recurrent)
   raise ValueError(
-      "config.mixer must be 'palimpsa_d', 'meta_mamba2', 'gated_deltanet' or "
-      f"'attention', got {config.mixer!r}")
+      "config.mixer must be 'palimpsa_d', 'meta_mamba2', 'gated_deltanet', "
+      f"'mesanet' or 'attention', got {config.mixer!r}")
 
 
 class Block(nnx.Module):

@@ -8,11 +8,11 @@ import jax
 from palimpsa_jax.models.paths import path_names
 
 NO_DECAY_NAMES = frozenset(
-    {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"})
+    {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "lam_raw", "bias"})
 
 
 def decays(names: Sequence[str]) -> bool:
-  """False for A_log, dt_bias, D, b_scale, Ip_log, biases and norm scales."""
+  """False for A_log, dt_bias, D, b_scale, Ip_log, lam_raw, biases and norm scales."""
   if not names:
     return True
   if names[-1] in NO_DECAY_NAMES:

@@ -10,7 +10,7 @@ from palimpsa_jax.layers import palimpsa_d as palimpsa_d_module
 from palimpsa_jax.models import make_mixer, model_config
 
 MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "transformer")
+          "gated_deltanet", "mesanet", "transformer")
 BATCH, LENGTH, PREFIX = 2, 12, 5
 
 

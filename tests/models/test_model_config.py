@@ -23,7 +23,7 @@ def test_parameter_count_within_ten_percent_of_size(model, size):
 
 
 @pytest.mark.parametrize("size", ["170m", "760m"])
-@pytest.mark.parametrize("baseline", ["gated_deltanet", "transformer"])
+@pytest.mark.parametrize("baseline", ["gated_deltanet", "mesanet", "transformer"])
 def test_baselines_match_palimpsa_d_budget(baseline, size):
   ours = abstract_parameter_count(model_config("palimpsa_d", size), build_model)
   theirs = abstract_parameter_count(model_config(baseline, size), build_model)
@@ -54,13 +54,13 @@ def test_every_parameter_has_logical_axis_names(model):
   assert state["embed"].get_metadata()["out_sharding"] == ("vocab", "embed")
 
 
-@pytest.mark.parametrize("model", ["palimpsa_d", "meta_mamba2", "transformer"])
+@pytest.mark.parametrize("model", ["palimpsa_d", "meta_mamba2", "mesanet", "transformer"])
 def test_weight_decay_mask_exclusions(model):
   state = nnx.state(_abstract(model_config(model, "tiny")), nnx.Param)
   flat, _ = jax.tree_util.tree_flatten_with_path(weight_decay_mask(state))
   mask = {tuple(getattr(k, "key", None) for k in path
                 if hasattr(k, "key")): decays for path, decays in flat}
-  excluded = {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias", "scale"}
+  excluded = {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "lam_raw", "bias", "scale"}
   seen = set()
   for path, decays in mask.items():
     seen.add(path[-1])
@@ -73,6 +73,8 @@ def test_weight_decay_mask_exclusions(model):
     assert {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"} <= seen
   if model == "meta_mamba2":
     assert {"A_log", "dt_bias", "D", "b_scale", "Ip_log", "bias"} <= seen
+  if model == "mesanet":
+    assert {"A_log", "dt_bias", "lam_raw"} <= seen
 
 
 def test_logical_names_map_to_mesh_axes_and_plain_dict_masks():
@@ -108,7 +110,7 @@ def test_mqar_settings():
   assert mqar_model_config("mamba2", d_model=64).d_model == 64
 
 
-@pytest.mark.parametrize("model", ["palimpsa_d", "mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("model", ["palimpsa_d", "mamba2", "gated_deltanet", "mesanet"])
 def test_mqar_forget_gate_init_is_small(model):
   mixer = make_mixer(mqar_model_config(model), nnx.Rngs(0))
   a = np.exp(np.asarray(mixer.A_log[...]))

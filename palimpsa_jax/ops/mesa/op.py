@@ -1,0 +1,105 @@
+"""Public MesaNet op: validation and dispatch."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from palimpsa_jax.ops.common import check_array, check_options, check_sequences, segment_starts
+from palimpsa_jax.ops.mesa.chunked import mesa_chunked
+from palimpsa_jax.ops.mesa.sequential import mesa_sequential
+
+IMPLEMENTATIONS = ("auto", "sequential", "chunked")
+
+
+class MesaState(NamedTuple):
+  """The two gated sums of one head.
+
+  kk: [B, H, K, K] float32, H = sum of gated beta k k^T (the data part of the precision).
+  kv: [B, H, V, K] float32, G = sum of gated beta v k^T.
+  """
+
+  kk: jax.Array
+  kv: jax.Array
+
+
+class MesaResult(NamedTuple):
+  """What `mesa_net` returns.
+
+  out:   [B, T, H, V], dtype of v: readout G_t (H_t + diag lam)^{-1} q_t.
+  state: MesaState after the last step.
+  """
+
+  out: jax.Array
+  state: MesaState
+
+
+def mesa_net(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    beta: jax.Array,
+    log_gamma: jax.Array,
+    lam: jax.Array,
+    *,
+    initial_state: MesaState | None = None,
+    segment_ids: jax.Array | None = None,
+    implementation: str = "auto",
+    chunk_size: int = 64,
+    cg_steps: int = 30,
+) -> MesaResult:
+  """MesaNet: out_t = G_t (H_t + diag lam)^{-1} q_t with
+
+      H_t = gamma_t H_{t-1} + beta_t k_t k_t^T,   G_t = gamma_t G_{t-1} + beta_t v_t k_t^T,
+
+  gamma_t = exp(log_gamma_t). G_t (H_t + diag lam)^{-1} is the ridge-regression fit of values on
+  the gated past keys. lam must be positive (not checked: values may be traced); the system is
+  then symmetric positive definite.
+
+  Args:
+    q: [B, T, H, K] queries (no scale is applied).
+    k: [B, T, H, K] keys.
+    v: [B, T, H, V] values.
+    beta: [B, T, H] input gate, expected >= 0.
+    log_gamma: [B, T, H] log forget gate, expected <= 0.
+    lam: [H, K] regulariser per head and key channel.
+    initial_state: MesaState before step 0; zeros if None.
+    segment_ids: [B, T] integer ids of packed documents; where the id changes between t-1 and t
+      both sums restart from zero before step t.
+    implementation: "sequential" (scan over time, exact solve per step), "chunked" (chunkwise,
+      `cg_steps` conjugate-gradient iterations per step) or "auto" (chunked).
+    chunk_size: steps per chunk for "chunked"; any T works (the tail is padded).
+    cg_steps: CG iterations for "chunked", from the diagonal solve q / (diag H_t + lam); 0 reads
+      out with that diagonal solve, K or more is exact up to rounding.
+
+  Returns:
+    MesaResult(out [B, T, H, V] in v's dtype, state MesaState float32).
+  """
+  batch, time, heads, key_dim, value_dim = check_sequences(q, k, v, None, segment_ids)
+  check_array("beta", beta, (batch, time, heads), "[B, T, H]")
+  check_array("log_gamma", log_gamma, (batch, time, heads), "[B, T, H]")
+  check_array("lam", lam, (heads, key_dim), "[H, K]")
+  if initial_state is not None:
+    check_array("initial_state.kk", initial_state.kk, (batch, heads, key_dim, key_dim),
+                "[B, H, K, K]")
+    check_array("initial_state.kv", initial_state.kv, (batch, heads, value_dim, key_dim),
+                "[B, H, V, K]")
+  check_options(implementation, chunk_size, IMPLEMENTATIONS)
+  if isinstance(cg_steps, bool) or not isinstance(cg_steps, int) or cg_steps < 0:
+    raise ValueError(f"cg_steps must be a non-negative int, got {cg_steps!r}.")
+
+  f32 = jnp.float32
+  q, k, v_f, beta, log_gamma, lam = (
+      x.astype(f32) for x in (q, k, v, beta, log_gamma, lam))
+  if initial_state is None:
+    h0 = jnp.zeros((batch, heads, key_dim, key_dim), f32)
+    g0 = jnp.zeros((batch, heads, value_dim, key_dim), f32)
+  else:
+    h0, g0 = (x.astype(f32) for x in initial_state)
+  starts = segment_starts(segment_ids, batch, time)
+  if implementation == "sequential":
+    out, h, g = mesa_sequential(q, k, v_f, beta, log_gamma, lam, h0, g0, starts)
+  else:
+    out, h, g = mesa_chunked(q, k, v_f, beta, log_gamma, lam, h0, g0, starts, chunk_size,
+                             cg_steps)
+  return MesaResult(out.astype(v.dtype), MesaState(h, g))
