@@ -95,12 +95,15 @@ def test_load_model_names_the_unreadable_step_and_file(tmp_path, finished):
 
 
 def test_resume_logs_each_step_once(tmp_path, finished):
-  """Killed after logging step 8 but before its checkpoint: steps 6 and 8 are redone."""
+  """Killed after logging step 8 but before its checkpoint: steps 6 and 8 are redone.
+
+  Each segment also logs its start-up record (compile time) at its first step.
+  """
   workdir = _copy(finished[0], tmp_path)
   shutil.rmtree(workdir / "checkpoints" / "8")
   trainer.train_and_evaluate(_config(8), str(workdir))
   steps = [r["step"] for r in metrics_lib.read_metrics(str(workdir))]
-  assert steps == [2, 4, 6, 8]
+  assert steps == [1, 2, 4, 5, 6, 8]
   (events,) = (workdir / "tensorboard").iterdir()
   event_steps = [tensorboard.event_step(r) for r in tensorboard.read_records(str(events))]
   assert event_steps == [0, 2, 4, 6, 8]  # the file header, then one event per logged step
