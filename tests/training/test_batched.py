@@ -9,6 +9,7 @@ import pytest
 import tiny_lm
 from palimpsa_jax.training import batched
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import trainer
 
 REPO = pathlib.Path(__file__).parents[2]
@@ -28,8 +29,13 @@ def _tiny_config(lr, seed, **overrides):
 
 
 def _curves(workdir):
-  """step -> record; a resumed run's later record of a step replaces the earlier."""
-  return {r["step"]: r for r in metrics_lib.read_metrics(str(workdir))}
+  """step -> record; a resumed run's later record of a step replaces the earlier.
+
+  The single-run trainer's start-up records (perf/ only: compile time, time to
+  the first step) have no batched counterpart and are left out.
+  """
+  return {r["step"]: r for r in metrics_lib.read_metrics(str(workdir))
+          if any(not key.startswith(("step", "perf/")) for key in r)}
 
 
 def _assert_same_run(single_dir, batched_dir):
@@ -42,7 +48,7 @@ def _assert_same_run(single_dir, batched_dir):
     if "train/loss" in record:
       assert group[step]["train/loss"] == pytest.approx(record["train/loss"], rel=1e-5)
       assert group[step]["train/lr"] == pytest.approx(record["train/lr"], rel=1e-6)
-  summaries = [json.loads((d / trainer.SUMMARY_FILE).read_text())
+  summaries = [json.loads((d / run_summary.SUMMARY_FILE).read_text())
                for d in (single_dir, batched_dir)]
   for key in ("best_accuracy", "best_step", "final_step", "total_steps",
               "stopped_early", "num_params"):
@@ -66,7 +72,7 @@ def test_group_equals_each_run_alone_with_early_stops(tmp_path, capsys):
   stops = []
   for single, batch in zip(singles, group):
     _assert_same_run(single, batch)
-    stops.append(json.loads((batch / trainer.SUMMARY_FILE).read_text())["final_step"])
+    stops.append(json.loads((batch / run_summary.SUMMARY_FILE).read_text())["final_step"])
   assert len(set(stops)) == 3 and max(stops) == 32, stops
   assert "runs left in the stack" in capsys.readouterr().out
   for batch in group:
@@ -85,7 +91,7 @@ def test_stopped_group_resumes_to_the_uninterrupted_result(tmp_path):
   partial = batched.train_group(configs, [str(d) for d in resumed],
                                 should_stop=stop_after_ten_steps)
   assert partial == [None, None]
-  assert not (resumed[0] / trainer.SUMMARY_FILE).exists()
+  assert not (resumed[0] / run_summary.SUMMARY_FILE).exists()
   batched.train_group(configs, [str(d) for d in resumed])
   for whole, again in zip(uninterrupted, resumed):
     _assert_same_run(whole, again)
