@@ -67,7 +67,7 @@ def _train_both(tmp_path, configs):
 def test_group_equals_each_run_alone_with_early_stops(tmp_path, capsys):
   # Chosen so that the runs end at three different steps (one at the last):
   # a stopped run is masked, then dropped from the stack.
-  configs = [_tiny_config(*run, early_stop_accuracy=0.06) for run in RUNS]
+  configs = [_tiny_config(*run, early_stop_accuracy=0.05) for run in RUNS]
   singles, group = _train_both(tmp_path, configs)
   stops = []
   for single, batch in zip(singles, group):

@@ -106,7 +106,7 @@ def test_resume_logs_each_step_once(tmp_path, finished):
   assert steps == [1, 2, 4, 5, 6, 8]
   (events,) = (workdir / "tensorboard").iterdir()
   event_steps = [tensorboard.event_step(r) for r in tensorboard.read_records(str(events))]
-  assert event_steps == [0, 2, 4, 6, 8]  # the file header, then one event per logged step
+  assert event_steps == [0, 1, 2, 4, 5, 6, 8]  # the file header, then one event per logged step
 
 
 def test_drop_metrics_after_skips_a_torn_last_line(tmp_path):
