@@ -11,9 +11,12 @@ Mixer fields:
     A_init, A_init_range, dt_min, dt_max, dt_init_floor (+ beta_rank for
     palimpsa_d);
   meta_mamba2: expand, head_dim, state_dim, num_groups, beta_rank, conv_kernel,
-    A_init, A_init_range, dt_min, dt_max, dt_init_floor;
+    A_init, A_init_range, dt_min, dt_max, dt_init_floor, norm_groups (groups
+    of the output RMSNorm; None: num_groups);
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
+  palimpsa_d and meta_mamba2 also: beta_bias (the beta up-projection has a
+    bias; False in models imported from the authors' PyTorch code).
 metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
   what config.metaplasticity says for every layer (a converted Mamba2 /
   NotPalimpsa model, SPEC.md sec. 7); () (the default): none beyond it. Only
@@ -128,6 +131,10 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
     fields.update(_DELTA_SIZES[size], **_gates(mixer))
     if mixer == "gated_deltanet":
       del fields["beta_rank"]
+  if mixer in ("palimpsa_d", "meta_mamba2"):
+    fields["beta_bias"] = True
+  if mixer == "meta_mamba2":
+    fields["norm_groups"] = None
   fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
   fields["size"] = size
   return _apply_overrides(ml_collections.ConfigDict(fields), overrides)
