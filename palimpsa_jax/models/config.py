@@ -12,7 +12,7 @@ Mixer fields:
     palimpsa_d);
   meta_mamba2: expand, head_dim, state_dim, num_groups, beta_rank, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor, norm_groups (groups
-    of the output RMSNorm; None: num_groups);
+    of the output RMSNorm; 0: num_groups);
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
   palimpsa_d and meta_mamba2 also: beta_bias (the beta up-projection has a
@@ -134,7 +134,7 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
   if mixer in ("palimpsa_d", "meta_mamba2"):
     fields["beta_bias"] = True
   if mixer == "meta_mamba2":
-    fields["norm_groups"] = None
+    fields["norm_groups"] = 0
   fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
   fields["size"] = size
   return _apply_overrides(ml_collections.ConfigDict(fields), overrides)

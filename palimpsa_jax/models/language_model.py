@@ -77,7 +77,7 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
                       head_dim=config.head_dim, state_dim=config.state_dim,
                       num_groups=config.num_groups, beta_rank=config.beta_rank,
                       beta_bias=config.get("beta_bias", True),
-                      norm_groups=config.get("norm_groups"),
+                      norm_groups=config.get("norm_groups") or None,
                       metaplasticity=metaplasticity, **recurrent)
   if config.mixer == "gated_deltanet":
     return GatedDeltaNet(config.d_model, num_heads=config.num_heads,

@@ -170,3 +170,40 @@ def test_export_accepts_a_zero_beta_bias(tmp_path):
   checkpoint_lib.write_conversion(dest, model, config, {"init": "paper"})
   torch_models.export_checkpoint(dest, str(tmp_path / "out"), verbose=False)
   assert os.path.isfile(tmp_path / "out" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_imported_model_finetunes_and_exports_from_the_train_py_workdir(tmp_path, capsys):
+  """configs/finetune.py trains an imported model; its train.py workdir exports exactly."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import checkpoint as train_checkpoint  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  cfg = fx.hf_config("palimpsa")
+  dest = _import(tmp_path, cfg, fx.random_tensors(cfg, seed=3))
+  path = pathlib.Path(__file__).parents[2] / "configs" / "finetune.py"
+  spec = importlib.util.spec_from_file_location("finetune_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(f"source={dest},steps=2,evals=1,seq_len=16,kv=2,vocab=32,batch=4,"
+                             "examples=16,test_examples=8")
+  config.eval_batch_size, config.log_diagnostics = 8, False
+  workdir = str(tmp_path / "ft")
+  assert trainer.train_and_evaluate(config, workdir)["final_step"] == 2
+  assert f"initialised parameters from {dest}" in capsys.readouterr().out
+  exported = str(tmp_path / "exported")
+  torch_models.export_checkpoint(workdir, exported, verbose=False)
+  again = str(tmp_path / "again")
+  torch_models.import_checkpoint(exported, again, verbose=False)
+  trained, _, _ = train_checkpoint.load_model(workdir)
+  _, trained_params, _ = state_lib.split_model(trained)
+  start, back = _params(dest)[3], _params(again)[3]
+  jax.tree.map(np.testing.assert_array_equal, trained_params, back)
+  assert any(not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(trained_params), jax.tree.leaves(start)))
+
+
+def test_meta_mamba2_norm_groups_must_divide_the_inner_width():
+  config = models.model_config("meta_mamba2", "tiny", norm_groups=3)
+  with pytest.raises(ValueError, match="norm_groups 3 must be positive and divide d_inner 128"):
+    models.build_model(config, nnx.Rngs(0))
