@@ -63,16 +63,7 @@ def tensors_to_params(tensors: dict[str, np.ndarray], config: ml_collections.Con
       of a wrong shape, or an lm_head.weight that is not the embedding.
   """
   table = layouts.tensor_table(config)
-  expected = {t.name for t in table}
-  unmapped = sorted(set(tensors) - expected - {layouts.LM_HEAD})
-  missing = sorted(expected - set(tensors))
-  problems = []
-  if unmapped:
-    problems.append(f"unmapped tensors (no counterpart in our model): {unmapped}")
-  if missing:
-    problems.append(f"missing tensors: {missing}")
-  if problems:
-    raise ValueError(f"{source}: " + "; ".join(problems))
+  hf_mamba2.check_tensor_names(tensors, {t.name for t in table}, {layouts.LM_HEAD}, source)
   params = {}
   for t in table:
     value = tensors[t.name]
