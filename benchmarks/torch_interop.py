@@ -5,10 +5,10 @@
 Needs torch, transformers 5, flash-linear-attention + fla-core 0.6.0 and the
 authors' `palimpsa` package importable (see docs/torch_models.md for the
 install line). For Palimpsa-D 170M and MetaMamba2 170M, randomly initialised:
-  ours -> theirs: our model exported with torch_models.export_checkpoint and
+  ours -> theirs: our model exported with torch_checkpoints.export_checkpoint and
     loaded with the authors' from_pretrained;
   theirs -> ours: the authors' model (their own init) saved with
-    save_pretrained and read with torch_models.import_checkpoint.
+    save_pretrained and read with torch_checkpoints.import_checkpoint.
 Each pair's logits on the same tokens are compared in float32 (their
 fused_recurrent kernels, no TF32; our matmuls at "highest" precision) and in
 bfloat16 (their chunk kernels on bf16 weights; our bf16 compute on float32
@@ -151,7 +151,7 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   from palimpsa_jax import models
   from palimpsa_jax.conversion import checkpoint as checkpoint_lib
   from palimpsa_jax.conversion import torch_layouts
-  from palimpsa_jax.conversion import torch_models
+  from palimpsa_jax.conversion import torch_checkpoints
   from palimpsa_jax.training import state as state_lib
   # pylint: enable=g-import-not-at-top
   config_cls, model_cls = authors_classes(model_type)
@@ -168,7 +168,7 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
     model = models.build_model(config, nnx.Rngs(0))
   ours_dir, hf_dir = os.path.join(workdir, f"{model_type}_ours"), os.path.join(workdir, f"{model_type}_hf")
   checkpoint_lib.write_conversion(ours_dir, model, config, {"init": "paper"})
-  torch_models.export_checkpoint(ours_dir, hf_dir, verbose=False)
+  torch_checkpoints.export_checkpoint(ours_dir, hf_dir, verbose=False)
   theirs = model_cls.from_pretrained(hf_dir, dtype=torch.float32)
   result["num_params"] = sum(p.numel() for p in theirs.parameters())
   mark("exported and loaded in theirs")
@@ -181,7 +181,7 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   native.lm_head.weight = native.get_input_embeddings().weight  # tied, as from_pretrained ties
   native_dir, imported = os.path.join(workdir, f"{model_type}_native"), os.path.join(workdir, f"{model_type}_imported")
   native.save_pretrained(native_dir)
-  torch_models.import_checkpoint(native_dir, imported, verbose=False)
+  torch_checkpoints.import_checkpoint(native_dir, imported, verbose=False)
   _, imported_params, _ = state_lib.split_model(checkpoint_lib.load_converted(imported)[0])
   mark("theirs saved and imported")
   for dtype in ("float32", "bfloat16"):

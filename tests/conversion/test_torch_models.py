@@ -13,7 +13,7 @@ import mamba2_fixtures
 from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import torch_layouts
-from palimpsa_jax.conversion import torch_models
+from palimpsa_jax.conversion import torch_checkpoints
 from palimpsa_jax.training import state as state_lib
 
 pytest.importorskip("safetensors")
@@ -24,7 +24,7 @@ CASES = [("palimpsa", True), ("palimpsa", False), ("meta_mamba2", True), ("meta_
 def _import(tmp_path, cfg, tensors, name="imported"):
   source = fx.write_checkpoint(str(tmp_path / f"{name}_src"), cfg, tensors)
   dest = str(tmp_path / name)
-  torch_models.import_checkpoint(source, dest, verbose=False)
+  torch_checkpoints.import_checkpoint(source, dest, verbose=False)
   return dest
 
 
@@ -53,9 +53,9 @@ def test_export_then_import_is_bitwise(tmp_path, model_type, metaplastic):
   cfg = fx.hf_config(model_type, metaplastic)
   first = _import(tmp_path, cfg, fx.random_tensors(cfg, seed=2), "first")
   exported = str(tmp_path / "exported")
-  assert torch_models.export_checkpoint(first, exported, verbose=False) == model_type
+  assert torch_checkpoints.export_checkpoint(first, exported, verbose=False) == model_type
   again = str(tmp_path / "again")
-  torch_models.import_checkpoint(exported, again, verbose=False)
+  torch_checkpoints.import_checkpoint(exported, again, verbose=False)
   _, config1, _, params1 = _params(first)
   _, config2, _, params2 = _params(again)
   assert config1.to_dict() == config2.to_dict()
@@ -69,7 +69,7 @@ def test_export_then_import_is_bitwise(tmp_path, model_type, metaplastic):
 def test_export_writes_every_authors_tensor_with_its_shape(tmp_path):
   cfg = fx.hf_config("meta_mamba2")
   exported = str(tmp_path / "exported")
-  torch_models.export_checkpoint(_import(tmp_path, cfg, fx.random_tensors(cfg)), exported,
+  torch_checkpoints.export_checkpoint(_import(tmp_path, cfg, fx.random_tensors(cfg)), exported,
                                  verbose=False)
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
   with safe_open(os.path.join(exported, "model.safetensors"), "np") as f:
@@ -122,7 +122,7 @@ def test_import_errors_name_the_problem(tmp_path, edit, message):
   edit(cfg, tensors)
   source = fx.write_checkpoint(str(tmp_path / "src"), cfg, tensors)
   with pytest.raises(ValueError) as error:
-    torch_models.import_checkpoint(source, str(tmp_path / "dest"), verbose=False)
+    torch_checkpoints.import_checkpoint(source, str(tmp_path / "dest"), verbose=False)
   assert message in str(error.value)
   assert not os.path.exists(tmp_path / "dest")
 
@@ -131,7 +131,7 @@ def test_import_rejects_meta_mamba2_biases(tmp_path):
   cfg = dict(fx.hf_config("meta_mamba2"), use_bias=True)
   source = fx.write_checkpoint(str(tmp_path / "src"), cfg, fx.random_tensors(cfg))
   with pytest.raises(ValueError, match="use_bias=true"):
-    torch_models.import_checkpoint(source, str(tmp_path / "dest"), verbose=False)
+    torch_checkpoints.import_checkpoint(source, str(tmp_path / "dest"), verbose=False)
 
 
 def _our_destination(tmp_path, config):
@@ -153,7 +153,7 @@ def test_export_errors_name_what_the_authors_lack(tmp_path, overrides, message):
   for key, value in overrides.items():
     config[key] = value
   with pytest.raises(ValueError) as error:
-    torch_models.export_checkpoint(_our_destination(tmp_path, config), str(tmp_path / "out"),
+    torch_checkpoints.export_checkpoint(_our_destination(tmp_path, config), str(tmp_path / "out"),
                                    verbose=False)
   assert message in str(error.value)
   assert not os.path.exists(tmp_path / "out" / "model.safetensors")
@@ -168,7 +168,7 @@ def test_export_accepts_a_zero_beta_bias(tmp_path):
   bias[...] = jax.numpy.zeros_like(bias[...])
   dest = str(tmp_path / "ours")
   checkpoint_lib.write_conversion(dest, model, config, {"init": "paper"})
-  torch_models.export_checkpoint(dest, str(tmp_path / "out"), verbose=False)
+  torch_checkpoints.export_checkpoint(dest, str(tmp_path / "out"), verbose=False)
   assert os.path.isfile(tmp_path / "out" / "model.safetensors")
 
 
@@ -192,9 +192,9 @@ def test_imported_model_finetunes_and_exports_from_the_train_py_workdir(tmp_path
   assert trainer.train_and_evaluate(config, workdir)["final_step"] == 2
   assert f"initialised parameters from {dest}" in capsys.readouterr().out
   exported = str(tmp_path / "exported")
-  torch_models.export_checkpoint(workdir, exported, verbose=False)
+  torch_checkpoints.export_checkpoint(workdir, exported, verbose=False)
   again = str(tmp_path / "again")
-  torch_models.import_checkpoint(exported, again, verbose=False)
+  torch_checkpoints.import_checkpoint(exported, again, verbose=False)
   trained, _, _ = train_checkpoint.load_model(workdir)
   _, trained_params, _ = state_lib.split_model(trained)
   start, back = _params(dest)[3], _params(again)[3]
@@ -207,3 +207,22 @@ def test_meta_mamba2_norm_groups_must_divide_the_inner_width():
   config = models.model_config("meta_mamba2", "tiny", norm_groups=3)
   with pytest.raises(ValueError, match="norm_groups 3 must be positive and divide d_inner 128"):
     models.build_model(config, nnx.Rngs(0))
+
+
+def test_command_line_imports_and_exports(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  cfg = fx.hf_config("meta_mamba2")
+  source = fx.write_checkpoint(str(tmp_path / "src"), cfg, fx.random_tensors(cfg))
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "palimpsa_jax.conversion.torch_models", *args],
+      capture_output=True, text=True, check=False, timeout=300,
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+  result = run("import", f"--source={source}", f"--dest={tmp_path / 'ours'}")
+  assert result.returncode == 0, result.stderr
+  assert "imported the authors' meta_mamba2 model" in result.stdout
+  result = run("export", f"--checkpoint={tmp_path / 'ours'}", f"--dest={tmp_path / 'back'}")
+  assert result.returncode == 0, result.stderr
+  back = torch_checkpoints.hf_mamba2.read_tensors(str(tmp_path / "back"))
+  for name, value in fx.random_tensors(cfg).items():
+    np.testing.assert_array_equal(back[name], value, err_msg=name)
