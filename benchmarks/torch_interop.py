@@ -106,7 +106,7 @@ def their_logits(model, tokens: np.ndarray, dtype: str) -> np.ndarray:
     mixer = layer.attn if hasattr(layer, "attn") else layer.mixer
     mixer.mode = "fused_recurrent" if dtype == "float32" else "chunk"
   with torch.no_grad():
-    logits = model(input_ids=torch.as_tensor(tokens, device="cuda")).logits
+    logits = model(input_ids=torch.as_tensor(tokens, device="cuda").long()).logits
   return logits.float().cpu().numpy()
 
 
