@@ -96,6 +96,11 @@ def _setting(hf_config: dict[str, Any], model_type: str, key: str) -> Any:
   return hf_config.get(key, _DEFAULTS[model_type][key])
 
 
+def _json_float(value: Any) -> float:
+  """A float of config.json; transformers 5 writes infinity as {"__float__": "Infinity"}."""
+  return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
 def model_type_of(hf_config: dict[str, Any], source: str) -> str:
   """config.json's model_type, one of MODEL_TYPES; ValueError otherwise."""
   model_type = hf_config.get("model_type")
@@ -161,7 +166,7 @@ def _meta_mamba2_config(hf: dict[str, Any], dtype: str) -> ml_collections.Config
     problems.append("use_conv_bias=false (our xBC convolution always has a bias)")
   if get("hidden_act") not in ("silu", "swish"):
     problems.append(f"hidden_act={get('hidden_act')!r} (our convolution uses SiLU)")
-  low, high = (float(x) for x in get("time_step_limit"))
+  low, high = (_json_float(x) for x in get("time_step_limit"))
   if low != 0.0 or not math.isinf(high):
     problems.append(f"time_step_limit={list(get('time_step_limit'))} (only (0, inf))")
   if int(expand) != expand or (int(expand) * d) % head_dim:

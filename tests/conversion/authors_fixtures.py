@@ -27,6 +27,7 @@ def hf_config(model_type: str, metaplasticity: bool = True) -> dict:
               hidden_size=D, head_dim=8, expand=2, state_size=4, n_groups=2,
               conv_kernel=4, beta_step_rank=3, num_hidden_layers=LAYERS, vocab_size=VOCAB,
               norm_eps=1e-5, tie_word_embeddings=True, use_bias=False, use_conv_bias=True,
+              time_step_limit=[0.0, {"__float__": "Infinity"}],  # as transformers 5 writes it
               metaplasticity=metaplasticity)
 
 
