@@ -70,8 +70,10 @@ def authors_compat() -> list[str]:
 
     triton.autotune = autotune_without_cuda_graph
     done.append("triton.autotune: use_cuda_graph dropped")
-  from palimpsa.models.meta_mamba2 import MetaMamba2ForCausalLM  # pylint: disable=g-import-not-at-top
-  from palimpsa.models.palimpsa import PalimpsaForCausalLM  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from palimpsa.models.meta_mamba2 import MetaMamba2ForCausalLM
+  from palimpsa.models.palimpsa import PalimpsaForCausalLM
+  # pylint: enable=g-import-not-at-top
   for cls, prefix in ((PalimpsaForCausalLM, "model"), (MetaMamba2ForCausalLM, "backbone")):
     if not isinstance(cls._tied_weights_keys, dict):  # transformers 5 wants {target: source}
       cls._tied_weights_keys = {"lm_head.weight": f"{prefix}.embeddings.weight"}
@@ -166,7 +168,8 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   # ours -> theirs
   with jax.default_device(jax.devices("cpu")[0]):
     model = models.build_model(config, nnx.Rngs(0))
-  ours_dir, hf_dir = os.path.join(workdir, f"{model_type}_ours"), os.path.join(workdir, f"{model_type}_hf")
+  folder = lambda name: os.path.join(workdir, f"{model_type}_{name}")
+  ours_dir, hf_dir = folder("ours"), folder("hf")
   checkpoint_lib.write_conversion(ours_dir, model, config, {"init": "paper"})
   torch_checkpoints.export_checkpoint(ours_dir, hf_dir, verbose=False)
   theirs = model_cls.from_pretrained(hf_dir, dtype=torch.float32)
@@ -179,7 +182,7 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   hf_config.pop("model_type")
   native = model_cls(config_cls(**hf_config))
   native.lm_head.weight = native.get_input_embeddings().weight  # tied, as from_pretrained ties
-  native_dir, imported = os.path.join(workdir, f"{model_type}_native"), os.path.join(workdir, f"{model_type}_imported")
+  native_dir, imported = folder("native"), folder("imported")
   native.save_pretrained(native_dir)
   torch_checkpoints.import_checkpoint(native_dir, imported, verbose=False)
   _, imported_params, _ = state_lib.split_model(checkpoint_lib.load_converted(imported)[0])
@@ -241,8 +244,9 @@ def main():
             if isinstance(v, dict) and "ok" in v]
   record["all_ok"] = bool(checks) and all(checks) and len(checks) == 8
   save()
-  log(json.dumps({m: {k: v.get("rel_err") for k, v in record[m].items()
-                      if isinstance(v, dict) and "rel_err" in v} for m in ("palimpsa", "meta_mamba2")}))
+  errors = {m: {k: v["rel_err"] for k, v in record[m].items()
+                if isinstance(v, dict) and "rel_err" in v} for m in ("palimpsa", "meta_mamba2")}
+  log(json.dumps(errors))
   log(f"all_ok: {record['all_ok']}")
 
 

@@ -47,6 +47,8 @@ from typing import Any
 
 import ml_collections
 
+from palimpsa_jax.layers.mlp import swiglu_hidden_dim
+
 MODEL_TYPES = ("palimpsa", "meta_mamba2")
 ARCHITECTURES = {"palimpsa": "PalimpsaForCausalLM", "meta_mamba2": "MetaMamba2ForCausalLM"}
 PREFIXES = {"palimpsa": "model", "meta_mamba2": "backbone"}
@@ -113,7 +115,9 @@ def model_type_of(hf_config: dict[str, Any], source: str) -> str:
 
 def _beta_rank(hf_config: dict[str, Any], model_type: str) -> int:
   rank = _setting(hf_config, model_type, "beta_step_rank")
-  return math.ceil(_setting(hf_config, model_type, "hidden_size") / 16) if rank == "auto" else int(rank)
+  if rank == "auto":  # their configs' rule
+    return math.ceil(_setting(hf_config, model_type, "hidden_size") / 16)
+  return int(rank)
 
 
 def _unsupported(model_type: str, problems: list[str]) -> None:
@@ -142,12 +146,13 @@ def _palimpsa_config(hf: dict[str, Any], dtype: str) -> ml_collections.ConfigDic
   _unsupported("palimpsa", problems)
   d = int(get("hidden_size"))
   hidden = get("intermediate_size")
-  if hidden is None:  # the SwiGLU rule of FLA's GatedMLP
-    hidden = 256 * -(-int(d * (get("hidden_ratio") or 4) * 2 / 3) // 256)
+  if hidden is None:  # FLA's GatedMLP rule, the same as ours
+    hidden = swiglu_hidden_dim(d, get("hidden_ratio") or 4)
   from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   config = models.model_config(
-      _OUR_MODELS["palimpsa", bool(get("metaplasticity"))], "tiny", vocab_size=int(get("vocab_size")),
-      d_model=d, num_layers=int(get("num_hidden_layers")), num_heads=num_heads,
+      _OUR_MODELS["palimpsa", bool(get("metaplasticity"))], "tiny",
+      vocab_size=int(get("vocab_size")), d_model=d, num_layers=int(get("num_hidden_layers")),
+      num_heads=num_heads,
       head_k_dim=int(get("head_dim") * get("expand_k")),
       head_v_dim=int(get("head_dim") * get("expand_v")), beta_rank=_beta_rank(hf, "palimpsa"),
       mlp_hidden_dim=int(hidden), conv_kernel=int(get("conv_size")),
@@ -233,7 +238,8 @@ def authors_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
       metaplasticity=bool(models.metaplastic_layers(config)), init_diagnosis=False)
   if model_type == "meta_mamba2":
     return dict(
-        common, head_dim=config.head_dim, num_heads=config.expand * config.d_model // config.head_dim,
+        common, head_dim=config.head_dim,
+        num_heads=config.expand * config.d_model // config.head_dim,
         state_size=config.state_dim, expand=config.expand, n_groups=config.num_groups,
         conv_kernel=config.conv_kernel, use_bias=False, use_conv_bias=True,
         hidden_act="silu", residual_in_fp32=bool(config.residual_in_fp32))

@@ -206,8 +206,8 @@ def reference_logits(cfg: dict, tensors: dict[str, np.ndarray], tokens: np.ndarr
       h = h + _palimpsa_mixer(_rms(h, t64[name + "attn_norm.weight"], eps), sub("attn."), cfg, meta)
       mlp = sub("mlp.")
       x = _rms(h, t64[name + "mlp_norm.weight"], eps)
-      h = h + _linear(_silu(_linear(x, mlp["gate_proj.weight"])) * _linear(x, mlp["up_proj.weight"]),
-                      mlp["down_proj.weight"])
+      hidden = _silu(_linear(x, mlp["gate_proj.weight"])) * _linear(x, mlp["up_proj.weight"])
+      h = h + _linear(hidden, mlp["down_proj.weight"])
     else:
       h = h + _meta_mamba2_mixer(_rms(h, t64[name + "norm.weight"], eps), sub("mixer."), cfg, meta)
   h = _rms(h, t64[f"{prefix}.norm.weight" if palimpsa else f"{prefix}.norm_f.weight"], eps)
