@@ -230,3 +230,20 @@ def test_command_line_imports_and_exports(tmp_path):
   back = torch_checkpoints.hf_mamba2.read_tensors(str(tmp_path / "back"))
   for name, value in fx.random_tensors(cfg).items():
     np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+def test_export_of_a_scanned_model_gives_each_layer_its_slice(tmp_path):
+  config = torch_layouts.our_config(fx.hf_config("palimpsa"))
+  config.scan_layers = True
+  model = models.build_model(config, nnx.Rngs(4))
+  dest = str(tmp_path / "scanned")
+  checkpoint_lib.write_conversion(dest, model, config, {"init": "paper"})
+  torch_checkpoints.export_checkpoint(dest, str(tmp_path / "out"), verbose=False)
+  tensors = torch_checkpoints.hf_mamba2.read_tensors(str(tmp_path / "out"))
+  stacked = state_lib.split_model(model)[1]["blocks"]
+  for layer in range(fx.LAYERS):
+    np.testing.assert_array_equal(
+        tensors[f"model.layers.{layer}.attn.q_proj.weight"],
+        np.asarray(stacked["mixer"]["q_proj"]["kernel"][layer]).T)
+    np.testing.assert_array_equal(tensors[f"model.layers.{layer}.attn.Ip_log"],
+                                  np.asarray(stacked["mixer"]["Ip_log"][layer]))
