@@ -215,6 +215,20 @@ def tensor_table(dims: Mamba2Dims, layout: str) -> list[tuple[str, tuple, tuple,
   return table
 
 
+def check_tensor_names(tensors: dict[str, np.ndarray], expected: set[str],
+                       optional: set[str], label: str) -> None:
+  """Raises ValueError naming every tensor not in expected | optional, and every missing one."""
+  unmapped = sorted(set(tensors) - expected - optional)
+  missing = sorted(expected - set(tensors))
+  problems = []
+  if unmapped:
+    problems.append(f"unmapped tensors (no counterpart in our model): {unmapped}")
+  if missing:
+    problems.append(f"missing tensors: {missing}")
+  if problems:
+    raise ValueError(f"{label}: " + "; ".join(problems))
+
+
 def _set(tree: dict, path: tuple, value: np.ndarray) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
@@ -231,17 +245,8 @@ def map_tensors(tensors: dict[str, np.ndarray], dims: Mamba2Dims,
       embedding (our models tie the output head to it).
   """
   table = tensor_table(dims, layout)
-  expected = {name for name, *_ in table}
-  optional = {"lm_head.weight"}
-  unmapped = sorted(set(tensors) - expected - optional)
-  missing = sorted(expected - set(tensors))
-  problems = []
-  if unmapped:
-    problems.append(f"unmapped tensors (no counterpart in our Mamba2): {unmapped}")
-  if missing:
-    problems.append(f"missing tensors: {missing}")
-  if problems:
-    raise ValueError(f"{layout} Mamba2 checkpoint: " + "; ".join(problems))
+  check_tensor_names(tensors, {name for name, *_ in table}, {"lm_head.weight"},
+                     f"{layout} Mamba2 checkpoint")
   params: dict[str, Any] = {}
   for name, shape, path, transform in table:
     value = tensors[name]

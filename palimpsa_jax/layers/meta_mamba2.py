@@ -31,8 +31,11 @@ class MetaMamba2(MetaplasticMixer):
   [G groups of N, repeated to heads]. q = C, k = B, v = x * dt,
   log_alpha = -A * dt with dt = softplus(dt + dt_bias); with metaplasticity,
   beta = sigmoid(low-rank(x_in)) * softplus(b_scale) * dt. y = op + D * x,
-  then RMSNorm(y * silu(z)) over groups of d_inner / G and out_proj.
+  then RMSNorm(y * silu(z)) over norm_groups groups of the d_inner features
+  (None: G, as mamba_ssm; the authors' PyTorch layer uses 1) and out_proj.
   metaplasticity=False is Mamba2 exactly (beta = 0, no beta parameters).
+  beta_bias=False drops the bias of the low-rank up-projection (as in the
+  authors' PyTorch layer).
   """
 
   def __init__(
@@ -43,7 +46,8 @@ class MetaMamba2(MetaplasticMixer):
       dt_min: float = 1e-3, dt_max: float = 1e-1,
       dt_init_floor: float = 1e-4, norm_eps: float = 1e-5,
       init_std: float = params_lib.INIT_STD, implementation: str = "auto",
-      chunk_size: int = 64, dtype=jnp.float32):
+      chunk_size: int = 64, beta_bias: bool = True,
+      norm_groups: int | None = None, dtype=jnp.float32):
     d_inner = expand * d_model
     if d_inner % head_dim:
       raise ValueError(
@@ -53,6 +57,10 @@ class MetaMamba2(MetaplasticMixer):
     if h % num_groups:
       raise ValueError(
           f"num_groups {num_groups} must divide the number of heads {h}")
+    norm_groups = num_groups if norm_groups is None else norm_groups
+    if norm_groups < 1 or d_inner % norm_groups:
+      raise ValueError(
+          f"norm_groups {norm_groups} must be positive and divide d_inner {d_inner}")
     init = params_lib.normal_init(init_std)
     conv_dim = d_inner + 2 * num_groups * state_dim
     self.in_proj = Dense(d_model, 2 * d_inner + 2 * num_groups * state_dim + h,
@@ -69,11 +77,11 @@ class MetaMamba2(MetaplasticMixer):
       self.beta_up = Dense(
           beta_rank, d_inner, names=("rank", "heads"), rngs=rngs,
           kernel_init=params_lib.fan_in_uniform_init(beta_rank),
-          use_bias=True, bias_init=params_lib.fan_in_uniform_init(beta_rank),
-          dtype=dtype)
+          use_bias=beta_bias,
+          bias_init=params_lib.fan_in_uniform_init(beta_rank), dtype=dtype)
       self.b_scale = params_lib.make_param(jnp.ones((h,)), ("heads",))
       self.Ip_log = params_lib.make_param(jnp.zeros((h,)), ("heads",))
-    self.norm = GatedRMSNorm(d_inner, group_size=d_inner // num_groups,
+    self.norm = GatedRMSNorm(d_inner, group_size=d_inner // norm_groups,
                              norm_before_gate=False, eps=norm_eps,
                              names=("heads",), dtype=dtype)
     self.out_proj = Dense(d_inner, d_model, names=("heads", "embed"),

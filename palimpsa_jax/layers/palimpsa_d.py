@@ -33,6 +33,8 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
   the written value and beta; beta = sigmoid(low-rank(x)) * softplus(b_scale) * s.
   out = palimpsa(...) + D * v, per-head gated RMSNorm (swish gate), out_proj.
   NotPalimpsa has no beta parameters and runs the op's SimpleGLA path.
+  beta_bias=False drops the bias of the low-rank up-projection (as in the
+  authors' PyTorch layer).
   """
 
   def __init__(
@@ -43,7 +45,7 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
       dt_max: float = 1e-1, dt_init_floor: float = 1e-4,
       norm_eps: float = 1e-6, init_std: float = params_lib.INIT_STD,
       implementation: str = "auto", chunk_size: int = 64,
-      dtype=jnp.float32):
+      beta_bias: bool = True, dtype=jnp.float32):
     h, kd, vd = num_heads, head_k_dim, head_v_dim
     init = params_lib.normal_init(init_std)
     dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
@@ -59,8 +61,8 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
       self.beta_up = Dense(
           beta_rank, h * vd, names=("rank", "heads"), rngs=rngs,
           kernel_init=params_lib.fan_in_uniform_init(beta_rank),
-          use_bias=True, bias_init=params_lib.fan_in_uniform_init(beta_rank),
-          dtype=dtype)
+          use_bias=beta_bias,
+          bias_init=params_lib.fan_in_uniform_init(beta_rank), dtype=dtype)
       self.b_scale = params_lib.make_param(jnp.ones((h,)), ("heads",))
       self.Ip_log = params_lib.make_param(jnp.zeros((h,)), ("heads",))
     self.gate_proj = dense(d_model, h * vd, ("embed", "heads"))

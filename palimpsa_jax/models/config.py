@@ -14,9 +14,12 @@ Mixer fields:
   mesanet: the gated_deltanet fields and cg_steps (conjugate-gradient steps of
     the readout over whole sequences);
   meta_mamba2: expand, head_dim, state_dim, num_groups, beta_rank, conv_kernel,
-    A_init, A_init_range, dt_min, dt_max, dt_init_floor;
+    A_init, A_init_range, dt_min, dt_max, dt_init_floor, norm_groups (groups
+    of the output RMSNorm; 0: num_groups);
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
+  palimpsa_d and meta_mamba2 also: beta_bias (the beta up-projection has a
+    bias; False in models imported from the authors' PyTorch code).
 metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
   what config.metaplasticity says for every layer (a converted Mamba2 /
   NotPalimpsa model, docs/models.md, conversion); () (the default): none beyond it. Only
@@ -137,6 +140,10 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
       del fields["beta_rank"]
     if mixer == "mesanet":
       fields["cg_steps"] = MESANET_CG_STEPS
+  if mixer in ("palimpsa_d", "meta_mamba2"):
+    fields["beta_bias"] = True
+  if mixer == "meta_mamba2":
+    fields["norm_groups"] = 0
   fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
   fields["size"] = size
   return _apply_overrides(ml_collections.ConfigDict(fields), overrides)

@@ -70,11 +70,14 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
     return PalimpsaD(config.d_model, num_heads=config.num_heads,
                      head_k_dim=config.head_k_dim,
                      head_v_dim=config.head_v_dim, beta_rank=config.beta_rank,
+                     beta_bias=config.get("beta_bias", True),
                      metaplasticity=metaplasticity, **recurrent)
   if config.mixer == "meta_mamba2":
     return MetaMamba2(config.d_model, expand=config.expand,
                       head_dim=config.head_dim, state_dim=config.state_dim,
                       num_groups=config.num_groups, beta_rank=config.beta_rank,
+                      beta_bias=config.get("beta_bias", True),
+                      norm_groups=config.get("norm_groups") or None,
                       metaplasticity=metaplasticity, **recurrent)
   if config.mixer == "gated_deltanet":
     return GatedDeltaNet(config.d_model, num_heads=config.num_heads,
