@@ -61,6 +61,8 @@ def _shards(sharding: kernel_sharding.KernelSharding, length: int, name: str) ->
 
 def _previous_shard(x: jax.Array, axis: str, count: int) -> jax.Array:
   """On shard i, shard i-1's x (zeros on shard 0): one ppermute."""
+  if count == 1:
+    return jnp.zeros_like(x)
   return jax.lax.ppermute(x, axis, [(i, i + 1) for i in range(count - 1)])
 
 
