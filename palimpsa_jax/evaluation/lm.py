@@ -72,6 +72,10 @@ class ModelScorer:
                targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Returns log p(targets[b, t] | tokens[b, :t + 1]) [B, T] f32 and whether each target is
     the argmax [B, T] bool."""
+    if self._rows is not None and tokens.shape[1] % self._rows.mesh.size:
+      raise ValueError(
+          f"rows of {tokens.shape[1]} tokens cannot be split over {self._rows.mesh.size} "
+          "devices (mesh_sequence): use a row length (max_length) that is a multiple of it")
     rows = [jax.device_put(np.asarray(x, np.int32), self._rows)
             for x in (tokens, segment_ids, targets)]
     picked, greedy = self._score(self._state, *rows)

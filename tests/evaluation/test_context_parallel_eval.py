@@ -26,7 +26,7 @@ np.testing.assert_array_equal(got[1], want[1])
 try:
   lm.ModelScorer(model, sequence_devices=4)(tokens[:, :30], segment_ids[:, :30], targets[:, :30])
 except ValueError as error:
-  assert "does not divide" in str(error), error
+  assert "cannot be split over 4 devices" in str(error), error
 else:
   raise AssertionError("30 tokens over 4 devices were accepted")
 print("ok")

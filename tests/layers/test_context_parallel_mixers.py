@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 REPO = pathlib.Path(__file__).parents[2]
 
 _SCRIPT = """
@@ -64,9 +66,11 @@ def _run(models):
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_palimpsa_family_mixers_equal_one_device():
   _run(["palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2"])
 
 
+@pytest.mark.slow
 def test_gated_deltanet_and_attention_equal_one_device():
   _run(["gated_deltanet", "transformer"])
