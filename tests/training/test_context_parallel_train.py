@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 REPO = pathlib.Path(__file__).parents[2]
 _CONFIG = ("--config=configs/mqar.py:mixer=palimpsa_d,seq_len=16,kv=2,vocab=32,d_model=16,"
@@ -38,6 +39,7 @@ def _losses(workdir):
           if "train/loss" in r}
 
 
+@pytest.mark.slow  # three train.py runs: about a minute of CPU
 def test_sequence_axis_gives_the_losses_of_one_and_restores_onto_another_size(tmp_path):
   _train(tmp_path / "whole", 8, sequence=1)
   split = tmp_path / "split"
