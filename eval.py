@@ -37,6 +37,9 @@ _MQAR_SETTINGS = flags.DEFINE_string(
     "mqar: extra test settings SEQ_LEN:KV_PAIRS,... besides the trained one.")
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None, "mqar: test examples per setting.")
 _CACHE_DIR = compile_cache.define_flag()
+_MESH_SEQUENCE = flags.DEFINE_integer(
+    "mesh_sequence", None, "lm / long_context: split each row over this many devices "
+    "(context parallelism, like train.py's config.mesh.sequence).")
 
 
 def _checkpoints() -> list[str]:
@@ -67,6 +70,7 @@ def main(argv):
       "include_path": _INCLUDE_PATH.value, "max_length": _MAX_LENGTH.value,
       "batch_size": _BATCH_SIZE.value, "limit": _LIMIT.value,
       "mqar_settings": _MQAR_SETTINGS.value, "num_examples": _NUM_EXAMPLES.value,
+      "mesh_sequence": _MESH_SEQUENCE.value,
   }
   results = SUITES[_SUITE.value](options)
   output = _OUTPUT.value or default_output(_SUITE.value, checkpoints[0])

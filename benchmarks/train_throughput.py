@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                       # 4 models at 170m, 4 x 4096 tokens
     python benchmarks/train_throughput.py --compare_implementations pallas_gpu,chunked
     python benchmarks/train_throughput.py --mesh fsdp --num_devices 2
+    python benchmarks/train_throughput.py --models palimpsa_d --context_parallel  # A/B
 
 Each model is built from `models.model_config` (bf16 compute, f32 parameters)
 and trained with the real LM recipe (configs/lm.py: AdamW, schedule, clipping,
@@ -20,6 +21,7 @@ command) is appended to benchmarks/RESULTS.md, and --output writes JSON.
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import pathlib
@@ -38,6 +40,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 
 from benchmarks import results as results_lib
 from palimpsa_jax import models
+from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.gated_delta import op as gated_delta_op
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
@@ -54,7 +57,8 @@ DEFAULT_MODELS = ("palimpsa_d", "not_palimpsa", "mamba2", "gated_deltanet")
 BASELINE = "mamba2"
 PAPER_TOKENS = 15e9  # The paper's 170M pretraining run (docs/models.md, sizes and recipe).
 MESHES = {"data": dict(data=-1, fsdp=1, tensor=1),
-          "fsdp": dict(data=1, fsdp=-1, tensor=1)}
+          "fsdp": dict(data=1, fsdp=-1, tensor=1),
+          "sequence": dict(data=1, fsdp=1, sequence=-1, tensor=1)}
 
 
 def log(message: str) -> None:
@@ -108,8 +112,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--no_kernel_sharding", action="store_true",
                       help="trace the step outside training.sharding.kernel_context, so a "
                            "Pallas kernel computes the global batch on every device (A/B)")
+  parser.add_argument("--context_parallel", action="store_true",
+                      help="trace the step with the mesh's sequence axis in the kernel "
+                           "context, so the mixers run context-parallel even where that "
+                           "axis has size 1 (A/B of the path's overhead on one device)")
   parser.add_argument("--mesh", default="data", choices=sorted(MESHES),
-                      help="batch split over the data axis, or parameters sharded (FSDP)")
+                      help="batch split over the data axis, parameters sharded (FSDP), or "
+                           "every sequence split over the devices (context parallelism)")
   parser.add_argument("--num_devices", type=int, default=0,
                       help="use the first N devices (0: all)")
   parser.add_argument("--output", default="",
@@ -193,6 +202,18 @@ class BuiltStep(NamedTuple):
   peak_gib: float | None
 
 
+def kernel_context(args: argparse.Namespace, mesh: jax.sharding.Mesh,
+                   rules: sharding_lib.Rules) -> steps_lib.KernelContext:
+  """The context the step is traced in (--no_kernel_sharding, --context_parallel)."""
+  if args.no_kernel_sharding:
+    return contextlib.nullcontext
+  if not args.context_parallel:
+    return sharding_lib.kernel_context(mesh, rules)
+  head_axis = dict(rules).get("heads")
+  return functools.partial(kernel_sharding.kernel_sharding, mesh, sharding_lib.BATCH_AXES,
+                           (head_axis,) if head_axis else (), "sequence")
+
+
 def build_train_step(model: str, implementation: str, scan_layers: bool,
                      args: argparse.Namespace, mesh: jax.sharding.Mesh,
                      label: str) -> BuiltStep:
@@ -210,9 +231,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   accum = trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh))
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,
-      sharding_lib.replicated(mesh), accum,
-      contextlib.nullcontext if args.no_kernel_sharding
-      else sharding_lib.kernel_context(mesh, rules))
+      sharding_lib.replicated(mesh), accum, kernel_context(args, mesh, rules))
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
 
   start = time.perf_counter()
@@ -364,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seq_len": args.seq_len, "batch_size": args.batch_size,
             "tokens_per_step": args.batch_size * args.seq_len,
             "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "remat": args.remat, "kernel_sharding": not args.no_kernel_sharding}
+            "remat": args.remat, "kernel_sharding": not args.no_kernel_sharding,
+            "context_parallel": args.context_parallel}
   rows = []
   for index, (model, implementation, scan) in enumerate(plan):
     label = (f"[{index + 1}/{len(plan)}] {model} ({implementation}, "
@@ -388,7 +408,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          f"- command: `{command}`",
          f"- bf16 compute, f32 params, configs/lm.py optimizer, remat "
          f"{'on' if args.remat else 'off'}, kernels "
-         f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}; "
+         f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"
+         f"{', context-parallel path' if args.context_parallel else ''}; "
          f"median of {args.steps} steps after {args.warmup_steps} warm-up, random tokens",
          *projections], table, pathlib.Path(args.results))
     log(f"appended to {path}")

@@ -129,6 +129,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = 1
   config.mesh.fsdp = -1
+  config.mesh.sequence = 1  # > 1: each sequence split over that many devices
   config.mesh.tensor = 1
   config.mesh.rules = ()
   return config

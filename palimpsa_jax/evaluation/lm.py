@@ -4,11 +4,14 @@ Also holds what the long-context and commonsense suites share: a jitted next-tok
 NNX language model, and loading a checkpoint together with its tokenizer.
 
   python eval.py --suite lm --checkpoint WORKDIR --files 'heldout/*.jsonl' [--max_length T]
+      [--mesh_sequence N]   # each row split over N devices (context parallelism)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import functools
 import math
 import os
 from typing import Any
@@ -20,6 +23,7 @@ import numpy as np
 
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
+from palimpsa_jax.ops import kernel_sharding
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -28,15 +32,35 @@ class ModelScorer:
   """Log-probabilities of given next tokens under an NNX language model, jitted.
 
   The model is called as model(tokens [B, T], segment_ids=[B, T]) -> logits [B, T, vocab] f32.
-  One compilation per input shape: callers pad to a few fixed shapes.
+  One compilation per input shape: callers pad to a few fixed shapes. With
+  sequence_devices = N > 1, every row is split over the first N devices (context
+  parallelism: a row may be N times longer than one device holds); T must be a multiple of N.
   """
 
-  def __init__(self, model: nnx.Module):
+  def __init__(self, model: nnx.Module, sequence_devices: int = 1):
     model.eval()
     self._graphdef, self._state = nnx.split(model)
+    self._context = contextlib.nullcontext
+    self._rows = None
+    if sequence_devices > 1:
+      if sequence_devices > jax.device_count():
+        raise ValueError(f"sequence_devices={sequence_devices} but only "
+                         f"{jax.device_count()} devices are available")
+      mesh = jax.make_mesh((sequence_devices,), ("sequence",),
+                           devices=jax.devices()[:sequence_devices],
+                           axis_types=(jax.sharding.AxisType.Auto,))
+      self._context = functools.partial(kernel_sharding.kernel_sharding, mesh, (), (),
+                                        "sequence")
+      self._rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+      self._state = jax.device_put(
+          self._state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     self._score = jax.jit(self._score_impl)
 
   def _score_impl(self, state, tokens, segment_ids, targets):
+    with self._context():  # entered while jit traces
+      return self._score_logits(state, tokens, segment_ids, targets)
+
+  def _score_logits(self, state, tokens, segment_ids, targets):
     model = nnx.merge(self._graphdef, state)
     logits = model(tokens, segment_ids=segment_ids).astype(jnp.float32)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -48,9 +72,13 @@ class ModelScorer:
                targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Returns log p(targets[b, t] | tokens[b, :t + 1]) [B, T] f32 and whether each target is
     the argmax [B, T] bool."""
-    picked, greedy = self._score(self._state, jnp.asarray(tokens, jnp.int32),
-                                 jnp.asarray(segment_ids, jnp.int32),
-                                 jnp.asarray(targets, jnp.int32))
+    if self._rows is not None and tokens.shape[1] % self._rows.mesh.size:
+      raise ValueError(
+          f"rows of {tokens.shape[1]} tokens cannot be split over {self._rows.mesh.size} "
+          "devices (mesh_sequence): use a row length (max_length) that is a multiple of it")
+    rows = [jax.device_put(np.asarray(x, np.int32), self._rows)
+            for x in (tokens, segment_ids, targets)]
+    picked, greedy = self._score(self._state, *rows)
     return np.asarray(picked), np.asarray(greedy)
 
 
@@ -141,12 +169,15 @@ def int_option(options: Mapping[str, Any], key: str, default: int | None) -> int
 
 
 def evaluate_checkpoint(checkpoint: str, files: str | Sequence[str], seq_len: int | None,
-                        batch_size: int) -> dict[str, Any]:
-  """lm metrics of one checkpoint on the held-out files (seq_len defaults to the training one)."""
+                        batch_size: int, sequence_devices: int = 1) -> dict[str, Any]:
+  """lm metrics of one checkpoint on the held-out files (seq_len defaults to the training one).
+
+  sequence_devices: split every row over this many devices (ModelScorer).
+  """
   model, config, step, tokenizer = load_checkpoint(checkpoint)
   seq_len = seq_len or int(config.seq_len)
   batches = text_lib.make_text_eval_dataset(files, tokenizer, seq_len, batch_size)
-  metrics = lm_metrics(ModelScorer(model), batches, tokenizer.token_bytes)
+  metrics = lm_metrics(ModelScorer(model, sequence_devices), batches, tokenizer.token_bytes)
   return {**metrics, "step": int(step), "seq_len": seq_len}
 
 
@@ -154,7 +185,7 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   """eval.py --suite lm.
 
   Options: "checkpoint" (list), "files" (glob of held-out files), "max_length" (row length,
-  default: the run's seq_len), "batch_size".
+  default: the run's seq_len), "batch_size", "mesh_sequence" (devices each row is split over).
 
   Returns:
     For one checkpoint {"perplexity", "bits_per_byte", "nll_per_token", "tokens", "bytes",
@@ -166,9 +197,11 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   checkpoints = checkpoints_option(options)
   seq_len = int_option(options, "max_length", None)
   batch_size = int_option(options, "batch_size", DEFAULT_BATCH_SIZE)
+  sequence_devices = int_option(options, "mesh_sequence", 1)
   results = {}
   for checkpoint in checkpoints:
-    results[checkpoint] = {**evaluate_checkpoint(checkpoint, files, seq_len, batch_size),
+    results[checkpoint] = {**evaluate_checkpoint(checkpoint, files, seq_len, batch_size,
+                                                 sequence_devices),
                            "files": files}
     print(f"{checkpoint}: perplexity {results[checkpoint]['perplexity']:.4f}  "
           f"bits/byte {results[checkpoint]['bits_per_byte']:.4f}", flush=True)

@@ -127,7 +127,7 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
 
   Options: "checkpoint" (list), "files" (glob of held-out files), "max_length" (row length and
   largest position, default: the first run's seq_len), "batch_size", "output" (the plot goes
-  next to it, as .png).
+  next to it, as .png), "mesh_sequence" (devices each row is split over, lm_lib.ModelScorer).
 
   Returns:
     {"max_length", "bucket_end": [n], "checkpoints": {path: {"mean_nll": [n], "count": [n],
@@ -140,12 +140,13 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   checkpoints = lm_lib.checkpoints_option(options)
   max_length = lm_lib.int_option(options, "max_length", None)
   batch_size = lm_lib.int_option(options, "batch_size", DEFAULT_BATCH_SIZE)
+  sequence_devices = lm_lib.int_option(options, "mesh_sequence", 1)
   curves = {}
   for checkpoint in checkpoints:
     model, config, step, tokenizer = lm_lib.load_checkpoint(checkpoint)
     max_length = max_length or int(config.seq_len)
     batches = text_lib.make_text_eval_dataset(files, tokenizer, max_length, batch_size)
-    curve = nll_by_position(lm_lib.ModelScorer(model), batches, max_length)
+    curve = nll_by_position(lm_lib.ModelScorer(model, sequence_devices), batches, max_length)
     curves[checkpoint] = {**curve, "step": int(step)}
     print(f"{checkpoint}: " + "  ".join(
         f"<{e}: {m:.3f}" for e, m in zip(curve["bucket_end"], curve["mean_nll"]) if m is not None),

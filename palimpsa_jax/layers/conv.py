@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.ops import context_parallel
 
 
 class ShortConv(nnx.Module):
@@ -12,7 +13,9 @@ class ShortConv(nnx.Module):
 
   y[t, c] = sum_i w[i, c] * x[t - (W - 1) + i, c] (+ b[c]); inputs before the
   sequence come from `state` (the last W - 1 inputs, zeros at the start), and
-  with segment_ids an input from another segment contributes nothing.
+  with segment_ids an input from another segment contributes nothing. With time
+  split over a sequence axis (ops.context_parallel), each shard receives the
+  W - 1 inputs before it from its neighbour.
   """
 
   def __init__(
@@ -41,27 +44,44 @@ class ShortConv(nnx.Module):
       self, x: jax.Array, state: jax.Array | None = None,
       segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [B, T, C] -> (y [B, T, C] in `dtype`, new state [B, W - 1, C])."""
-    batch, length, channels = x.shape
+    batch, _, channels = x.shape
     if channels != self.channels:
       raise ValueError(f"x must be [B, T, {self.channels}], got {x.shape}")
     if state is None:
       state = self.init_state(batch)
     width = self.kernel_size
+    weights = (self.kernel[...], None if self.bias is None else self.bias[...])
+    if width > 1 and context_parallel.active() is not None:
+      y = context_parallel.with_halo(self._convolve, x, state, segment_ids, weights,
+                                     width - 1)
+    else:
+      halo_ids = (None if segment_ids is None
+                  else jnp.repeat(segment_ids[:, :1], width - 1, axis=1))
+      y = self._convolve(x, state, halo_ids, segment_ids, *weights)
     padded = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)
-    kernel = self.kernel[...].astype(self.dtype).astype(jnp.float32)
+    new_state = padded[:, padded.shape[1] - (width - 1):]
+    return y, new_state
+
+  def _convolve(self, x, halo, halo_ids, segment_ids, kernel, bias):
+    """y [B, L, C] in `dtype` from x [B, L, C] and the W - 1 inputs before it.
+
+    halo [B, W-1, C] f32; halo_ids [B, W-1] (with segment_ids [B, L]) or None.
+    """
+    length = x.shape[1]
+    width = self.kernel_size
+    padded = jnp.concatenate([halo, x.astype(jnp.float32)], axis=1)
+    kernel = kernel.astype(self.dtype).astype(jnp.float32)
     if segment_ids is not None:
-      seg = jnp.concatenate(
-          [jnp.repeat(segment_ids[:, :1], width - 1, axis=1), segment_ids], 1)
-    y = jnp.zeros((batch, length, channels), jnp.float32)
+      seg = jnp.concatenate([halo_ids, segment_ids], 1)
+    y = jnp.zeros(x.shape, jnp.float32)
     for i in range(width):
       tap = padded[:, i:i + length] * kernel[i]
       if segment_ids is not None and i < width - 1:
         same = seg[:, i:i + length] == segment_ids
         tap = jnp.where(same[..., None], tap, 0.0)
       y = y + tap
-    if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype).astype(jnp.float32)
+    if bias is not None:
+      y = y + bias.astype(self.dtype).astype(jnp.float32)
     if self.activation:
       y = jax.nn.silu(y)
-    new_state = padded[:, padded.shape[1] - (width - 1):]
-    return y.astype(self.dtype), new_state
+    return y.astype(self.dtype)

@@ -1,9 +1,11 @@
 """Device mesh and logical-axis sharding rules.
 
-The mesh has the axes ("data", "fsdp", "tensor"). Parameters carry logical
-axis names ("vocab", "embed", "heads", "kv", "mlp", "rank", "conv", "layers",
-None) in their `out_sharding` metadata; the rules below map each name to a
-mesh axis.
+The mesh has the axes ("data", "fsdp", "sequence", "tensor"). Parameters carry
+logical axis names ("vocab", "embed", "heads", "kv", "mlp", "rank", "conv",
+"layers", None) in their `out_sharding` metadata; the rules below map each name
+to a mesh axis. "length", the time axis of the batch and the activations, maps
+to "sequence": a size above 1 splits every sequence over that many devices
+(context parallelism, ops.context_parallel).
 A dimension that the mapped mesh axes do not divide stays replicated, so tiny
 models still run on many devices.
 """
@@ -22,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from palimpsa_jax.ops import kernel_sharding
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 # Logical name -> mesh axis (or None: replicated). FSDP shards the model width,
@@ -36,14 +38,18 @@ DEFAULT_RULES = (
     ("rank", None),
     ("conv", None),
     ("layers", None),  # The stacked axis of scan_layers models.
+    ("length", "sequence"),  # Time, in the batch and the mixers' activations.
 )
 
 Rules = Sequence[tuple[str, str | None]]
 
 
 def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
-  """Sizes of (data, fsdp, tensor) from config; one -1 takes the remaining devices."""
-  sizes = [int(config[axis]) for axis in MESH_AXES]
+  """Sizes of MESH_AXES from config; one -1 takes the remaining devices.
+
+  An axis missing from config (e.g. "sequence" in an older config) has size 1.
+  """
+  sizes = [int(config.get(axis, 1)) for axis in MESH_AXES]
   if any(s == 0 or s < -1 for s in sizes):
     raise ValueError(
         f"config.mesh sizes must be positive or -1, got "
@@ -65,9 +71,26 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int
   return tuple(sizes)
 
 
+def validate_sequence_axis(config: ml_collections.ConfigDict, seq_len: int) -> None:
+  """Raises ValueError unless config's sequence axis can split seq_len-token sequences.
+
+  The axis must divide seq_len, and lie on one host (each host feeds whole sequences).
+  """
+  sizes = dict(zip(MESH_AXES, mesh_shape(config, jax.device_count())))
+  if sizes["sequence"] == 1:
+    return
+  if seq_len % sizes["sequence"]:
+    raise ValueError(
+        f"config.mesh.sequence={sizes['sequence']} must divide config.seq_len={seq_len}.")
+  if jax.process_count() > 1:
+    raise ValueError(
+        f"config.mesh.sequence={sizes['sequence']} needs a single process: every host "
+        f"feeds whole sequences, but {jax.process_count()} processes are running.")
+
+
 def make_mesh(config: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The ("data", "fsdp", "tensor") mesh over `devices` (default: all)."""
+  """The MESH_AXES mesh over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(config, len(devices))
   return jax.make_mesh(shape, MESH_AXES, devices=devices,
@@ -134,24 +157,39 @@ def kernel_context(mesh: Mesh, rules: Rules
 
   The batch is split over BATCH_AXES and the heads over the mesh axis that
   `rules` map "heads" to (ops.kernel_sharding; XLA cannot split a Pallas call
-  itself and would compute the whole batch on every device).
+  itself and would compute the whole batch on every device). Where `rules` map
+  "length" to a mesh axis of size > 1, time is split over it too and the
+  sequence mixers run context-parallel.
   """
   head_axis = dict(rules).get("heads")
   return functools.partial(kernel_sharding.kernel_sharding, mesh, BATCH_AXES,
-                           (head_axis,) if head_axis else ())
+                           (head_axis,) if head_axis else (),
+                           sequence_axis(mesh, rules))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch dimension split over the data and fsdp axes, the rest replicated."""
-  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+def sequence_axis(mesh: Mesh, rules: Rules) -> str | None:
+  """The mesh axis of size > 1 that `rules` map "length" to, or None."""
+  axis = dict(rules).get("length")
+  return axis if axis is not None and mesh.shape[axis] > 1 else None
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int] = (), rules: Rules = DEFAULT_RULES
+                   ) -> NamedSharding:
+  """Batch dimension split over the data and fsdp axes; dimension 1 of `shape`
+  (the length) over the sequence axis where that divides it; the rest replicated."""
+  axis = sequence_axis(mesh, rules)
+  if len(shape) < 2 or axis is None or shape[1] % mesh.shape[axis]:
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, axis))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """Assembles this host's rows into global arrays sharded over the batch axes."""
-  sharding = batch_sharding(mesh)
-  return {name: jax.make_array_from_process_local_data(sharding, value)
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh,
+                 rules: Rules = DEFAULT_RULES) -> dict[str, jax.Array]:
+  """Assembles this host's rows into global arrays (batch_sharding)."""
+  return {name: jax.make_array_from_process_local_data(
+              batch_sharding(mesh, value.shape, rules), value)
           for name, value in local_batch.items()}

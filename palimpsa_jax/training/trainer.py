@@ -113,7 +113,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         "the lm task streams its data without epochs: config.total_steps must be "
         f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
-  data, fsdp, _ = sharding_lib.mesh_shape(config.mesh, jax.device_count())
+  data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
+  sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
   accum = grad_accum_steps(config, data * fsdp)
   if config.batch_size % (accum * jax.process_count()):
     raise ValueError(

@@ -90,8 +90,8 @@ def test_stacked_parameters_carry_the_layers_axis():
   assert kernel.shape[0] == NUM_LAYERS
   names = kernel.get_metadata()["out_sharding"]
   assert names[0] == "layers"
-  mesh = jax.make_mesh((1, 1, 1), sharding_lib.MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = jax.make_mesh((1, 1, 1, 1), sharding_lib.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
   spec = sharding_lib.logical_to_spec(names, kernel.shape, mesh,
                                       sharding_lib.DEFAULT_RULES)
   assert spec[0] is None and len(spec) == kernel.ndim

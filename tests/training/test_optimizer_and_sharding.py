@@ -59,8 +59,9 @@ def test_bad_optimizer_values(field, value):
 
 def test_mesh_shape_rest_axis_and_errors():
   mesh = lambda **kw: ml_collections.ConfigDict({"data": 1, "fsdp": 1, "tensor": 1, **kw})
-  assert sharding_lib.mesh_shape(mesh(data=-1, tensor=2), 8) == (4, 1, 2)
-  assert sharding_lib.mesh_shape(mesh(fsdp=-1), 1) == (1, 1, 1)
+  assert sharding_lib.mesh_shape(mesh(data=-1, tensor=2), 8) == (4, 1, 1, 2)
+  assert sharding_lib.mesh_shape(mesh(fsdp=-1), 1) == (1, 1, 1, 1)
+  assert sharding_lib.mesh_shape(mesh(data=-1, sequence=4), 8) == (2, 1, 4, 1)
   with pytest.raises(ValueError, match="at most one"):
     sharding_lib.mesh_shape(mesh(data=-1, fsdp=-1), 4)
   with pytest.raises(ValueError, match="not a multiple"):
@@ -72,7 +73,7 @@ def test_mesh_shape_rest_axis_and_errors():
 
 
 def test_logical_to_spec_uses_divisible_axes_once():
-  mesh = jax.sharding.AbstractMesh((1, 2, 2), sharding_lib.MESH_AXES)
+  mesh = jax.sharding.AbstractMesh((1, 2, 1, 2), sharding_lib.MESH_AXES)
   rules = sharding_lib.DEFAULT_RULES
   assert sharding_lib.logical_to_spec(("vocab", "embed"), (64, 16), mesh, rules) == P(
       "tensor", "fsdp")

@@ -56,8 +56,8 @@ def test_steps_are_traced_inside_the_kernel_context(setup):
   eval_step(params, model_state, batch)
   eval_step(params, model_state, batch)  # Cached: not traced again.
   assert seen == ["enter", "exit"]
-  mesh = jax.make_mesh((1, 1, 1), sharding_lib.MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = jax.make_mesh((1, 1, 1, 1), sharding_lib.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4)
   with sharding_lib.kernel_context(mesh, sharding_lib.DEFAULT_RULES)():
     current = kernel_sharding.current()
   assert (current.batch_axes, current.head_axes) == (("data", "fsdp"), ("tensor",))

@@ -5,6 +5,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops import gla
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.palimpsa.associative import palimpsa_associative
@@ -39,6 +40,8 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
     segment_ids: [B, T] integers; the state restarts from the prior where the id changes.
     return_variance: also return sum_k q^2 / I_t, [B, T, H, V] f32.
     implementation: "auto", "sequential", "associative", "chunked", "pallas_gpu", "pallas_tpu".
+      Inside ops.kernel_sharding with a sequence axis, each time shard runs it
+      (ops.context_parallel).
       "auto" picks the kernel of the default backend and falls back to "chunked" where that
       kernel cannot run the call; a kernel named here raises ValueError instead.
     chunk_size: steps per chunk for the chunked forms. "pallas_gpu" uses min(chunk_size, T)
@@ -49,10 +52,21 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
   Returns:
     PalimpsaResult(out [B, T, H, V], variance or None, state after the last step).
   """
-  b, _, h, kd, vd = validate_palimpsa_args(q, k, v, beta, log_alpha, prior_precision,
-                                           initial_state, segment_ids, implementation,
-                                           chunk_size)
+  validate_palimpsa_args(q, k, v, beta, log_alpha, prior_precision, initial_state,
+                         segment_ids, implementation, chunk_size)
   ip = prior_precision.astype(jnp.float32)
+  options = dict(return_variance=return_variance, implementation=implementation,
+                 chunk_size=chunk_size, interpret=interpret)
+  if context_parallel.active() is not None:
+    return _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
+  return _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
+
+
+def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
+                    return_variance, implementation, chunk_size, interpret) -> PalimpsaResult:
+  """The op on arrays whose time axis is whole (validated arguments, ip f32)."""
+  b, _, h, kd = q.shape
+  vd = v.shape[-1]
   if beta is None and initial_state is None:
     return _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, implementation,
                             chunk_size)
@@ -85,15 +99,16 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
 
 
 def _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, implementation,
-                     chunk_size) -> PalimpsaResult:
+                     chunk_size, h0=None) -> PalimpsaResult:
   """beta == 0 from the prior: I_t = Ip throughout, so out = (h q) / Ip with SimpleGLA's h.
 
+  h0: [B, H, V, K] f32, SimpleGLA's state before step 0 (M = mu * Ip), None for zeros.
   (With a given initial_state its precision need not equal Ip, so beta=None then runs the
   general path with beta = 0.)
   """
   gla_impl = "sequential" if implementation == "sequential" else "auto"
-  h = gla.simple_gla(q, k, v.astype(jnp.float32), log_alpha, segment_ids=segment_ids,
-                     implementation=gla_impl, chunk_size=chunk_size)
+  h = gla.simple_gla(q, k, v.astype(jnp.float32), log_alpha, initial_state=h0,
+                     segment_ids=segment_ids, implementation=gla_impl, chunk_size=chunk_size)
   inv_ip = 1.0 / ip
   out = (h.out * inv_ip[:, None]).astype(v.dtype)
   var = None
@@ -103,6 +118,44 @@ def _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, imple
   b, h_heads, vd, kd = h.state.shape
   precision = jnp.broadcast_to(ip[None, :, None, None], (b, h_heads, vd, kd))
   return PalimpsaResult(out, var, PalimpsaState(h.state * inv_ip[None, :, None, None], precision))
+
+
+def _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
+                   return_variance, implementation, chunk_size, interpret) -> PalimpsaResult:
+  """The op with time split over the sequence axis (ops.context_parallel).
+
+  Each shard runs _whole_sequence from its true start state; beta=None from the prior stays
+  on the SimpleGLA path (the state is then M alone: I = Ip throughout).
+  """
+  b, _, h, kd = q.shape
+  vd = v.shape[-1]
+  ipb = ip[None, :, None, None]
+  simple = beta is None and initial_state is None
+  if initial_state is None:
+    m0 = jnp.zeros((b, h, vd, kd), jnp.float32)
+    ibar0 = None if simple else jnp.zeros_like(m0)
+  else:
+    prec0 = initial_state.precision.astype(jnp.float32)
+    m0, ibar0 = initial_state.mu.astype(jnp.float32) * prec0, prec0 - ipb
+  if beta is None and not simple:
+    beta = jnp.zeros_like(v)
+  options = dict(return_variance=return_variance, implementation=implementation,
+                 chunk_size=chunk_size)
+
+  def local(q, k, v, beta, log_alpha, ip, seg, m_in, ibar_in):
+    if ibar_in is None:
+      result = _simple_gla_path(q, k, v, log_alpha, ip, seg, return_variance, implementation,
+                                chunk_size, h0=m_in)
+    else:
+      prec = ibar_in + ip[None, :, None, None]
+      result = _whole_sequence(q, k, v, beta, log_alpha, ip, PalimpsaState(m_in / prec, prec),
+                               seg, interpret=interpret, **options)
+    return result.out, result.variance
+
+  out, var, m, ibar = context_parallel.palimpsa_over_sequence(
+      local, q, k, v, beta, log_alpha, ip, m0, ibar0, segment_ids, return_variance)
+  precision = jnp.broadcast_to(ipb, m.shape) if ibar is None else ibar + ipb
+  return PalimpsaResult(out, var, PalimpsaState(m / precision, precision))
 
 
 def _auto_implementation() -> str:

@@ -1,0 +1,41 @@
+"""The lm / long_context scorer with rows split over devices equals one device."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).parents[2]
+
+_SCRIPT = """
+import jax, numpy as np
+from flax import nnx
+from palimpsa_jax import models
+from palimpsa_jax.evaluation import lm
+assert jax.device_count() == 4
+config = models.model_config("palimpsa_d", "tiny", dtype="float32", chunk_size=4)
+model = models.build_model(config, nnx.Rngs(0))
+rng = np.random.default_rng(0)
+tokens = rng.integers(0, config.vocab_size, (2, 32))
+segment_ids = np.repeat([[0, 1]], 2, 0).repeat([12, 20], 1)
+targets = rng.integers(0, config.vocab_size, (2, 32))
+want = lm.ModelScorer(model)(tokens, segment_ids, targets)
+got = lm.ModelScorer(model, sequence_devices=4)(tokens, segment_ids, targets)
+np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+np.testing.assert_array_equal(got[1], want[1])
+try:
+  lm.ModelScorer(model, sequence_devices=4)(tokens[:, :30], segment_ids[:, :30], targets[:, :30])
+except ValueError as error:
+  assert "cannot be split over 4 devices" in str(error), error
+else:
+  raise AssertionError("30 tokens over 4 devices were accepted")
+print("ok")
+"""
+
+
+def test_scorer_splits_rows_over_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -1,0 +1,67 @@
+"""train.py with config.mesh.sequence > 1 gives the losses of config.mesh.sequence=1.
+
+Real Palimpsa-D on MQAR, 4 fake CPU devices: 8 steps data-parallel (sequence 1) against
+4 steps with every sequence split over 4 devices, resumed from that checkpoint on a
+sequence axis of 2 for the last 4 steps.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).parents[2]
+_CONFIG = ("--config=configs/mqar.py:mixer=palimpsa_d,seq_len=16,kv=2,vocab=32,d_model=16,"
+           "heads=2,head_v=8,examples=64,test_examples=32,batch=16,epochs=2")
+_FLAGS = ("--config.eval_batch_size=32", "--config.log_every_steps=1",
+          "--config.eval_every_steps=4", "--config.checkpoint_every_steps=4",
+          "--config.optimizer.decay_steps=16", "--config.log_diagnostics=False")
+
+
+def _train(workdir, total_steps, sequence):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "train.py", _CONFIG, *_FLAGS, f"--config.total_steps={total_steps}",
+       f"--config.mesh.sequence={sequence}", f"--workdir={workdir}"],
+      env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def _losses(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+  return {r["step"]: (r["train/loss"], r["train/grad_norm"]) for r in records
+          if "train/loss" in r}
+
+
+@pytest.mark.slow  # three train.py runs: about a minute of CPU
+def test_sequence_axis_gives_the_losses_of_one_and_restores_onto_another_size(tmp_path):
+  _train(tmp_path / "whole", 8, sequence=1)
+  split = tmp_path / "split"
+  _train(split, 4, sequence=4)
+  out = _train(split, 8, sequence=2)
+  assert "resumed from" in out
+  want, got = _losses(tmp_path / "whole"), _losses(split)
+  assert sorted(got) == sorted(want) == list(range(1, 9))
+  np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
+                             rtol=1e-5)
+
+
+def test_batch_and_kernel_context_follow_the_sequence_axis():
+  from jax.sharding import AbstractMesh, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.ops import kernel_sharding  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import sharding  # pylint: disable=g-import-not-at-top
+  mesh = AbstractMesh((1, 1, 4, 1), sharding.MESH_AXES)
+  spec = lambda shape: sharding.batch_sharding(mesh, shape).spec
+  assert spec((2, 16)) == PartitionSpec(sharding.BATCH_AXES, "sequence")
+  assert spec((2, 6)) == spec((2,)) == PartitionSpec(sharding.BATCH_AXES)
+  with sharding.kernel_context(mesh, sharding.DEFAULT_RULES)():
+    assert kernel_sharding.current().sequence_axis == "sequence"
+  single = AbstractMesh((1, 1, 1, 1), sharding.MESH_AXES)
+  with sharding.kernel_context(single, sharding.DEFAULT_RULES)():
+    assert kernel_sharding.current().sequence_axis is None
