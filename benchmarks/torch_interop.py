@@ -25,6 +25,7 @@ lists what was patched).
 import argparse
 import contextlib
 import importlib
+import importlib.machinery
 import inspect
 import json
 import os
@@ -44,10 +45,14 @@ THRESHOLDS = {"float32": 1e-4, "bfloat16": 1e-2}
 def authors_compat() -> list[str]:
   """Aliases the FLA / transformers / wandb names the authors' code imports; what was done."""
   done = []
+  # transformers imports accelerate, which asks once whether wandb is installed
+  # (importlib.util.find_spec): let it see the truth before the stub exists.
+  importlib.import_module("transformers.activations")
   try:
     importlib.import_module("wandb")
   except ImportError:
     stub = types.ModuleType("wandb")
+    stub.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
     stub.run = None  # their diagnostics run only when a wandb run is active
     sys.modules["wandb"] = stub
     done.append("wandb: stub module (run=None)")

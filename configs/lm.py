@@ -15,7 +15,7 @@ batch 128 (128 x 4096 = 0.52M tokens per step). Per size (SIZE_DEFAULTS):
   2.7b: lr 8e-4,    30B tokens -> 57,221 steps (the paper gives no 2.7B recipe, the
         paper converts a pretrained model; lr from the GPT-3 / Mamba scaling);
   tiny: a smoke-test run: context 512, batch 16, lr 3e-3, 200 warmup, 2000 steps.
-760m and 2.7b scan their layers with remat (scan_layers, remat); 170m and tiny unroll them.
+170m, 760m and 2.7b scan their layers with remat (scan_layers, remat); tiny unrolls them.
 Unless `steps` is given, steps = ceil(tokens / (batch * seq_len)), so changing
 batch or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
@@ -47,15 +47,15 @@ DEFAULTS = dict(
 )
 
 # docs/models.md, sizes and recipe (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
-# Layout per size from measurements on one H200 at context 4096 (docs/training.md, "Model
-# sizes on one H200"): at 170m unrolled layers give the fastest step (249-264 ms against 296
-# scanned, for 8 sequences, in 47 against 104 GiB) and the compilation cache makes their slow
-# first compile (121-147 s) a one-off; at 760m and 2.7b scanned layers with remat compile in
-# 13-22 s and fit 8 (760m, 18 GiB) or 4 (2.7b, 54 GiB) sequences per device.
+# Layers per size, from measurements on one H200 at context 4096 (docs/training.md, "Model
+# sizes on one H200"): scanned with remat, Palimpsa-D 170m steps 2-8% slower than unrolled
+# (121.7k against 124.3-131.7k tokens/s) in a sixth of the memory, compiles in 15-19 s against
+# 121-147 s and reaches its first step from a warm cache in 10 s against 45 s; at 760m and 2.7b
+# the scanned step compiles in 13-22 s. tiny (CPU smoke tests) stays unrolled.
 SIZE_DEFAULTS = {
     "tiny": dict(seq_len=512, batch=16, tokens=2000 * 16 * 512, lr=3e-3,
                  warmup=200, device_batch=16),
-    "170m": dict(tokens=15e9, lr=3e-3, device_batch=8),
+    "170m": dict(tokens=15e9, lr=3e-3, device_batch=8, scan_layers=True, remat=True),
     "760m": dict(tokens=30e9, lr=1.25e-3, device_batch=8, scan_layers=True, remat=True),
     "2.7b": dict(tokens=30e9, lr=8e-4, device_batch=4, scan_layers=True, remat=True),
 }
