@@ -69,6 +69,13 @@ class GatedDeltaNet(ConvolvedQKV, RecurrentMixer):
     return GatedDeltaNetCache(*self._initial_conv_states(batch_size),
                               jnp.zeros(shape, jnp.float32))
 
+  def _gates(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, d_model] -> (beta in (0, 1), log decay <= 0), each [B, T, H] float32."""
+    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+    dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32)
+                         + self.dt_bias[...])
+    return beta, -jnp.exp(self.A_log[...]) * dt
+
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
     check_mixer_input(x, self.d_model)
@@ -76,10 +83,7 @@ class GatedDeltaNet(ConvolvedQKV, RecurrentMixer):
     h, vd = self.num_heads, self.head_v_dim
     q, k, v, conv_states = self._qkv(x, cache, segment_ids)
     q = q.astype(self.dtype)
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-    dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32)
-                         + self.dt_bias[...])
-    log_alpha = -jnp.exp(self.A_log[...]) * dt
+    beta, log_alpha = self._gates(x)
 
     result = gated_delta_rule(
         q, k, v, beta.astype(self.dtype), log_alpha,

@@ -62,10 +62,7 @@ class MesaNet(GatedDeltaNet):
     batch, length, _ = x.shape
     h, vd = self.num_heads, self.head_v_dim
     q, k, v, conv_states = self._qkv(x, cache, segment_ids)
-    beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-    dt = jax.nn.softplus(self.a_proj(x).astype(jnp.float32)
-                         + self.dt_bias[...])
-    log_gamma = -jnp.exp(self.A_log[...]) * dt
+    beta, log_gamma = self._gates(x)
 
     result = mesa_net(
         q, k, v, beta, log_gamma, self.regulariser(),
