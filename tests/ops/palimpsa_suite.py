@@ -79,7 +79,7 @@ def _op_with_grads_fn(diff, seg, cotangents, *, implementation, interpret, chunk
 
 
 _STATIC = ("implementation", "interpret", "chunk_size")
-_op_with_grads = jax.jit(_op_with_grads_fn, static_argnames=_STATIC)
+_jitted_op_with_grads = jax.jit(_op_with_grads_fn, static_argnames=_STATIC)
 
 
 @jax.jit
@@ -142,14 +142,14 @@ class PalimpsaSuite(chex.TestCase):
     fn = _jitted_palimpsa(self.IMPLEMENTATION, self.INTERPRET, chunk_size, return_variance)
     return fn(*args, **kwargs)
 
-  def _op_with_grads(self, diff, seg, cotangents, chunk_size, run=_op_with_grads):
-    """(out, variance, mu, precision) and their vjp's grads; `run` is _op_with_grads_fn
+  def _op_with_grads(self, diff, seg, cotangents, chunk_size, run=_jitted_op_with_grads):
+    """(out, variance, mu, precision) and their vjp's grads; `run` is _op_with_grads_fn,
     jitted (default) or under a chex variant."""
     return run(diff, seg, cotangents, implementation=self.IMPLEMENTATION,
                interpret=self.INTERPRET, chunk_size=chunk_size)
 
   def _check_against_reference(self, seed, shape, chunk, lengths, dtype, fwd_tol, grad_tol,
-                               run=_op_with_grads, label=""):
+                               run=_jitted_op_with_grads, label=""):
     x = make_inputs(seed, shape, dtype, lengths)
     cts = random_cotangents(seed + 1, shape)
     diff = tuple(jnp.asarray(x[n], dtype if i < 6 else jnp.float32)
