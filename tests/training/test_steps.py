@@ -126,28 +126,19 @@ def _batches(lengths):
 
 
 def test_train_and_eval_steps_are_traced_once(setup, at_most_one_trace):
-  """New batches of one shape and the updated state reuse the compiled steps."""
+  """New batches of one shape and the updated state reuse the compiled steps; a batch of
+  another length retraces them, which the guard turns into a failure."""
   graphdef, params, model_state, _ = setup
   train_step, fresh_state = _train_step_and_state(graphdef, params, model_state)
   eval_step = steps_lib.make_eval_step(graphdef, jax.sharding.SingleDeviceSharding(
       jax.devices()[0]))
   state = fresh_state()
-  for batch in _batches([LENGTH] * 3):
+  *batches, shorter = _batches([LENGTH] * 3 + [LENGTH - 8])
+  for batch in batches:
     state, metrics = train_step(state, batch)
     sums = eval_step(state["params"], state["model_state"], batch)
   assert int(state["step"]) == 3
   chex.assert_tree_all_finite((metrics, sums))
-
-
-def test_trace_guard_fails_when_a_step_retraces(setup, at_most_one_trace):
-  """A batch of another length retraces: the guard turns that into a failure."""
-  graphdef, params, model_state, _ = setup
-  train_step, fresh_state = _train_step_and_state(graphdef, params, model_state)
-  eval_step = steps_lib.make_eval_step(graphdef, jax.sharding.SingleDeviceSharding(
-      jax.devices()[0]))
-  first, shorter = _batches([LENGTH, LENGTH - 8])
-  state, _ = train_step(fresh_state(), first)
-  eval_step(params, model_state, first)
   with pytest.raises(AssertionError, match="traced > 1 times"):
     train_step(state, shorter)
   with pytest.raises(AssertionError, match="traced > 1 times"):
