@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +41,7 @@ def test_short_conv_matches_reference_with_segments(use_bias):
   ref = _conv_reference(np.asarray(x, np.float64),
                         np.asarray(conv.kernel[...], np.float64), b,
                         np.asarray(seg))
-  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_short_conv_state_continues_the_sequence():
@@ -50,9 +51,9 @@ def test_short_conv_state_continues_the_sequence():
   first, state = conv(x[:, :3])
   second, state = conv(x[:, 3:4], state)
   third, state = conv(x[:, 4:], state)
-  np.testing.assert_allclose(
+  chex.assert_trees_all_close(
       np.concatenate([first, second, third], 1), full, rtol=1e-6, atol=1e-6)
-  np.testing.assert_array_equal(state, full_state)
+  chex.assert_trees_all_equal(state, full_state)
   assert state.shape == (2, 3, 5) and state.dtype == jnp.float32
 
 
@@ -68,7 +69,7 @@ def test_rms_norm_and_dtype():
   y = norm(x)
   ref = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5)
   assert y.dtype == jnp.bfloat16 and norm.scale[...].dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=1e-2)
+  chex.assert_trees_all_close(np.asarray(y, np.float32), ref, rtol=1e-2)
 
 
 @pytest.mark.parametrize("norm_before_gate", [True, False])
@@ -85,7 +86,7 @@ def test_gated_rms_norm_groups(norm_before_gate):
   normed = (groups / np.sqrt(np.mean(groups ** 2, -1, keepdims=True) + 1e-6)
             ).reshape(2, 8) * np.arange(1.0, 9.0)
   ref = normed * gate if norm_before_gate else normed
-  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_rope_scores_depend_on_relative_position_only():
@@ -93,8 +94,8 @@ def test_rope_scores_depend_on_relative_position_only():
   k = jax.random.normal(jax.random.key(5), (1, 1, 2, 8))
   def score(pq, pk):
     return jnp.sum(apply_rope(q, jnp.array([pq])) * apply_rope(k, jnp.array([pk])), -1)
-  np.testing.assert_allclose(score(7, 3), score(104, 100), rtol=1e-4)
-  np.testing.assert_allclose(score(0, 0), jnp.sum(q * k, -1), rtol=1e-5)
+  chex.assert_trees_all_close(score(7, 3), score(104, 100), rtol=1e-4)
+  chex.assert_trees_all_close(score(0, 0), jnp.sum(q * k, -1), rtol=1e-5)
   assert not np.allclose(score(7, 3), score(3, 7))
 
 
@@ -105,25 +106,25 @@ def test_swiglu_shape_and_hidden_rule():
   x = jax.random.normal(jax.random.key(6), (2, 3, 8))
   ref = (jax.nn.silu(x @ mlp.gate_proj.kernel[...]) * (x @ mlp.up_proj.kernel[...])
          ) @ mlp.down_proj.kernel[...]
-  np.testing.assert_allclose(mlp(x), ref, rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_close(mlp(x), ref, rtol=1e-5, atol=1e-7)
 
 
 def test_swiglu_init_std():
   mlp = SwiGLU(64, 128, rngs=nnx.Rngs(0), init_std=0.5)
   for dense in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-    np.testing.assert_allclose(float(jnp.std(dense.kernel[...])), 0.5, rtol=0.05)
+    chex.assert_trees_all_close(float(jnp.std(dense.kernel[...])), 0.5, rtol=0.05)
 
 
 def test_a_log_initialisers():
   key = jax.random.key(7)
   a = jnp.exp(params_lib.init_a_log(key, 64, "uniform", (0.0, 16.0)))
   assert float(a.min()) > 0 and float(a.max()) < 16
-  np.testing.assert_allclose(
+  chex.assert_trees_all_close(
       jnp.exp(params_lib.init_a_log(key, 5, "arange", (1.0, 16.0))),
-      [1, 2, 3, 4, 5], rtol=1e-6)
-  np.testing.assert_allclose(
+      np.array([1, 2, 3, 4, 5.0]), rtol=1e-6)
+  chex.assert_trees_all_close(
       jnp.exp(params_lib.init_a_log(key, 4, "linspace", (0.01, 0.16))),
-      [0.01, 0.06, 0.11, 0.16], rtol=1e-5)
+      np.array([0.01, 0.06, 0.11, 0.16]), rtol=1e-5)
   with pytest.raises(ValueError, match="A_init"):
     params_lib.init_a_log(key, 4, "normal", (0.0, 1.0))
 
@@ -153,11 +154,11 @@ def test_palimpsa_diagnostics_summaries():
                           PalimpsaState(jnp.zeros_like(precision), precision))
   q = jnp.ones((1, 1, 1, 2))
   stats = palimpsa_diagnostics(result, q, jnp.ones((1,)), jnp.full((2,), 3.0))
-  np.testing.assert_allclose(stats["metaplastic_fraction"], 0.5)
-  np.testing.assert_allclose(stats["precision_mean"], 2.25)
-  np.testing.assert_allclose(stats["variance_mean"], 1.0)
-  np.testing.assert_allclose(stats["output_rms"], 3.0)
+  chex.assert_trees_all_close(stats["metaplastic_fraction"], 0.5, rtol=1e-7)
+  chex.assert_trees_all_close(stats["precision_mean"], 2.25, rtol=1e-7)
+  chex.assert_trees_all_close(stats["variance_mean"], 1.0, rtol=1e-7)
+  chex.assert_trees_all_close(stats["output_rms"], 3.0, rtol=1e-7)
   no_variance = result._replace(variance=None)
   stats = palimpsa_diagnostics(no_variance, q, jnp.full((1,), 2.0),
                                jnp.zeros(2))
-  np.testing.assert_allclose(stats["variance_mean"], 1.0)  # sum q^2 / Ip
+  chex.assert_trees_all_close(stats["variance_mean"], 1.0, rtol=1e-7)  # sum q^2 / Ip

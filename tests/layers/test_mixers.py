@@ -1,5 +1,7 @@
 """Every mixer: shapes, segments, decoding == forward, gradients, equivalences."""
 
+from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from flax import nnx
 
 from palimpsa_jax.layers import palimpsa_d as palimpsa_d_module
 from palimpsa_jax.models import make_mixer, model_config
+from tests.ops.numerics import FLOAT32_TOL, assert_close_to_reference
 
 MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
           "gated_deltanet", "mesanet", "transformer")
@@ -35,12 +38,8 @@ def _perturb(module, seed, scale=0.1):
   nnx.update(module, nnx.from_flat_state(updated))
 
 
-def _assert_close(actual, expected, tol):
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  assert actual.shape == expected.shape
-  scale = np.max(np.abs(expected))
-  err = np.max(np.abs(actual - expected))
-  assert err <= tol * scale, f"max err {err:.3g} > {tol} * {scale:.3g}"
+def _apply(mixer, x):
+  return mixer(x)
 
 
 @nnx.jit
@@ -77,38 +76,36 @@ def case(request):
 
 def test_shapes_dtypes_and_diagnostics(case):
   model, mixer, x, (y, diagnostics, _, _) = case
-  assert y.shape == x.shape and y.dtype == jnp.float32
-  assert np.all(np.isfinite(y))
-  for leaf in jax.tree.leaves(nnx.state(mixer, nnx.Param)):
-    assert leaf.dtype == jnp.float32
+  chex.assert_shape(y, x.shape)
+  chex.assert_type(y, jnp.float32)
+  chex.assert_tree_all_finite(y)
+  chex.assert_type(jax.tree.leaves(nnx.state(mixer, nnx.Param)), jnp.float32)
   assert "output_rms" in diagnostics
   if model in ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2"):
-    for key in ("variance_mean", "precision_mean", "precision_std",
-                "metaplastic_fraction"):
-      assert np.isfinite(diagnostics[key]), key
+    chex.assert_tree_all_finite({key: diagnostics[key] for key in (
+        "variance_mean", "precision_mean", "precision_std", "metaplastic_fraction")})
     assert 0 <= diagnostics["metaplastic_fraction"] <= 1
     if model in ("not_palimpsa", "mamba2"):
-      np.testing.assert_allclose(diagnostics["precision_mean"], 1.0, rtol=1e-6)
+      chex.assert_trees_all_close(diagnostics["precision_mean"], 1.0, rtol=1e-6)
 
 
 def test_segments_restart_every_mixer(case):
   _, _, _, (y, _, packed, alone) = case
-  _assert_close(packed[:, :PREFIX], y[:, :PREFIX], 1e-5)
-  _assert_close(packed[:, PREFIX:], alone, 1e-5)
+  assert_close_to_reference(packed[:, :PREFIX], y[:, :PREFIX], FLOAT32_TOL)
+  assert_close_to_reference(packed[:, PREFIX:], alone, FLOAT32_TOL)
 
 
 def test_prefill_then_steps_equal_forward(case):
   _, mixer, x, (y, _, _, _) = case
-  cache = mixer.init_cache(BATCH, LENGTH, jnp.float32)
-  shapes = jax.tree.map(lambda a: (a.shape, a.dtype), cache)
+  initial = mixer.init_cache(BATCH, LENGTH, jnp.float32)
   outputs = []
-  out, cache = _prefill(mixer, x[:, :PREFIX], cache)
+  out, cache = _prefill(mixer, x[:, :PREFIX], initial)
   outputs.append(out)
   for t in range(PREFIX, LENGTH):
     out, cache = _step(mixer, x[:, t:t + 1], cache)
     outputs.append(out)
-  assert jax.tree.map(lambda a: (a.shape, a.dtype), cache) == shapes
-  _assert_close(jnp.concatenate(outputs, axis=1), y, 1e-4)
+  chex.assert_trees_all_equal_shapes_and_dtypes(cache, initial)
+  assert_close_to_reference(jnp.concatenate(outputs, axis=1), y, 1e-4)
 
 
 def test_gradients_finite_and_ip_frozen(case):
@@ -116,11 +113,11 @@ def test_gradients_finite_and_ip_frozen(case):
   w = jax.random.normal(jax.random.key(3), x.shape)
   grads = _grads(mixer, x, w)
   flat = dict(nnx.to_flat_state(grads))
+  chex.assert_tree_all_finite({"/".join(map(str, path)): g[...] for path, g in flat.items()})
   for path, g in flat.items():
     value = np.asarray(g[...])
-    assert np.all(np.isfinite(value)), path
     if path[-1] == "Ip_log":
-      np.testing.assert_array_equal(value, 0.0)
+      chex.assert_trees_all_equal(value, np.zeros_like(value))
     else:
       assert np.any(value != 0), path
   has_beta = any(p[0] in ("beta_up", "b_scale") for p in flat)
@@ -137,8 +134,7 @@ def test_not_palimpsa_equals_palimpsa_d_with_zero_beta(monkeypatch):
   full.beta_up.kernel[...] = jnp.zeros_like(full.beta_up.kernel[...])
   full.beta_up.bias[...] = jnp.full_like(full.beta_up.bias[...], -1e4)
   x = jax.random.normal(jax.random.key(6), (BATCH, LENGTH, 64))
-  _assert_close(nnx.jit(lambda m, x: m(x))(plain, x),
-                nnx.jit(lambda m, x: m(x))(full, x), 1e-5)
+  assert_close_to_reference(nnx.jit(_apply)(plain, x), nnx.jit(_apply)(full, x), FLOAT32_TOL)
 
   betas = []
   original = palimpsa_d_module.palimpsa
@@ -215,7 +211,8 @@ def _mamba2_reference(p, x, heads, head_dim, state_dim, groups, eps):
   return y @ p["out_proj"]
 
 
-def test_mamba2_equals_minimal_mamba2():
+def _mamba2_case():
+  """(Mamba2 mixer, x, its float64 reference output)."""
   mixer = _mixer("mamba2")
   _perturb(mixer, 7)
   get = lambda v: np.asarray(v[...], np.float64)
@@ -229,7 +226,7 @@ def test_mamba2_equals_minimal_mamba2():
   expected = _mamba2_reference(
       params, np.asarray(x, np.float64), mixer.num_heads, config.head_dim,
       config.state_dim, config.num_groups, config.norm_eps)
-  _assert_close(nnx.jit(lambda m, x: m(x))(mixer, x), expected, 1e-5)
+  return mixer, x, expected
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -329,7 +326,8 @@ def _float64(variable):
   return np.asarray(variable[...], np.float64)
 
 
-def test_palimpsa_d_equals_reference():
+def _palimpsa_d_case():
+  """(Palimpsa-D mixer, x, its float64 reference output)."""
   mixer = _mixer("palimpsa_d")
   _perturb(mixer, 9, scale=0.2)
   _set_head_params(mixer, 10, b_scale_raw=3.0)
@@ -353,10 +351,11 @@ def test_palimpsa_d_equals_reference():
     expected = _palimpsa_d_reference(
         params, np.asarray(x, np.float64), config.num_heads,
         config.head_k_dim, config.head_v_dim, config.norm_eps)
-  _assert_close(nnx.jit(lambda m, x: m(x))(mixer, x), expected, 1e-5)
+  return mixer, x, expected
 
 
-def test_meta_mamba2_equals_reference():
+def _meta_mamba2_case():
+  """(MetaMamba2 mixer, x, its float64 reference output)."""
   mixer = _mixer("meta_mamba2")
   _perturb(mixer, 12, scale=0.2)
   _set_head_params(mixer, 13, b_scale_raw=3.0)
@@ -376,4 +375,16 @@ def test_meta_mamba2_equals_reference():
     expected = _meta_mamba2_reference(
         params, np.asarray(x, np.float64), mixer.num_heads, config.head_dim,
         config.state_dim, config.num_groups, config.norm_eps)
-  _assert_close(nnx.jit(lambda m, x: m(x))(mixer, x), expected, 1e-5)
+  return mixer, x, expected
+
+
+class TestMixersEqualFloat64References(chex.TestCase):
+  """Mixers with a float64 numpy reference, jitted and run eagerly (op by op)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters("mamba2", "palimpsa_d", "meta_mamba2")
+  def test_equals_reference(self, model):
+    case = {"mamba2": _mamba2_case, "palimpsa_d": _palimpsa_d_case,
+            "meta_mamba2": _meta_mamba2_case}[model]
+    mixer, x, expected = case()
+    assert_close_to_reference(self.variant(_apply)(mixer, x), expected, FLOAT32_TOL)

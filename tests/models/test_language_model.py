@@ -1,5 +1,6 @@
 """Language model: shapes per model, decoding == forward, gradients, generation."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,8 @@ from flax import nnx
 from palimpsa_jax.layers import Attention
 from palimpsa_jax.models import build_model, generate, language_model, model_config
 from palimpsa_jax.models.config import MODELS
+from palimpsa_jax.models.language_model import LanguageModel
+from tests.ops.numerics import BFLOAT16_TOL, assert_close_to_reference
 
 BATCH, LENGTH, PREFIX = 2, 10, 4
 
@@ -21,21 +24,19 @@ def test_forward_shapes_and_dtypes(model, dtype):
   tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
   logits, diagnostics = nnx.eval_shape(
       lambda m, t: m(t, segment_ids=t, return_diagnostics=True), lm, tokens)
-  assert logits.shape == (BATCH, LENGTH, config.vocab_size)
-  assert logits.dtype == jnp.float32
+  chex.assert_shape(logits, (BATCH, LENGTH, config.vocab_size))
+  chex.assert_type(logits, jnp.float32)
   assert len(diagnostics) == config.num_layers
   block = lm.blocks[0]
   hidden = jax.ShapeDtypeStruct((BATCH, LENGTH, config.d_model), jnp.float32)
   out = nnx.eval_shape(lambda m, h: m.mixer(m.mixer_norm(h)), block, hidden)
-  assert out.dtype == jnp.dtype(dtype)
-  assert all(leaf.dtype == jnp.float32
-             for leaf in jax.tree.leaves(nnx.state(lm, nnx.Param)))
+  chex.assert_type(out, jnp.dtype(dtype))
+  chex.assert_type(jax.tree.leaves(nnx.state(lm, nnx.Param)), jnp.float32)
   cache = nnx.eval_shape(lambda m: m.init_cache(BATCH, LENGTH), lm)
   _, new_cache = nnx.eval_shape(
       lambda m, t, c: m.step(t, c), lm,
       jax.ShapeDtypeStruct((BATCH, 1), jnp.int32), cache)
-  assert jax.tree.map(lambda a: (a.shape, a.dtype), new_cache) == jax.tree.map(
-      lambda a: (a.shape, a.dtype), cache)
+  chex.assert_trees_all_equal_shapes_and_dtypes(new_cache, cache)
 
 
 def test_mamba_blocks_have_no_mlp_and_remat_traces():
@@ -68,17 +69,15 @@ def test_prefill_then_steps_equal_forward(palimpsa_lm):
   for t in range(PREFIX, LENGTH):
     out, cache = step(lm, tokens[:, t:t + 1], cache)
     outputs.append(out)
-  decoded = np.asarray(jnp.concatenate(outputs, axis=1))
-  np.testing.assert_allclose(decoded, logits,
-                             atol=1e-4 * float(jnp.max(jnp.abs(logits))))
+  assert_close_to_reference(jnp.concatenate(outputs, axis=1), logits, 1e-4)
 
 
 def test_gradients_finite(palimpsa_lm):
   lm, tokens = palimpsa_lm
   grads = nnx.jit(lambda m, t: nnx.grad(
       lambda m: jnp.mean(jax.nn.log_softmax(m(t))[..., 0]))(m))(lm, tokens)
-  for path, g in nnx.to_flat_state(grads):
-    assert np.all(np.isfinite(g[...])), path
+  chex.assert_tree_all_finite(
+      {"/".join(map(str, path)): g[...] for path, g in nnx.to_flat_state(grads)})
   assert np.any(grads["embed"][...] != 0)
 
 
@@ -88,10 +87,25 @@ def test_generate_is_deterministic_per_seed(palimpsa_lm):
   first = generate(lm, prompt, 6, temperature=1.0, top_k=50, seed=3)
   again = generate(lm, prompt, 6, temperature=1.0, top_k=50, seed=3)
   other = generate(lm, prompt, 6, temperature=1.0, top_k=50, seed=4)
-  assert first.shape == (BATCH, 6) and first.dtype == jnp.int32
-  np.testing.assert_array_equal(first, again)
+  chex.assert_shape(first, (BATCH, 6))
+  chex.assert_type(first, jnp.int32)
+  chex.assert_trees_all_equal(first, again)
   assert not np.array_equal(first, other)
   assert np.all((first >= 0) & (first < lm.vocab_size))
+
+
+def test_generation_traces_the_decode_step_once(palimpsa_lm, monkeypatch):
+  """New prompts and seeds of one shape reuse the compiled generation, so the cached decode
+  step is traced once; a sampling setting that changes per call (a static Python float)
+  retraces it, which the guard turns into a failure."""
+  lm, tokens = palimpsa_lm
+  chex.clear_trace_counter()
+  monkeypatch.setattr(LanguageModel, "step", chex.assert_max_traces(LanguageModel.step, n=1))
+  for seed in range(3):
+    new = generate(lm, tokens[:, seed:seed + PREFIX], 3, temperature=0.9, top_k=5, seed=seed)
+  chex.assert_shape(new, (BATCH, 3))
+  with pytest.raises(AssertionError, match="traced > 1 times"):
+    generate(lm, tokens[:, :PREFIX], 3, temperature=0.8, top_k=5)
 
 
 def test_bad_inputs_raise(palimpsa_lm):
@@ -135,10 +149,10 @@ def test_tied_head_gradients_match_autodiff(dtype):
                                   preferred_element_type=jnp.float32)
   want = jax.grad(loss, argnums=(1, 2))(plain, h, table)
   got = jax.grad(loss, argnums=(1, 2))(language_model.tied_head_logits, h, table)
-  tol = 1e-6 if dtype == jnp.float32 else 2e-2
+  tol = 1e-6 if dtype == jnp.float32 else BFLOAT16_TOL
+  chex.assert_type(got, jnp.float32)
   for g, w in zip(got, want):
-    assert g.dtype == jnp.float32
-    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w))))
+    chex.assert_trees_all_close(g, w, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w))))
 
 
 def test_tied_head_backward_matmuls_stay_bf16():

@@ -1,5 +1,6 @@
 """Model configs: parameter budgets, MQAR settings, inits, masks, sharding names."""
 
+import chex
 import flax.linen
 import jax
 import jax.numpy as jnp
@@ -115,7 +116,7 @@ def test_mqar_forget_gate_init_is_small(model):
   mixer = make_mixer(mqar_model_config(model), nnx.Rngs(0))
   a = np.exp(np.asarray(mixer.A_log[...]))
   assert a.size == 8
-  np.testing.assert_allclose(a, np.linspace(0.01, 0.16, 8), rtol=1e-5)
+  chex.assert_trees_all_close(a, np.linspace(0.01, 0.16, 8), rtol=1e-5)
   dt = np.asarray(jax.nn.softplus(mixer.dt_bias[...]))
   assert np.all(dt >= 1e-3 * (1 - 1e-5)) and np.all(dt <= 1e-1 * (1 + 1e-5))
 
@@ -127,11 +128,10 @@ def test_default_forget_gate_inits():
   assert np.all(a > 0) and np.all(a < 16) and np.ptp(a) > 4
   mamba = build_model(model_config("mamba2", "tiny"), nnx.Rngs(0))
   a = np.exp(np.asarray(mamba.blocks[0].mixer.A_log[...]))
-  np.testing.assert_allclose(a, np.arange(1, a.size + 1), rtol=1e-6)
+  chex.assert_trees_all_close(a, np.arange(1.0, a.size + 1), rtol=1e-6)
   mixer = pd.blocks[0].mixer
-  np.testing.assert_array_equal(mixer.D[...], 1.0)
-  np.testing.assert_array_equal(mixer.b_scale[...], 1.0)
-  np.testing.assert_array_equal(mixer.Ip_log[...], 0.0)
+  chex.assert_trees_all_equal((mixer.D[...], mixer.b_scale[...], mixer.Ip_log[...]),
+                              (1.0, 1.0, 0.0))
   bound = mixer.beta_up.kernel[...].shape[0] ** -0.5
   assert float(jnp.max(jnp.abs(mixer.beta_up.kernel[...]))) <= bound
   assert abs(float(jnp.std(mixer.q_proj.kernel[...])) - 0.02) < 0.004

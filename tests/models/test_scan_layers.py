@@ -1,13 +1,14 @@
 """config.scan_layers: one stacked, scanned block computes what the unrolled blocks do."""
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
 from palimpsa_jax.models import build_model, model_config
 from palimpsa_jax.training import sharding as sharding_lib
+from tests.ops.numerics import assert_close_to_reference
 
 NUM_LAYERS, BATCH, LENGTH = 3, 2, 12
 
@@ -45,13 +46,13 @@ def test_scanned_forward_and_gradients_equal_unrolled(model):
 
   value_s, grads_s = nnx.jit(nnx.value_and_grad(loss))(scanned)
   value_u, grads_u = nnx.jit(nnx.value_and_grad(loss))(unrolled)
-  np.testing.assert_allclose(value_s, value_u, rtol=1e-6)
+  chex.assert_trees_all_close(value_s, value_u, rtol=1e-6)
   stacked = nnx.to_pure_dict(grads_s)["blocks"]
   for i, layer in nnx.to_pure_dict(grads_u)["blocks"].items():
-    jax.tree.map(lambda s, u, i=i: np.testing.assert_allclose(
-        s[i], u, rtol=1e-4, atol=1e-7), stacked, layer)
-  np.testing.assert_allclose(nnx.to_pure_dict(grads_s)["embed"],
-                             nnx.to_pure_dict(grads_u)["embed"], rtol=1e-4, atol=1e-7)
+    chex.assert_trees_all_close(jax.tree.map(lambda s, i=i: s[i], stacked), layer,
+                                rtol=1e-4, atol=1e-7)
+  chex.assert_trees_all_close(nnx.to_pure_dict(grads_s)["embed"],
+                              nnx.to_pure_dict(grads_u)["embed"], rtol=1e-4, atol=1e-7)
 
 
 def test_scanned_diagnostics_are_per_layer_and_remat_traces():
@@ -62,11 +63,10 @@ def test_scanned_diagnostics_are_per_layer_and_remat_traces():
   assert len(diag_s) == NUM_LAYERS
   for layer_s, layer_u in zip(diag_s, diag_u):
     assert sorted(layer_s) == sorted(layer_u)
-    for name in layer_s:
-      np.testing.assert_allclose(layer_s[name], layer_u[name], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(layer_s, layer_u, rtol=1e-5, atol=1e-7)
   scanned.remat = True
   grads = nnx.jit(nnx.grad(lambda m: jnp.mean(m(tokens))))(scanned)
-  assert all(np.isfinite(x).all() for x in jax.tree.leaves(grads))
+  chex.assert_tree_all_finite(grads)
 
 
 def test_scanned_decoding_equals_forward():
@@ -80,8 +80,7 @@ def test_scanned_decoding_equals_forward():
   for t in range(5, LENGTH):
     out, cache = scanned.step(tokens[:, t:t + 1], cache)
     outputs.append(out)
-  np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), logits,
-                             atol=1e-4 * float(jnp.max(jnp.abs(logits))))
+  assert_close_to_reference(jnp.concatenate(outputs, axis=1), logits, 1e-4)
 
 
 def test_stacked_parameters_carry_the_layers_axis():
@@ -102,9 +101,9 @@ def test_logits_at_positions_and_their_shape_check():
   tokens = tokens_for(config)
   positions = jnp.asarray([[0, 3, 11], [2, 2, 5]], jnp.int32)
   full = scanned(tokens)
-  np.testing.assert_allclose(scanned(tokens, positions=positions),
-                             jnp.take_along_axis(full, positions[..., None], axis=1),
-                             rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(scanned(tokens, positions=positions),
+                              jnp.take_along_axis(full, positions[..., None], axis=1),
+                              rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="positions must be"):
     scanned(tokens, positions=positions[0])
 

@@ -2,19 +2,21 @@
 
 A test file subclasses `PalimpsaSuite` and sets IMPLEMENTATION (and INTERPRET for Pallas kernels in
 interpret mode); the whole suite then reruns for that implementation. The suite is kept small in
-test count and shapes because interpreted kernels rerun it on CPU.
+test count and shapes because interpreted kernels rerun it on CPU. It is a chex.TestCase, so that
+the float32 check runs through chex's variants: jitted on every shape, eagerly (op by op) on one
+small shape.
 """
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from palimpsa_jax.ops import PalimpsaState, palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
-from tests.ops.numerics import rel_error
+from tests.ops.numerics import BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference
 
 DIFF_ARGS = ("q", "k", "v", "beta", "log_alpha", "prior_precision", "mu0", "precision0")
 
@@ -70,11 +72,14 @@ def _result_and_grads(fn, diff, seg, cotangents):
   return res, vjp(cts)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "interpret", "chunk_size"))
-def _op_with_grads(diff, seg, cotangents, *, implementation, interpret, chunk_size):
+def _op_with_grads_fn(diff, seg, cotangents, *, implementation, interpret, chunk_size):
   fn = functools.partial(palimpsa, return_variance=True, implementation=implementation,
                          chunk_size=chunk_size, interpret=interpret)
   return _result_and_grads(fn, diff, seg, cotangents)
+
+
+_STATIC = ("implementation", "interpret", "chunk_size")
+_jitted_op_with_grads = jax.jit(_op_with_grads_fn, static_argnames=_STATIC)
 
 
 @jax.jit
@@ -97,6 +102,15 @@ def _jitted_palimpsa(implementation, interpret, chunk_size, return_variance):
                                    chunk_size=chunk_size, return_variance=return_variance))
 
 
+RESULTS = ("out", "variance", "mu", "precision")
+GRADS = tuple(f"d{n}" for n in DIFF_ARGS)
+
+
+def _named(names, arrays) -> dict:
+  """A dict pytree, so that chex's messages name each array."""
+  return dict(zip(names, arrays))
+
+
 def random_cotangents(seed, shape):
   b, t, h, kd, vd = shape
   rng = np.random.default_rng(seed)
@@ -104,8 +118,14 @@ def random_cotangents(seed, shape):
                ((b, t, h, vd), (b, t, h, vd), (b, h, vd, kd), (b, h, vd, kd)))
 
 
-class PalimpsaSuite:
+class PalimpsaSuite(chex.TestCase):
   """Subclass and set IMPLEMENTATION / INTERPRET (and SHAPES for slow interpreted kernels)."""
+
+  __test__ = False  # pytest collects the subclasses only.
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    cls.__test__ = True
 
   IMPLEMENTATION: str = "sequential"
   INTERPRET: bool = False
@@ -115,6 +135,8 @@ class PalimpsaSuite:
       ((1, 1, 2, 4, 4), 64, None),                    # T = 1
       ((1, 64, 1, 16, 16), 16, ((64,),)),             # T a multiple of the chunk
   )
+  # The eagerly run case: 3 chunks, a restart inside the first one.
+  EAGER_SHAPE = ((1, 9, 1, 4, 3), 4, ((3, 6),))
   LONG_RUN = True  # 100k-step alpha -> 1 run; off for interpreted kernels.
 
   def op(self, *args, chunk_size, return_variance=False, **kwargs):
@@ -122,31 +144,42 @@ class PalimpsaSuite:
     fn = _jitted_palimpsa(self.IMPLEMENTATION, self.INTERPRET, chunk_size, return_variance)
     return fn(*args, **kwargs)
 
-  def _check_against_reference(self, seed, shape, chunk, lengths, dtype, fwd_tol, grad_tol):
+  def _op_with_grads(self, diff, seg, cotangents, chunk_size, run=_jitted_op_with_grads):
+    """(out, variance, mu, precision) and their vjp's grads; `run` is _op_with_grads_fn,
+    jitted (default) or under a chex variant."""
+    return run(diff, seg, cotangents, implementation=self.IMPLEMENTATION,
+               interpret=self.INTERPRET, chunk_size=chunk_size)
+
+  def _check_against_reference(self, seed, shape, chunk, lengths, dtype, fwd_tol, grad_tol,
+                               run=_jitted_op_with_grads, label=""):
     x = make_inputs(seed, shape, dtype, lengths)
     cts = random_cotangents(seed + 1, shape)
     diff = tuple(jnp.asarray(x[n], dtype if i < 6 else jnp.float32)
                  for i, n in enumerate(DIFF_ARGS))
     seg = None if lengths is None else jnp.asarray(x["segment_ids"])
-    (res, grads) = _op_with_grads(diff, seg, cts, implementation=self.IMPLEMENTATION,
-                                  interpret=self.INTERPRET, chunk_size=chunk)
+    res, grads = self._op_with_grads(diff, seg, cts, chunk, run)
     ref_res, ref_grads = reference_with_grads(x, cts)
-    assert res[0].dtype == dtype and res[1].dtype == jnp.float32
-    for name, got, want in zip(("out", "variance", "mu", "precision"), res, ref_res):
-      err = rel_error(got, want)
-      assert err < fwd_tol, f"{shape} {dtype.__name__} {name}: rel. error {err:.2e}"
-    for name, got, want in zip(DIFF_ARGS, grads, ref_grads):
-      assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{shape} d{name} not finite"
-      err = rel_error(got, want)
-      assert err < grad_tol, f"{shape} {dtype.__name__} d{name}: rel. error {err:.2e}"
+    b, t, h, kd, vd = shape
+    chex.assert_shape(res, [(b, t, h, vd), (b, t, h, vd), (b, h, vd, kd), (b, h, vd, kd)])
+    chex.assert_type(res, [dtype, jnp.float32, jnp.float32, jnp.float32])
+    chex.assert_tree_all_finite(grads)
+    label = " ".join(filter(None, (str(shape), jnp.dtype(dtype).name, label))) + " "
+    assert_close_to_reference(_named(RESULTS, res), _named(RESULTS, ref_res), fwd_tol, label)
+    assert_close_to_reference(_named(GRADS, grads), _named(GRADS, ref_grads), grad_tol, label)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_float32_matches_reference(self):
-    for i, (shape, chunk, lengths) in enumerate(self.SHAPES):
-      self._check_against_reference(10 + i, shape, chunk, lengths, jnp.float32, 1e-5, 1e-4)
+    """Jitted: every shape. Eagerly (op by op): EAGER_SHAPE only, to keep CI time."""
+    jitted = self.variant.type is chex.ChexVariantType.WITH_JIT
+    run = self.variant(_op_with_grads_fn, static_argnames=_STATIC)
+    for i, (shape, chunk, lengths) in enumerate(self.SHAPES if jitted else [self.EAGER_SHAPE]):
+      self._check_against_reference(10 + i, shape, chunk, lengths, jnp.float32, FLOAT32_TOL,
+                                    GRAD_TOL, run, self.variant.type.name.lower())
 
   def test_bfloat16_matches_reference(self):
     shape, chunk, lengths = self.SHAPES[0]
-    self._check_against_reference(20, shape, chunk, lengths, jnp.bfloat16, 2e-2, 2e-2)
+    self._check_against_reference(20, shape, chunk, lengths, jnp.bfloat16, BFLOAT16_TOL,
+                                  BFLOAT16_TOL)
 
   def test_state_continuation(self):
     shape, chunk, _ = self.SHAPES[0]
@@ -158,12 +191,12 @@ class PalimpsaSuite:
     first = run({**x, **{n: x[n][:, :t1] for n in sequences}})
     second = run({**x, **{n: x[n][:, t1:] for n in sequences},
                   "mu0": first.state.mu, "precision0": first.state.precision})
-    np.testing.assert_allclose(np.concatenate([first.out, second.out], 1), whole.out,
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.concatenate([first.variance, second.variance], 1),
-                               whole.variance, rtol=1e-5)
-    np.testing.assert_allclose(second.state.mu, whole.state.mu, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(second.state.precision, whole.state.precision, rtol=1e-5)
+    chex.assert_trees_all_close(
+        (jnp.concatenate([first.out, second.out], 1), second.state.mu),
+        (whole.out, whole.state.mu), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(
+        (jnp.concatenate([first.variance, second.variance], 1), second.state.precision),
+        (whole.variance, whole.state.precision), rtol=1e-5)
 
   def test_segments_match_separate_runs(self):
     lengths = (5, 11, 8)
@@ -178,13 +211,13 @@ class PalimpsaSuite:
     for length in lengths:
       piece = self.op(*(jnp.asarray(x[n][:, start:start + length]) for n in fields),
                       jnp.asarray(x["prior_precision"]), chunk_size=8, return_variance=True)
-      np.testing.assert_allclose(packed.out[:, start:start + length], piece.out,
-                                 rtol=1e-5, atol=1e-6)
-      np.testing.assert_allclose(packed.variance[:, start:start + length], piece.variance,
-                                 rtol=1e-5)
+      chex.assert_trees_all_close(packed.out[:, start:start + length], piece.out,
+                                  rtol=1e-5, atol=1e-6)
+      chex.assert_trees_all_close(packed.variance[:, start:start + length], piece.variance,
+                                  rtol=1e-5)
       start += length
-    np.testing.assert_allclose(packed.state.mu, piece.state.mu, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(packed.state.precision, piece.state.precision, rtol=1e-5)
+    chex.assert_trees_all_close(packed.state.mu, piece.state.mu, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(packed.state.precision, piece.state.precision, rtol=1e-5)
 
   def test_corner_cases_finite(self):
     shape = (1, 19, 2, 4, 4)
@@ -199,33 +232,27 @@ class PalimpsaSuite:
       x.update({n: np.full_like(x[n], val) for n, val in override.items()})
       cts = random_cotangents(60 + i, shape)
       diff = tuple(jnp.asarray(x[n], jnp.float32) for n in DIFF_ARGS)
-      res, grads = _op_with_grads(diff, None, cts, implementation=self.IMPLEMENTATION,
-                                  interpret=self.INTERPRET, chunk_size=8)
+      res, grads = self._op_with_grads(diff, None, cts, 8)
       ref_res, _ = reference_with_grads(x, cts)
-      for name, arr in zip(("out", "variance", "mu", "precision") + DIFF_ARGS, res + grads):
-        assert np.all(np.isfinite(arr)), f"{label}: {name} not finite"
-      for name, got, want in zip(("out", "variance", "mu", "precision"), res, ref_res):
-        err = rel_error(got, want)
-        assert err < 1e-4, f"{label} {name}: rel. error {err:.2e}"
+      chex.assert_tree_all_finite(_named(RESULTS + GRADS, res + grads))
+      assert_close_to_reference(_named(RESULTS, res), _named(RESULTS, ref_res), 1e-4, label)
 
   def test_alpha_to_one_for_100k_steps(self):
     if not self.LONG_RUN:
-      pytest.skip(f"LONG_RUN = False for {self.IMPLEMENTATION}: the 100k-step run is too "
-                  "costly here")
+      self.skipTest(f"LONG_RUN = False for {self.IMPLEMENTATION}: the 100k-step run is too "
+                    "costly here")
     t = 100_000
     shape = (1, t, 1, 2, 2)
     x = make_inputs(70, shape)
     x["log_alpha"] = np.full_like(x["log_alpha"], -1e-7)
     cts = random_cotangents(71, shape)
     diff = tuple(jnp.asarray(x[n], jnp.float32) for n in DIFF_ARGS)
-    res, grads = _op_with_grads(diff, None, cts, implementation=self.IMPLEMENTATION,
-                                interpret=self.INTERPRET, chunk_size=64)
-    for name, arr in zip(("out", "variance", "mu", "precision") + DIFF_ARGS, res + grads):
-      assert np.all(np.isfinite(arr)), f"{name} not finite after {t} steps"
+    res, grads = self._op_with_grads(diff, None, cts, 64)
+    chex.assert_tree_all_finite(_named(RESULTS + GRADS, res + grads))
     # Precision accumulates (almost) every write: I_T ~ I_0 + sum_t beta k^2.
     expected = x["precision0"][0, 0] + np.einsum("tv,tk->vk", x["beta"][0, :, 0],
                                                  x["k"][0, :, 0] ** 2)
-    np.testing.assert_allclose(res[3][0, 0], expected, rtol=2e-2)
+    chex.assert_trees_all_close(res[3][0, 0], expected, rtol=2e-2)
 
   def test_jit_vmap_grad_compose(self):
     """jit(vmap(grad)) == per-example grads == float64 grads; also covers no variance."""
@@ -247,15 +274,16 @@ class PalimpsaSuite:
       single = single_grad(*(jnp.asarray(x[n]) for n in names))
       with jax.enable_x64(True):
         ref = jax.tree.map(np.asarray, ref_grad(*(jnp.asarray(x[n], jnp.float64) for n in names)))
-      for name, got, want, w64 in zip(names, batched, single, ref):
-        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
-        assert rel_error(want, w64) < 1e-4, f"d{name}: rel. error {rel_error(want, w64):.2e}"
+      chex.assert_trees_all_close(tuple(g[i] for g in batched), single, rtol=1e-5, atol=1e-6)
+      assert_close_to_reference(_named(names, single), _named(names, ref), GRAD_TOL)
 
   def test_no_recompilation(self):
+    """Fresh inputs of one shape: the jitted op is traced once."""
+    chex.clear_trace_counter()
     shape = (1, 11, 2, 4, 4)
-    fn = jax.jit(lambda *a: palimpsa(*a, implementation=self.IMPLEMENTATION,
-                                     interpret=self.INTERPRET, chunk_size=4).out)
+    fn = jax.jit(chex.assert_max_traces(
+        lambda *a: palimpsa(*a, implementation=self.IMPLEMENTATION, interpret=self.INTERPRET,
+                            chunk_size=4).out, n=1))
     for seed in (90, 91, 92):
       x = make_inputs(seed, shape)
       fn(*(jnp.asarray(x[n]) for n in DIFF_ARGS[:6])).block_until_ready()
-    assert fn._cache_size() == 1

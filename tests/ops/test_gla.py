@@ -2,6 +2,8 @@
 
 import functools
 
+from absl.testing import parameterized
+import chex
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -10,7 +12,8 @@ import pytest
 
 from palimpsa_jax.ops.gla import GLAResult, simple_gla
 from palimpsa_jax.ops.ssd import ssd_quadratic
-from tests.ops.numerics import rel_error, to_float64
+from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
+                                to_float64)
 
 B, T, H, K, V = 2, 13, 2, 4, 3
 CHUNK = 4
@@ -50,10 +53,13 @@ def _reference(*inputs):
     return tuple(np.asarray(x) for x in _recurrence(*to_float64(inputs)))
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
-def _run(q, k, v, log_alpha, h0, seg, implementation, chunk_size=CHUNK):
+def _run_fn(q, k, v, log_alpha, h0, seg, implementation, chunk_size=CHUNK):
   return simple_gla(q, k, v, log_alpha, initial_state=h0, segment_ids=seg,
                     implementation=implementation, chunk_size=chunk_size)
+
+
+_STATIC = ("implementation", "chunk_size")
+_run = jax.jit(_run_fn, static_argnames=_STATIC)
 
 
 def _loss(fn, weights):
@@ -63,24 +69,20 @@ def _loss(fn, weights):
   return loss
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_forward_matches_float64_reference(implementation):
-  inputs = _inputs(0)
-  out, state = _run(*inputs, implementation=implementation)
-  ref_out, ref_state = _reference(*inputs)
-  assert out.dtype == jnp.float32 and state.dtype == jnp.float32
-  assert out.shape == (B, T, H, V) and state.shape == (B, H, V, K)
-  assert rel_error(out, ref_out) < 1e-5
-  assert rel_error(state, ref_state) < 1e-5
+class TestJittedAndEager(chex.TestCase):
+  """The forward against float64, each implementation jitted and run eagerly (op by op)."""
 
-
-@pytest.mark.parametrize("chunk_size", [1, 5, 64])
-def test_chunk_sizes_agree(chunk_size):
-  inputs = _inputs(1)
-  out, state = _run(*inputs, implementation="chunked", chunk_size=chunk_size)
-  ref_out, ref_state = _reference(*inputs)
-  assert rel_error(out, ref_out) < 1e-5
-  assert rel_error(state, ref_state) < 1e-5
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(*IMPLEMENTATIONS)
+  def test_forward_matches_float64_reference(self, implementation):
+    inputs = _inputs(0)
+    run = self.variant(_run_fn, static_argnames=_STATIC)
+    out, state = run(*inputs, implementation=implementation)
+    ref_out, ref_state = _reference(*inputs)
+    chex.assert_type([out, state], jnp.float32)
+    chex.assert_shape([out, state], [(B, T, H, V), (B, H, V, K)])
+    assert_close_to_reference(dict(out=out, state=state), dict(out=ref_out, state=ref_state),
+                              FLOAT32_TOL)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -96,8 +98,17 @@ def test_gradients_match_float64_reference(implementation):
   with jax.enable_x64(True):
     ref_grads = jax.grad(_loss(_recurrence, weights), argnums)(*to_float64(inputs))
     ref_grads = [np.asarray(g) for g in ref_grads]
-  for name, g, ref in zip(("q", "k", "v", "log_alpha", "initial_state"), grads, ref_grads):
-    assert rel_error(g, ref) < 1e-4, name
+  names = ("dq", "dk", "dv", "dlog_alpha", "dinitial_state")
+  assert_close_to_reference(dict(zip(names, grads)), dict(zip(names, ref_grads)), GRAD_TOL)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_chunk_sizes_agree(chunk_size):
+  inputs = _inputs(1)
+  out, state = _run(*inputs, implementation="chunked", chunk_size=chunk_size)
+  ref_out, ref_state = _reference(*inputs)
+  assert_close_to_reference(dict(out=out, state=state), dict(out=ref_out, state=ref_state),
+                            FLOAT32_TOL)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -105,9 +116,9 @@ def test_bfloat16_inputs(implementation):
   inputs = _inputs(4, dtype=jnp.bfloat16)
   out, state = _run(*inputs, implementation=implementation)
   ref_out, ref_state = _reference(*inputs)
-  assert out.dtype == jnp.bfloat16 and state.dtype == jnp.float32
-  assert rel_error(out, ref_out) < 2e-2
-  assert rel_error(state, ref_state) < 2e-2
+  chex.assert_type([out, state], [jnp.bfloat16, jnp.float32])
+  assert_close_to_reference(dict(out=out, state=state), dict(out=ref_out, state=ref_state),
+                            BFLOAT16_TOL)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -121,9 +132,9 @@ def test_continuation_from_final_state(implementation):
   second = simple_gla(q[:, split:], k[:, split:], v[:, split:], log_alpha[:, split:],
                       initial_state=first.state, implementation=implementation,
                       chunk_size=CHUNK)
-  np.testing.assert_allclose(
+  chex.assert_trees_all_close(
       jnp.concatenate([first.out, second.out], 1), full.out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(second.state, full.state, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(second.state, full.state, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -136,9 +147,9 @@ def test_segments_restart_from_zero(implementation):
                     initial_state=h0, implementation=implementation, chunk_size=CHUNK)
   tail = simple_gla(q[:, split:], k[:, split:], v[:, split:], log_alpha[:, split:],
                     implementation=implementation, chunk_size=CHUNK)
-  np.testing.assert_allclose(packed.out[:, :split], head.out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(packed.out[:, split:], tail.out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(packed.state, tail.state, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(packed.out[:, :split], head.out, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(packed.out[:, split:], tail.out, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(packed.state, tail.state, rtol=1e-5, atol=1e-5)
 
 
 def test_ssd_dual_form_matches_recurrence():
@@ -146,10 +157,10 @@ def test_ssd_dual_form_matches_recurrence():
   ref_out, _ = _reference(q, k, v, log_alpha, jnp.zeros_like(h0), jnp.zeros_like(seg))
   with jax.enable_x64(True):
     out = ssd_quadratic(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, log_alpha)))
-    assert rel_error(out, ref_out) < 1e-12
+    assert_close_to_reference(out, ref_out, 1e-12)
   out = simple_gla(q, k, v, log_alpha, chunk_size=CHUNK)
   assert isinstance(out, GLAResult)
-  assert rel_error(out.out, ref_out) < 1e-5
+  assert_close_to_reference(out.out, ref_out, FLOAT32_TOL)
 
 
 def test_validation_errors():

@@ -1,22 +1,16 @@
 """Kernels under kernel_sharding run on per-device shards and give the global result."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
+import chex
 import jax
 import numpy as np
 import pytest
 
 from palimpsa_jax.ops import kernel_sharding
 
-REPO = pathlib.Path(__file__).parents[2]
-
 # Runs in a subprocess with 4 CPU devices: mesh data 2 x tensor 2; the batch is
 # sharded over data, the heads over tensor.
 _SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np
+import chex, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import importlib
 from palimpsa_jax.ops import kernel_sharding
@@ -58,10 +52,9 @@ with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",), head_axes=("ten
   (value, result), grads = step(*args, IMPL)
 assert set(seen) == {{(B // 2, T, H // 2, K)}}, seen
 (ref_value, ref_result), ref_grads = step(q, k, v, beta, log_alpha, "sequential")
-np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+chex.assert_trees_all_close(value, ref_value, rtol=1e-5)
 for a, b in zip(jax.tree.leaves((result, grads)), jax.tree.leaves((ref_result, ref_grads))):
-  a, b = np.asarray(a), np.asarray(b)
-  np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(b).max()))
+  chex.assert_trees_all_close(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(jnp.abs(b).max())))
 import warnings
 with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
@@ -77,12 +70,8 @@ print("ok")
 
 
 @pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
-def test_kernel_runs_per_shard_and_matches_the_reference(implementation):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  script = _SCRIPT.format(impl=implementation)
-  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+def test_kernel_runs_per_shard_and_matches_the_reference(implementation, run_on_cpu_devices):
+  result = run_on_cpu_devices(_SCRIPT.format(impl=implementation), 4, timeout=600)
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
@@ -99,7 +88,7 @@ def test_axes_that_do_not_divide_are_dropped_and_bad_axes_rejected():
     out, none = kernel_sharding.shard_kernel(kernel, (x, None), ("b.", "b."),
                                              ("b.", None), batch_size=3, num_heads=1)
   assert none is None and calls == [(3, 2)]
-  np.testing.assert_array_equal(out, x + 1)
+  chex.assert_trees_all_equal(out, x + 1)
   assert kernel_sharding.current() is None
   with pytest.raises(ValueError, match="'fsdp' is not in the mesh"):
     with kernel_sharding.kernel_sharding(mesh, batch_axes=("fsdp",)):
@@ -144,8 +133,6 @@ def test_compiled_kernel_per_gpu_shard():
     gpu_kernel.palimpsa_gpu = original
   assert set(seen) == {(b // n, t, h, kd)}
   ref_value, ref_grads = step("chunked", q, k, v, beta, log_alpha)
-  np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+  chex.assert_trees_all_close(value, ref_value, rtol=1e-4)
   for got, want in zip(grads, ref_grads):
-    want = np.asarray(want)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-3,
-                               atol=1e-4 * np.abs(want).max())
+    chex.assert_trees_all_close(got, want, rtol=1e-3, atol=1e-4 * float(jax.numpy.abs(want).max()))

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,9 +115,9 @@ def test_tile_variants_agree(k_dim):
   v0, g0 = grads(base)
   for cfg in variants:
     v1, g1 = grads(cfg)
-    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    chex.assert_trees_all_close(v1, v0, rtol=1e-6)
     for a, b_ in zip(g1, g0):
-      np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b_))))
+      chex.assert_trees_all_close(a, b_, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b_))))
 
 
 def test_backward_walk_in_pieces_agrees():
@@ -133,7 +134,7 @@ def test_backward_walk_in_pieces_agrees():
     return jax.jit(jax.grad(loss, argnums=tuple(range(8))))(*args)
 
   for a, b_ in zip(grads(pieces), grads(base)):  # Sums over heads may reorder.
-    np.testing.assert_allclose(a, b_, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b_))))
+    chex.assert_trees_all_close(a, b_, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b_))))
 
 
 def test_saved_boundary_states_fit_the_residual_budget():
@@ -153,7 +154,7 @@ def test_saved_boundary_states_fit_the_residual_budget():
   assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
   padded = gpu_op._pad_state(cfg, m_starts, 64)
   assert padded.shape == (b * h, t // 64, vd + 8, 64)
-  np.testing.assert_array_equal(padded[..., :vd, :kd], m_starts)
+  chex.assert_trees_all_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
   # (its K=8 and V=20 are padded to 16 and 32).
 
@@ -183,7 +184,7 @@ def test_bf16_chunk_writes_match_float32_products():
   split = final_state(base)
   full = final_state(dataclasses.replace(base, boundary_bf16=False))
   for a, b_ in zip(split, full):
-    np.testing.assert_allclose(a, b_, rtol=2e-6, atol=2e-6 * float(jnp.max(jnp.abs(b_))))
+    chex.assert_trees_all_close(a, b_, rtol=2e-6, atol=2e-6 * float(jnp.max(jnp.abs(b_))))
 
 
 @pytest.mark.parametrize("num_chunks, k_width", [(8, 48), (6, 16), (3, 32)])
@@ -199,12 +200,12 @@ def test_adjoint_carries_match_a_reverse_loop(num_chunks, k_width):
       end_m, end_b, gate, local_m, local_b, block_v=16, interpret=True)
   cm, cb = end_m, end_b
   for c in reversed(range(num_chunks)):
-    np.testing.assert_allclose(carry_m[:, c], cm, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(carry_b[:, c], cb, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(carry_m[:, c], cm, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(carry_b[:, c], cb, rtol=1e-6, atol=1e-6)
     g = gate[:, c, None, None]
     cm, cb = local_m[:, c] + g * cm, local_b[:, c] + g * cb
-  np.testing.assert_allclose(m0, cm, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(b0, cb, rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(m0, cm, rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(b0, cb, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("restart_rate", [0.0, 0.05, 0.4])
@@ -224,7 +225,7 @@ def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
       want[n, t] = total
       if reset[n, t]:
         total = 0.0
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
@@ -283,9 +284,9 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
                                      bh_range=bh_range, accumulate=accumulate, every=every)
   names = ("dq", "dk", "dv", "dbeta", "s", "adj_m", "adj_b")
   for name, got, want in zip(names, mosaic, triton):
-    assert got.shape == want.shape, name
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))),
-                               err_msg=name)
+    chex.assert_equal_shape([got, want], custom_message=name)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))),
+                                custom_message=name)
 
 
 def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():

@@ -11,6 +11,8 @@ from palimpsa_jax.training import metrics as metrics_lib
 _PROCESS = """
 import sys
 sys.path.insert(0, {tests!r})
+import chex
+chex.set_n_cpu_devices(1)  # One device per process, whatever XLA_FLAGS the parent has.
 import jax
 jax.distributed.initialize(coordinator_address={address!r}, num_processes=2,
                            process_id={process_id})
@@ -37,7 +39,6 @@ def _free_port() -> int:
 def test_two_process_run_completes_and_checkpoints(tmp_path):
   address = f"localhost:{_free_port()}"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
   processes = [
       subprocess.Popen(
           [sys.executable, "-c", _PROCESS.format(

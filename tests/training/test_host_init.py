@@ -1,9 +1,6 @@
 """Parameter initialisation on the host equals the on-device initialiser."""
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -50,13 +47,9 @@ print("host init matches")
 """
 
 
-def test_host_init_matches_device_init_on_four_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
+def test_host_init_matches_device_init_on_four_devices(run_on_cpu_devices):
   tests = pathlib.Path(__file__).parent
-  result = subprocess.run(
-      [sys.executable, "-c", _COMPARE.format(tests=str(tests))], env=env,
-      cwd=tests.parents[1], capture_output=True, text=True, timeout=300)
+  result = run_on_cpu_devices(_COMPARE.format(tests=str(tests)), 4)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "host init matches" in result.stdout
 

@@ -1,10 +1,10 @@
 """Optimizer schedule and masks, mesh shapes, logical-axis rules, train-state shardings."""
 
+import chex
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -41,13 +41,13 @@ def test_weight_decay_mask_and_clipping():
       models.weight_decay_mask)
   zero = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zero, tx.init(params), params)
-  np.testing.assert_allclose(updates["kernel"], -0.1)  # Decayed: -lr * wd * p.
-  np.testing.assert_allclose(updates["A_log"], 0.0)  # Excluded from decay.
+  chex.assert_trees_all_close(updates["kernel"], -0.1, rtol=1e-7)  # Decayed: -lr * wd * p.
+  chex.assert_trees_all_close(updates["A_log"], 0.0, rtol=1e-7)  # Excluded from decay.
   big = jax.tree.map(lambda p: 1e6 * jnp.ones_like(p), params)
   clip = optimizer_lib.make_optimizer(_optimizer_config(), 10, None)
   state = clip.init(params)
   clipped, _ = clip.update(big, state, params)
-  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(clipped))
+  chex.assert_tree_all_finite(clipped)
 
 
 @pytest.mark.parametrize("field, value", [("learning_rate", 0.0), ("b2", 1.0),

@@ -1,7 +1,9 @@
-"""Train and eval steps: loss at the target positions, tracing inside the kernel context."""
+"""Train and eval steps: loss at the target positions, tracing inside the kernel context,
+one trace per step for batches of one shape."""
 
 import contextlib
 
+import chex
 from flax import nnx
 import jax
 import numpy as np
@@ -37,7 +39,7 @@ def test_eval_sums_at_target_positions_equal_full_sums(setup):
   positions = mqar.target_positions(batch["targets"])
   assert positions.shape == (6, PAIRS)
   gathered = eval_step(params, model_state, {**batch, "positions": positions})
-  np.testing.assert_allclose(gathered, full, rtol=1e-6)
+  chex.assert_trees_all_close(gathered, full, rtol=1e-6)
   assert float(full[2]) == 6 * PAIRS
 
 
@@ -69,14 +71,14 @@ def test_take_positions_matches_indexing():
   x = rng.normal(size=(3, 10, 4)).astype(np.float32)
   ints = rng.integers(-100, 100, size=(3, 10)).astype(np.int32)
   positions = np.sort(rng.choice(10, size=(3, 5)), axis=1).astype(np.int32)
-  np.testing.assert_array_equal(models.take_positions(x, positions),
-                                np.take_along_axis(x, positions[..., None], axis=1))
-  np.testing.assert_array_equal(models.take_positions(ints, positions),
-                                np.take_along_axis(ints, positions, axis=1))
+  chex.assert_trees_all_equal(models.take_positions(x, positions),
+                              np.take_along_axis(x, positions[..., None], axis=1))
+  chex.assert_trees_all_equal(models.take_positions(ints, positions),
+                              np.take_along_axis(ints, positions, axis=1))
 
 
-def test_train_step_at_target_positions_equals_full(setup):
-  graphdef, params, model_state, batch = setup
+def _train_step_and_state(graphdef, params, model_state):
+  """(jitted SGD train step on one device, () -> a fresh train state for it)."""
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   tx = optax.sgd(1e-2)  # Adam would amplify rounding in near-zero gradients.
   shardings = jax.tree.map(lambda _: sharding,
@@ -90,11 +92,54 @@ def test_train_step_at_target_positions_equals_full(setup):
     return {"step": np.int32(0), "params": copy, "model_state": model_state,
             "opt_state": tx.init(copy)}
 
+  return train_step, fresh_state
+
+
+def test_train_step_at_target_positions_equals_full(setup):
+  graphdef, params, model_state, batch = setup
+  train_step, fresh_state = _train_step_and_state(graphdef, params, model_state)
   positions = mqar.target_positions(batch["targets"])
   state_full, metrics_full = train_step(fresh_state(), batch)
   state_gathered, metrics_gathered = train_step(
       fresh_state(), {**batch, "positions": positions})
-  for name in ("train/loss", "train/accuracy", "train/grad_norm"):
-    np.testing.assert_allclose(metrics_gathered[name], metrics_full[name], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-               state_gathered["params"], state_full["params"])
+  names = ("train/loss", "train/accuracy", "train/grad_norm")
+  chex.assert_trees_all_close({n: metrics_gathered[n] for n in names},
+                              {n: metrics_full[n] for n in names}, rtol=1e-5)
+  chex.assert_trees_all_close(state_gathered["params"], state_full["params"], rtol=1e-5,
+                              atol=1e-7)
+
+
+@pytest.fixture
+def at_most_one_trace(monkeypatch):
+  """Every step the step makers build fails (AssertionError) when jit traces it twice."""
+  chex.clear_trace_counter()
+  traced_within = steps_lib._traced_within
+  monkeypatch.setattr(steps_lib, "_traced_within", lambda context, fn: chex.assert_max_traces(
+      traced_within(context, fn), n=1))
+
+
+def _batches(lengths):
+  """MQAR batches (6 rows, fresh data each) of the given sequence lengths."""
+  for seed, length in enumerate(lengths):
+    inputs, targets = mqar.multiquery_ar(VOCAB, 6, length, PAIRS, seed=10 + seed)
+    yield {"tokens": inputs, "targets": targets}
+
+
+def test_train_and_eval_steps_are_traced_once(setup, at_most_one_trace):
+  """New batches of one shape and the updated state reuse the compiled steps; a batch of
+  another length retraces them, which the guard turns into a failure."""
+  graphdef, params, model_state, _ = setup
+  train_step, fresh_state = _train_step_and_state(graphdef, params, model_state)
+  eval_step = steps_lib.make_eval_step(graphdef, jax.sharding.SingleDeviceSharding(
+      jax.devices()[0]))
+  state = fresh_state()
+  *batches, shorter = _batches([LENGTH] * 3 + [LENGTH - 8])
+  for batch in batches:
+    state, metrics = train_step(state, batch)
+    sums = eval_step(state["params"], state["model_state"], batch)
+  assert int(state["step"]) == 3
+  chex.assert_tree_all_finite((metrics, sums))
+  with pytest.raises(AssertionError, match="traced > 1 times"):
+    train_step(state, shorter)
+  with pytest.raises(AssertionError, match="traced > 1 times"):
+    eval_step(params, model_state, shorter)

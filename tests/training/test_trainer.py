@@ -4,8 +4,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 from flax import nnx
 import jax
@@ -127,20 +125,18 @@ trainer.train_and_evaluate(config, {workdir!r})
 """
 
 
-def _run_on_fake_devices(workdir, devices, mesh):
+def _run_on_fake_devices(run_on_cpu_devices, workdir, devices, mesh):
   """8 training steps in a subprocess with `devices` CPU devices and `mesh`."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu")
   script = _MULTI_DEVICE_RUN.format(tests=str(pathlib.Path(__file__).parent),
                                     workdir=str(workdir), devices=devices, mesh=mesh)
-  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+  result = run_on_cpu_devices(script, devices)
   assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted):
+def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted,
+                                                       run_on_cpu_devices):
   """Run 8 steps on a 2x2 (fsdp x tensor) mesh of 4 CPU devices, resume on 1."""
-  _run_on_fake_devices(tmp_path, 4, (1, 2, 2))
+  _run_on_fake_devices(run_on_cpu_devices, tmp_path, 4, (1, 2, 2))
   four_device = _losses(str(tmp_path))
   reference = _losses(uninterrupted[0])
   assert sorted(four_device) == [2, 4, 6, 8]
@@ -152,9 +148,9 @@ def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted):
     assert resumed[step] == pytest.approx(reference[step], abs=1e-5)
 
 
-def test_eight_fake_devices_match_one(tmp_path, uninterrupted):
+def test_eight_fake_devices_match_one(tmp_path, uninterrupted, run_on_cpu_devices):
   """data x fsdp x tensor = 2 x 2 x 2 over 8 CPU devices."""
-  _run_on_fake_devices(tmp_path, 8, (2, 2, 2))
+  _run_on_fake_devices(run_on_cpu_devices, tmp_path, 8, (2, 2, 2))
   reference = _losses(uninterrupted[0])
   eight_device = _losses(str(tmp_path))
   assert sorted(eight_device) == [2, 4, 6, 8]
