@@ -3,6 +3,7 @@
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.layers import params as params_lib

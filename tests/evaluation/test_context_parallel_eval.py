@@ -1,14 +1,7 @@
 """The lm / long_context scorer with rows split over devices equals one device."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
-REPO = pathlib.Path(__file__).parents[2]
-
 _SCRIPT = """
-import jax, numpy as np
+import chex, jax, numpy as np
 from flax import nnx
 from palimpsa_jax import models
 from palimpsa_jax.evaluation import lm
@@ -21,8 +14,8 @@ segment_ids = np.repeat([[0, 1]], 2, 0).repeat([12, 20], 1)
 targets = rng.integers(0, config.vocab_size, (2, 32))
 want = lm.ModelScorer(model)(tokens, segment_ids, targets)
 got = lm.ModelScorer(model, sequence_devices=4)(tokens, segment_ids, targets)
-np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-np.testing.assert_array_equal(got[1], want[1])
+chex.assert_trees_all_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+chex.assert_trees_all_equal(got[1], want[1])
 try:
   lm.ModelScorer(model, sequence_devices=4)(tokens[:, :30], segment_ids[:, :30], targets[:, :30])
 except ValueError as error:
@@ -33,9 +26,6 @@ print("ok")
 """
 
 
-def test_scorer_splits_rows_over_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+def test_scorer_splits_rows_over_devices(run_on_cpu_devices):
+  result = run_on_cpu_devices(_SCRIPT, 4, timeout=600)
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -1,13 +1,11 @@
 """The Palimpsa op with time split over a sequence axis equals the op on one device.
 
-Each case runs in a subprocess with 8 fake CPU devices; meshes of 4 and 8 devices.
+Each case runs in a fresh process with 8 fake CPU devices (chex.set_n_cpu_devices); meshes of 4 and 8 devices.
 """
 
-import os
 import pathlib
-import subprocess
-import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +14,8 @@ import pytest
 from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops import kernel_sharding
 
-REPO = pathlib.Path(__file__).parents[2]
-
 _SCRIPT = """
-import jax, jax.numpy as jnp, numpy as np
+import chex, jax, jax.numpy as jnp, numpy as np
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.palimpsa import palimpsa, PalimpsaState
 assert jax.device_count() == 8
@@ -67,23 +63,18 @@ for impl, name, use_beta, use_init in CASES:
                                                           use_init)
   with kernel_sharding.kernel_sharding(mesh, batch_axes, head_axes, "sequence"):
     (value, result), grads = compiled(GRADS)(*args, impl, use_beta, use_init)
-  case = (impl, name, use_beta, use_init)
   for got, want in zip(jax.tree.leaves((value, result, grads)),
                        jax.tree.leaves((want_value, want_result, want_grads))):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, case
-    error = np.abs(got - want).max() / max(1.0, np.abs(want).max())
-    assert error < 1e-5, (case, error)
+    bound = 1e-5 * max(1.0, float(np.abs(np.asarray(want)).max()))
+    chex.assert_trees_all_close(got, want, rtol=0.0, atol=bound,
+                                custom_message=str((impl, name, use_beta, use_init)))
 print("ok")
 """
 
 
-def _run(cases, grads=True):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+def _run(run_on_cpu_devices, cases, grads=True):
   script = _SCRIPT.format(cases=cases, grads=grads, tests=str(pathlib.Path(__file__).parent))
-  result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+  result = run_on_cpu_devices(script, 8, timeout=600)
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
@@ -92,25 +83,25 @@ def _run(cases, grads=True):
 _BOTH = [(True, True), (False, False), (False, True), (True, False)]
 
 
-def test_chunked_equals_one_device():
+def test_chunked_equals_one_device(run_on_cpu_devices):
   """Values and gradients (q, k, v, beta, log_alpha, initial state) within 1e-5."""
-  _run([("chunked", "sequence 8", True, True), ("chunked", "data 2 x sequence 4", False, False)])
+  _run(run_on_cpu_devices, [("chunked", "sequence 8", True, True), ("chunked", "data 2 x sequence 4", False, False)])
 
 
 @pytest.mark.slow
-def test_every_path_and_mesh_equals_one_device():
-  _run([("chunked", "sequence 8", *c) for c in _BOTH[1:]]
+def test_every_path_and_mesh_equals_one_device(run_on_cpu_devices):
+  _run(run_on_cpu_devices, [("chunked", "sequence 8", *c) for c in _BOTH[1:]]
        + [("chunked", mesh, True, True) for mesh in ("sequence 4", "sequence 4 x tensor 2")]
        + [("sequential", "data 2 x sequence 4", True, True),
           ("sequential", "sequence 4", False, True)])
   # associative_scan's gradient inside a shard_map crashes the XLA:CPU compiler: values.
-  _run([("associative", "sequence 8", True, True)], grads=False)
+  _run(run_on_cpu_devices, [("associative", "sequence 8", True, True)], grads=False)
 
 
 @pytest.mark.slow
-def test_pallas_kernels_equal_one_device():
+def test_pallas_kernels_equal_one_device(run_on_cpu_devices):
   """The kernels (interpret mode) run per time shard through the same path."""
-  _run([("pallas_gpu", "sequence 4 x tensor 2", True, True),
+  _run(run_on_cpu_devices, [("pallas_gpu", "sequence 4 x tensor 2", True, True),
         ("pallas_tpu", "data 2 x sequence 4", True, False)])
 
 
@@ -125,8 +116,7 @@ def test_sequence_axis_size_one_runs_the_path_and_bad_axes_are_rejected():
     assert context_parallel.active().sequence_axis == "sequence"
     got = jax.jit(lambda *a: palimpsa(*a, jnp.ones((1,)), implementation="sequential"))(
         q, k, v, v * v, log_alpha)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
   fake = kernel_sharding.KernelSharding(
       jax.sharding.AbstractMesh((2,), ("sequence",)), (), (), "sequence")
   with pytest.raises(ValueError, match="sequence axis 'sequence' of size 2 does not divide"):

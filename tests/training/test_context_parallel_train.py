@@ -6,15 +6,10 @@ sequence axis of 2 for the last 4 steps.
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-import numpy as np
+import chex
 import pytest
 
-REPO = pathlib.Path(__file__).parents[2]
 _CONFIG = ("--config=configs/mqar.py:mixer=palimpsa_d,seq_len=16,kv=2,vocab=32,d_model=16,"
            "heads=2,head_v=8,examples=64,test_examples=32,batch=16,epochs=2")
 _FLAGS = ("--config.eval_batch_size=32", "--config.log_every_steps=1",
@@ -22,13 +17,11 @@ _FLAGS = ("--config.eval_batch_size=32", "--config.log_every_steps=1",
           "--config.optimizer.decay_steps=16", "--config.log_diagnostics=False")
 
 
-def _train(workdir, total_steps, sequence):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-      [sys.executable, "train.py", _CONFIG, *_FLAGS, f"--config.total_steps={total_steps}",
-       f"--config.mesh.sequence={sequence}", f"--workdir={workdir}"],
-      env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+def _train(run_on_cpu_devices, workdir, total_steps, sequence):
+  argv = ["train.py", _CONFIG, *_FLAGS, f"--config.total_steps={total_steps}",
+          f"--config.mesh.sequence={sequence}", f"--workdir={workdir}"]
+  script = f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_path('train.py', run_name='__main__')\n"
+  result = run_on_cpu_devices(script, 4, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 
@@ -40,16 +33,17 @@ def _losses(workdir):
 
 
 @pytest.mark.slow  # three train.py runs: about a minute of CPU
-def test_sequence_axis_gives_the_losses_of_one_and_restores_onto_another_size(tmp_path):
-  _train(tmp_path / "whole", 8, sequence=1)
+def test_sequence_axis_gives_the_losses_of_one_and_restores_onto_another_size(
+    tmp_path, run_on_cpu_devices):
+  _train(run_on_cpu_devices, tmp_path / "whole", 8, sequence=1)
   split = tmp_path / "split"
-  _train(split, 4, sequence=4)
-  out = _train(split, 8, sequence=2)
+  _train(run_on_cpu_devices, split, 4, sequence=4)
+  out = _train(run_on_cpu_devices, split, 8, sequence=2)
   assert "resumed from" in out
   want, got = _losses(tmp_path / "whole"), _losses(split)
   assert sorted(got) == sorted(want) == list(range(1, 9))
-  np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
-                             rtol=1e-5)
+  chex.assert_trees_all_close([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
+                              rtol=1e-5, atol=0.0)
 
 
 def test_batch_and_kernel_context_follow_the_sequence_axis():
