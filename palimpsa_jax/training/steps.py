@@ -157,8 +157,10 @@ def make_eval_step(graphdef: Any, metric_sharding: Any,
 
   The result holds (loss_sum, correct, count); sum it over batches.
   """
-  return jax.jit(_traced_within(kernel_context, functools.partial(eval_sums, graphdef)),
-                 out_shardings=metric_sharding)
+  def eval_step(params: dict, model_state: dict, batch: Batch) -> jax.Array:
+    return eval_sums(graphdef, params, model_state, batch)
+
+  return jax.jit(_traced_within(kernel_context, eval_step), out_shardings=metric_sharding)
 
 
 def diagnostics(graphdef: Any, params: dict, model_state: dict, batch: Batch
