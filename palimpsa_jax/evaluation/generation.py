@@ -73,13 +73,16 @@ class TextStream:
   def add(self, token: int) -> str:
     """Appends a token; returns the text that is now complete and not yet returned."""
     self._ids.append(int(token))
-    if self._tokenizer.decode(self._ids).endswith("\ufffd"):
+    text = self._tokenizer.decode(self._ids)
+    if text.endswith("\ufffd"):
       return ""
-    return self.flush()
+    return self._new_part(text)
 
   def flush(self) -> str:
     """The text not yet returned, an incomplete last character included."""
-    text = self._tokenizer.decode(self._ids)
+    return self._new_part(self._tokenizer.decode(self._ids))
+
+  def _new_part(self, text: str) -> str:
     new, self._shown = text[self._shown:], len(text)
     return new
 

@@ -95,6 +95,7 @@ class _Run:
   workdir: str
   writer: metrics_lib.MetricWriter | None = None
   checkpointer: checkpoint_lib.Checkpointer | None = None
+  summary_file: run_summary.RunSummary | None = None
   best: float | None = None
   best_step: int | None = None
   last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -103,9 +104,10 @@ class _Run:
   summary: dict[str, Any] | None = None
   saved_step: int | None = None  # of its latest checkpoint
 
-  def save(self, step: int, state: dict, data_iterator: Any) -> None:
+  def save(self, step: int, state: dict, data_iterator: Any, wall_time_s: float) -> None:
     if step != self.saved_step:
       self.checkpointer.save(step, state, data_iterator, force=True)
+      self.summary_file.progress(step, wall_time_s)
       self.saved_step = step
 
   @property
@@ -224,15 +226,14 @@ def _evaluate(model: _Model, state: dict, eval_batches: list[dict]
 
 def _finish(run: _Run, step: int, total_steps: int, num_params: int,
             wall_time_s: float) -> None:
-  """Writes the run's summary.json (the single-run trainer's fields) and prints it."""
-  run.summary = {
-      "best_accuracy": run.best, "best_step": run.best_step, "final_step": step,
-      "total_steps": total_steps, "stopped_early": run.stopped_early,
-      "wall_time_s": wall_time_s, "last_eval": run.last_eval,
-      "num_params": int(num_params)}
+  """Writes the run's summary.json (the single-run trainer's fields, summed over the
+  run's segments: training/run_summary.py) and prints it."""
+  fields = {"best_accuracy": run.best, "best_step": run.best_step,
+            "total_steps": total_steps, "stopped_early": run.stopped_early,
+            "last_eval": run.last_eval, "num_params": int(num_params)}
   if run.error is not None:
-    run.summary["error"] = run.error
-  _summary_path(run.workdir).write_text(json.dumps(run.summary, indent=2))
+    fields["error"] = run.error
+  run.summary = run.summary_file.write(fields, final_step=step, wall_time_s=wall_time_s)
   best = "n/a" if run.best is None else f"{100 * run.best:.2f}% at step {run.best_step}"
   reason = run.error or ("early stop" if run.stopped_early
                          else f"{step}/{total_steps} steps")
@@ -306,6 +307,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   early_stop = config.early_stop_accuracy
   for run in todo:
     run.writer = metrics_lib.MetricWriter(run.workdir, start_step)
+    run.summary_file = run_summary.RunSummary(run.workdir, start_step)
     run.best, run.best_step, run.last_eval = run_summary.previous_evals(
         run.workdir, start_step)
     run.stopped_early = (run.best is not None and early_stop is not None
@@ -329,7 +331,8 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         interrupted = True
         for i, run in enumerate(stack):
           if run.summary is None:
-            run.save(step, _take(state, i), tasks[run.seed].train_iterator)
+            run.save(step, _take(state, i), tasks[run.seed].train_iterator,
+                     time.perf_counter() - start_time)
         print(f"stopped at step {step}; {len(running())} runs checkpointed", flush=True)
         break
       if rows is None:  # the stack or its running runs changed
@@ -359,11 +362,8 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         for i in records:
           records[i].update({k: float(v[i]) for k, v in values.items()
                              if k != "train/finite"})
-          records[i]["perf/steps_per_sec"] = rate
-          records[i]["perf/tokens_per_sec"] = rate * tokens_per_step
-          if peak_flops is not None:
-            records[i]["perf/mfu"] = (6 * num_params * rate * tokens_per_step
-                                      / peak_flops)
+          records[i].update(metrics_lib.throughput_metrics(
+              rate, tokens_per_step, num_params, peak_flops, 1))
       if evaluate:
         if eval_batches is None:
           eval_batches = _stacked_eval_batches(tasks, seeds, device)
@@ -389,7 +389,8 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         if record:
           run.writer.write(step, record)
         if run.error is None and (save or run.stopped_early):
-          run.save(step, _take(state, i), tasks[run.seed].train_iterator)
+          run.save(step, _take(state, i), tasks[run.seed].train_iterator,
+                   time.perf_counter() - start_time)
         if run.error is not None or run.stopped_early:
           _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
           rows = None

@@ -110,6 +110,17 @@ def _duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
+def throughput_metrics(steps_per_sec: float, tokens_per_step: int, num_params: int,
+                       peak_flops: float | None, num_devices: int) -> dict[str, float]:
+  """perf/steps_per_sec, perf/tokens_per_sec and (with a known peak) perf/mfu at 6 FLOPs
+  per parameter and token over `num_devices` devices."""
+  tokens_per_sec = steps_per_sec * tokens_per_step
+  record = {"perf/steps_per_sec": steps_per_sec, "perf/tokens_per_sec": tokens_per_sec}
+  if peak_flops is not None:
+    record["perf/mfu"] = 6 * num_params * tokens_per_sec / (peak_flops * num_devices)
+  return record
+
+
 def startup_metrics(timing: compile_cache.CompileTiming,
                     time_to_first_step_s: float) -> dict[str, float]:
   """The once-per-start record: perf/lower_s, perf/compile_s, perf/compile_cache_hits

@@ -251,6 +251,7 @@ class LmTask(Task):
     self._eval_dataset = None
     eval_per_host = pipeline.per_host_batch_size(config.eval_batch_size, shard_count)
     if data.eval_files and token_shards.is_token_shards(data.eval_files):
+      # Refuses eval shards prepared with another tokenizer than the training data's.
       token_shards.shard_tokenizer(data.eval_files, tokenizer.path, workdir)
       self._eval_dataset = token_shards.make_shard_eval_dataset(
           data.eval_files, config.seq_len, eval_per_host, shard_index, shard_count)
@@ -424,11 +425,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         record.update({k: float(v) for k, v in values.items()
                        if k != "train/finite"})
         if rate is not None:  # None at the first step (its time is the compile's)
-          record["perf/steps_per_sec"] = rate
-          record["perf/tokens_per_sec"] = rate * task.tokens_per_step
-          if peak_flops is not None:
-            record["perf/mfu"] = (6 * num_params * rate * task.tokens_per_step
-                                  / (peak_flops * jax.device_count()))
+          record.update(metrics_lib.throughput_metrics(
+              rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
       if step % config.eval_every_steps == 0 or last:
         _check_finite(finite, step)  # never score non-finite parameters
         last_eval = evaluate(eval_step, state, task, mesh, diagnostics_step)

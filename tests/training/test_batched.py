@@ -95,6 +95,10 @@ def test_stopped_group_resumes_to_the_uninterrupted_result(tmp_path):
   batched.train_group(configs, [str(d) for d in resumed])
   for whole, again in zip(uninterrupted, resumed):
     _assert_same_run(whole, again)
+    summary = json.loads((again / run_summary.SUMMARY_FILE).read_text())
+    segments = summary["segments"]  # the stopped segment and the one that finished
+    assert [s["start_step"] for s in segments] == [0, 10], segments
+    assert summary["wall_time_s"] == pytest.approx(sum(s["wall_time_s"] for s in segments))
 
 
 def test_group_configs_may_differ_only_in_rate_and_seed():
