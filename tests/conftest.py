@@ -2,12 +2,43 @@
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
+import jax
 import pytest
 
 REPO = pathlib.Path(__file__).parents[1]
+
+_CACHE_SETTINGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                   "jax_persistent_cache_min_compile_time_secs",
+                   "jax_persistent_cache_min_entry_size_bytes")
+
+
+def pytest_configure(config):
+  """Points $XDG_CACHE_HOME (train.py's default compilation cache) at a fresh directory.
+
+  No test then reads or fills the user's cache. A program read back from a cache keeps the
+  source paths of the checkout that compiled it first, so a cache shared across clones would
+  also give the profilers' source column another checkout's paths.
+  """
+  config.palimpsa_cache_home = tempfile.mkdtemp(prefix="palimpsa_test_cache_")
+  os.environ["XDG_CACHE_HOME"] = config.palimpsa_cache_home
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(getattr(config, "palimpsa_cache_home", ""), ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _restore_compilation_cache_settings():
+  """Undoes a test's compile_cache.configure (train.py's and eval.py's main call it)."""
+  saved = {name: getattr(jax.config, name) for name in _CACHE_SETTINGS}
+  yield
+  for name, value in saved.items():
+    jax.config.update(name, value)
 
 
 def _run_on_cpu_devices(script: str, devices: int, timeout: float = 300

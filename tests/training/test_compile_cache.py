@@ -55,19 +55,7 @@ def test_second_start_reads_the_cache_and_compiles_twice_as_fast(tmp_path):
   assert warm["time_to_first_step_s"] >= warm["compile_s"] > 0
 
 
-@pytest.fixture(name="restore_jax_config")
-def _restore_jax_config():
-  names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
-           "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  saved = {name: getattr(jax.config, name) for name in names}
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-
-
-def test_configure_sets_and_clears_the_cache(tmp_path, monkeypatch, restore_jax_config):
-  del restore_jax_config
+def test_configure_sets_and_clears_the_cache(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   assert compile_cache.default_cache_dir() == str(tmp_path / "xdg" / "palimpsa_jax" / "jax_cache")
   monkeypatch.setenv("HOME", str(tmp_path))
