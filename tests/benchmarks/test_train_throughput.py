@@ -1,15 +1,10 @@
 """benchmarks/train_throughput.py end to end on CPU with tiny models."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "train_throughput.py"
-_spec = importlib.util.spec_from_file_location("train_throughput", _SCRIPT)
-train_throughput = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(train_throughput)
+from benchmarks import train_throughput
 
 
 def test_run_plan_compares_palimpsa_d_implementations():

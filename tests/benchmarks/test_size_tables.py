@@ -1,13 +1,8 @@
 """benchmarks/size_tables.py on CPU: a tiny stage end to end, the budget, the rendering."""
 
-import importlib.util
 import json
-import pathlib
 
-_SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "size_tables.py"
-_spec = importlib.util.spec_from_file_location("size_tables", _SCRIPT)
-size_tables = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(size_tables)
+from benchmarks import size_tables
 
 
 def test_tiny_stage_rows_and_table(tmp_path):

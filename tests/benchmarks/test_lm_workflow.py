@@ -1,16 +1,11 @@
 """benchmarks/lm_workflow.py: the kill after a checkpoint (fast) and the whole CPU check (slow)."""
 
-import importlib.util
 import json
-import pathlib
 import sys
 
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "lm_workflow.py"
-_spec = importlib.util.spec_from_file_location("lm_workflow", _SCRIPT)
-lm_workflow = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lm_workflow)
+from benchmarks import lm_workflow
 
 # Logs steps 1..9, a checkpoint folder appearing after step 3, then hangs.
 _FAKE_TRAIN = """

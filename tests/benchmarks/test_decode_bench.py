@@ -1,15 +1,10 @@
 """benchmarks/decode_bench.py end to end on CPU with a tiny model."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-_SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "decode_bench.py"
-_spec = importlib.util.spec_from_file_location("decode_bench", _SCRIPT)
-decode_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_bench)
+from benchmarks import decode_bench
 
 
 def test_main_writes_table_json_plot_and_results(tmp_path):

@@ -1,20 +1,13 @@
 """The MQAR sweep launcher: grid, shards, skipping, collection and the plot (fake runs)."""
 
-import importlib.util
 import json
 import os
-import pathlib
 import signal
 
 import pytest
 
-import tiny_lm
-
-REPO = pathlib.Path(__file__).parents[2]
-_spec = importlib.util.spec_from_file_location(
-    "mqar_sweep", REPO / "benchmarks" / "mqar_sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sweep)
+from benchmarks import mqar_sweep as sweep
+from tests.training import tiny_lm
 
 
 def _fake_run(root, run, accuracy):

@@ -1,23 +1,13 @@
 """benchmarks/op_bench.py on CPU: correctness gate and timing rows of one small shape."""
 
 import argparse
-import importlib.util
-import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks import op_bench
 
 
-@pytest.fixture(scope="module")
-def op_bench():
-  spec = importlib.util.spec_from_file_location("op_bench", ROOT / "benchmarks" / "op_bench.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_bench_shape_checks_truncated_gradients_then_times(op_bench):
+def test_bench_shape_checks_truncated_gradients_then_times():
   # A tiny --max-ref-gib makes the float64 gradients cover only the first chunk, so the
   # full-length gradients go through the finite check as well.
   args = argparse.Namespace(dtype="float32", rotate=1, chunk_size=16, max_ref_gib=1e-9,
@@ -34,7 +24,7 @@ def test_bench_shape_checks_truncated_gradients_then_times(op_bench):
   assert "WRONG" not in table and "| ms | ms synced |" in table
 
 
-def test_time_queued_counts_every_call(op_bench):
+def test_time_queued_counts_every_call():
   calls = []
 
   def fn(x):
