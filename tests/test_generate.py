@@ -1,6 +1,5 @@
 """generate.py and palimpsa_jax.evaluation.generation on a tiny Palimpsa-D LM checkpoint."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -17,14 +16,11 @@ from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import generation
 from palimpsa_jax.evaluation import lm as lm_lib
 from palimpsa_jax.training import state as state_lib
+from tests.conversion import mamba2_fixtures as fx
 
 pytest.importorskip("tokenizers")
 
 REPO = pathlib.Path(__file__).parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "mamba2_fixtures", REPO / "tests" / "conversion" / "mamba2_fixtures.py")
-fx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fx)
 VOCAB = 300
 DOCS = [f"Document {i}: " + "alpha beta gamma δέλτα " * (1 + i % 3) for i in range(8)]
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mamba2_fixtures as fx
+from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.conversion import command

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-import mamba2_fixtures as fx
+from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax.conversion import command
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import generation

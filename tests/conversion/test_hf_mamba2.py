@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-import mamba2_fixtures as fx
+from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax import models
 from palimpsa_jax.conversion import hf_mamba2
 from palimpsa_jax.training import state as state_lib

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-import mamba2_fixtures as fx
+from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax import models
 from palimpsa_jax.conversion import finetune
 from palimpsa_jax.conversion import surgery

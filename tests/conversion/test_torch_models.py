@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-import authors_fixtures as fx
-import mamba2_fixtures
+from tests.conversion import authors_fixtures as fx
+from tests.conversion import mamba2_fixtures
 from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import torch_layouts

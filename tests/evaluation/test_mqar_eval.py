@@ -3,20 +3,17 @@
 import importlib.util
 import json
 import pathlib
-import sys
 
 from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "training"))
-import tiny_lm  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-from palimpsa_jax.data import mqar as mqar_lib  # pylint: disable=wrong-import-position
-from palimpsa_jax.evaluation import mqar as mqar_eval  # pylint: disable=wrong-import-position
-from palimpsa_jax.evaluation.suites import SUITES  # pylint: disable=wrong-import-position
-from palimpsa_jax.training import trainer  # pylint: disable=wrong-import-position
+from tests.training import tiny_lm
+from palimpsa_jax.data import mqar as mqar_lib
+from palimpsa_jax.evaluation import mqar as mqar_eval
+from palimpsa_jax.evaluation.suites import SUITES
+from palimpsa_jax.training import trainer
 
 REPO = pathlib.Path(__file__).parents[2]
 

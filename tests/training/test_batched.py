@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-import tiny_lm
+from tests.training import tiny_lm
 from palimpsa_jax.training import batched
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import run_summary

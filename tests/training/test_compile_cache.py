@@ -11,16 +11,14 @@ import pytest
 
 from palimpsa_jax.training import compile_cache
 
-HERE = pathlib.Path(__file__).parent
-REPO = HERE.parents[1]
+REPO = pathlib.Path(__file__).parents[2]
 
 # One fresh process: the tiny trainer model for 2 steps; prints the summary.
 _RUN = """
-import json, sys
+import json
 import pytest
-sys.path.insert(0, {here!r})
-import tiny_lm
 from palimpsa_jax.training import compile_cache, trainer
+from tests.training import tiny_lm
 compile_cache.configure({cache!r})
 with pytest.MonkeyPatch.context() as patcher:
   tiny_lm.use_tiny_model(patcher)
@@ -31,7 +29,7 @@ print("SUMMARY", json.dumps(summary))
 
 
 def _start(tmp_path, name: str, cache: str) -> dict:
-  code = _RUN.format(here=str(HERE), cache=cache, workdir=str(tmp_path / name))
+  code = _RUN.format(cache=cache, workdir=str(tmp_path / name))
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                        text=True, check=True, timeout=300).stdout

@@ -8,23 +8,20 @@ import sys
 
 from palimpsa_jax.training import metrics as metrics_lib
 
+REPO = pathlib.Path(__file__).parents[2]
+
 _PROCESS = """
-import sys
-sys.path.insert(0, {tests!r})
 import chex
 chex.set_n_cpu_devices(1)  # One device per process, whatever XLA_FLAGS the parent has.
 import jax
 jax.distributed.initialize(coordinator_address={address!r}, num_processes=2,
                            process_id={process_id})
 assert jax.process_count() == 2 and jax.device_count() == 2
-import tiny_lm
-import test_trainer
+import pytest
 from palimpsa_jax.training import trainer
-class Patcher:
-  def setattr(self, obj, name, value):
-    setattr(obj, name, value)
-tiny_lm.use_tiny_model(Patcher())
-config = test_trainer._resumable_config(8)
+from tests.training import tiny_lm
+tiny_lm.use_tiny_model(pytest.MonkeyPatch())
+config = tiny_lm.resumable_mqar_config(8)
 config.init_on_host = True  # Each process places its shards of the host copy.
 trainer.train_and_evaluate(config, {workdir!r})
 """
@@ -42,9 +39,8 @@ def test_two_process_run_completes_and_checkpoints(tmp_path):
   processes = [
       subprocess.Popen(
           [sys.executable, "-c", _PROCESS.format(
-              tests=str(pathlib.Path(__file__).parent), address=address,
-              process_id=i, workdir=str(tmp_path))],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              address=address, process_id=i, workdir=str(tmp_path))],
+          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
   outputs = [p.communicate(timeout=300)[0] for p in processes]
   assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]

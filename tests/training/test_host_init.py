@@ -1,25 +1,21 @@
 """Parameter initialisation on the host equals the on-device initialiser."""
 
-import pathlib
-
 import pytest
 
 from palimpsa_jax.training import state as state_lib
 
 _COMPARE = """
-import sys
-sys.path.insert(0, {tests!r})
 import jax
 import ml_collections
 import numpy as np
-import tiny_lm
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
+from tests.training import tiny_lm
 
 assert jax.device_count() == 4
 mesh = sharding_lib.make_mesh(
-    ml_collections.ConfigDict({{"data": 1, "fsdp": 2, "tensor": 2}}))
+    ml_collections.ConfigDict({"data": 1, "fsdp": 2, "tensor": 2}))
 optimizer = ml_collections.ConfigDict(dict(
     learning_rate=1e-2, warmup_fraction=0.1, decay_steps=0, end_fraction=0.1, b1=0.9,
     b2=0.95, eps=1e-15, weight_decay=0.1, clip_norm=1.0))
@@ -48,8 +44,7 @@ print("host init matches")
 
 
 def test_host_init_matches_device_init_on_four_devices(run_on_cpu_devices):
-  tests = pathlib.Path(__file__).parent
-  result = run_on_cpu_devices(_COMPARE.format(tests=str(tests)), 4)
+  result = run_on_cpu_devices(_COMPARE, 4)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "host init matches" in result.stdout
 

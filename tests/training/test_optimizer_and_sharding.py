@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import tiny_lm
+from tests.training import tiny_lm
 from palimpsa_jax import models
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib

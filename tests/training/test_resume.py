@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-import tiny_lm
+from tests.training import tiny_lm
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import tensorboard
@@ -18,19 +18,13 @@ def _tiny_model(monkeypatch):
   tiny_lm.use_tiny_model(monkeypatch)
 
 
-def _config(total_steps):
-  return tiny_lm.tiny_mqar_config(
-      total_steps=total_steps, log_every_steps=2, eval_every_steps=4,
-      checkpoint_every_steps=4, **{"optimizer.decay_steps": 16})
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
   """An 8-step run with checkpoints at steps 4 and 8."""
   with pytest.MonkeyPatch.context() as patcher:
     tiny_lm.use_tiny_model(patcher)
     workdir = tmp_path_factory.mktemp("finished")
-    summary = trainer.train_and_evaluate(_config(8), str(workdir))
+    summary = trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   return workdir, summary
 
 
@@ -63,7 +57,7 @@ def test_unreadable_latest_checkpoint_is_moved_aside(tmp_path, finished, damage)
   workdir = _copy(finished[0], tmp_path)
   damage(workdir / "checkpoints" / "8")
   with pytest.warns(RuntimeWarning, match="checkpoint step 8 .* cannot be restored") as caught:
-    summary = trainer.train_and_evaluate(_config(8), str(workdir))
+    summary = trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   assert len(caught) == 1 and "resumed from step 4" in str(caught[0].message)
   (moved,) = (workdir / "corrupt_checkpoints").iterdir()
   assert moved.name.startswith("8-")
@@ -79,7 +73,7 @@ def test_no_readable_checkpoint_stops_naming_the_directory(tmp_path, finished):
     _remove_optimizer(workdir / "checkpoints" / step)
   with pytest.raises(checkpoint_lib.CheckpointError,
                      match=f"no checkpoint in {workdir}/checkpoints restores"):
-    trainer.train_and_evaluate(_config(8), str(workdir))
+    trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   assert not (workdir / "corrupt_checkpoints").exists()
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "8"]
 
@@ -101,7 +95,7 @@ def test_resume_logs_each_step_once(tmp_path, finished):
   """
   workdir = _copy(finished[0], tmp_path)
   shutil.rmtree(workdir / "checkpoints" / "8")
-  trainer.train_and_evaluate(_config(8), str(workdir))
+  trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   steps = [r["step"] for r in metrics_lib.read_metrics(str(workdir))]
   assert steps == [1, 2, 4, 5, 6, 8]
   (events,) = (workdir / "tensorboard").iterdir()
@@ -136,7 +130,8 @@ def test_summary_is_kept_across_segments(tmp_path, finished):
   workdir = _copy(finished[0], tmp_path)
   first = finished[1]
   assert first["last_eval"] and len(first["segments"]) == 1
-  again = trainer.train_and_evaluate(_config(8), str(workdir))  # already finished
+  # Already finished:
+  again = trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   saved = json.loads((workdir / "summary.json").read_text())
   assert saved == again
   for key in ("wall_time_s", "last_eval", "best_accuracy", "best_step", "final_step",
@@ -144,7 +139,7 @@ def test_summary_is_kept_across_segments(tmp_path, finished):
     assert again[key] == first[key], key
   # Killed before its summary: that segment's time still counts.
   (workdir / "summary.json").unlink()
-  extended = trainer.train_and_evaluate(_config(12), str(workdir))
+  extended = trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(12), str(workdir))
   assert extended["final_step"] == 12
   assert [(s["start_step"], s["final_step"]) for s in extended["segments"]] == [(0, 8), (8, 12)]
   assert extended["wall_time_s"] == pytest.approx(

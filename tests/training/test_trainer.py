@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ml_collections
-import tiny_lm
+from tests.training import tiny_lm
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import trainer
@@ -30,21 +30,13 @@ def _losses(workdir) -> dict[int, float]:
           if "train/loss" in r}
 
 
-def _resumable_config(total_steps, **overrides):
-  # decay_steps fixed: the schedule of the first 16 steps is the same whether
-  # the run was planned for 8 or for 16 steps.
-  return tiny_lm.tiny_mqar_config(
-      total_steps=total_steps, log_every_steps=2, eval_every_steps=4,
-      checkpoint_every_steps=4, **{"optimizer.decay_steps": 16}, **overrides)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   """One uninterrupted 16-step run (shared by the resume tests)."""
   with pytest.MonkeyPatch.context() as patcher:
     tiny_lm.use_tiny_model(patcher)
     workdir = str(tmp_path_factory.mktemp("uninterrupted"))
-    summary = trainer.train_and_evaluate(_resumable_config(16), workdir)
+    summary = trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(16), workdir)
   return workdir, summary
 
 
@@ -79,9 +71,10 @@ def test_smoke_loss_falls_and_metrics_written(tmp_path, capsys):
 def test_resume_reproduces_uninterrupted_run(tmp_path, uninterrupted):
   """8 steps, then the same command with total_steps=16 == 16 uninterrupted steps."""
   workdir, _ = uninterrupted
-  trainer.train_and_evaluate(_resumable_config(8, async_checkpointing=True), str(tmp_path))
+  trainer.train_and_evaluate(
+      tiny_lm.resumable_mqar_config(8, async_checkpointing=True), str(tmp_path))
   summary = trainer.train_and_evaluate(
-      _resumable_config(16, async_checkpointing=True), str(tmp_path))
+      tiny_lm.resumable_mqar_config(16, async_checkpointing=True), str(tmp_path))
   assert summary["final_step"] == 16
   assert _losses(str(tmp_path)) == _losses(workdir)
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "16"]
@@ -90,7 +83,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, uninterrupted):
   shutil.rmtree(tmp_path / "checkpoints" / "16")
   records = [r for r in metrics_lib.read_metrics(str(tmp_path)) if r["step"] <= 12]
   (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-  trainer.train_and_evaluate(_resumable_config(16, async_checkpointing=True), str(tmp_path))
+  trainer.train_and_evaluate(
+      tiny_lm.resumable_mqar_config(16, async_checkpointing=True), str(tmp_path))
   assert _losses(str(tmp_path)) == _losses(workdir)
 
 
@@ -110,16 +104,12 @@ def test_load_model_restores_trained_parameters(uninterrupted):
 
 
 _MULTI_DEVICE_RUN = """
-import sys
-sys.path.insert(0, {tests!r})
-import jax, tiny_lm, test_trainer
+import jax, pytest
 from palimpsa_jax.training import trainer
-class Patcher:
-  def setattr(self, obj, name, value):
-    setattr(obj, name, value)
-tiny_lm.use_tiny_model(Patcher())
+from tests.training import tiny_lm
+tiny_lm.use_tiny_model(pytest.MonkeyPatch())
 assert jax.device_count() == {devices}
-config = test_trainer._resumable_config(8)
+config = tiny_lm.resumable_mqar_config(8)
 config.mesh.data, config.mesh.fsdp, config.mesh.tensor = {mesh}
 trainer.train_and_evaluate(config, {workdir!r})
 """
@@ -127,8 +117,7 @@ trainer.train_and_evaluate(config, {workdir!r})
 
 def _run_on_fake_devices(run_on_cpu_devices, workdir, devices, mesh):
   """8 training steps in a subprocess with `devices` CPU devices and `mesh`."""
-  script = _MULTI_DEVICE_RUN.format(tests=str(pathlib.Path(__file__).parent),
-                                    workdir=str(workdir), devices=devices, mesh=mesh)
+  script = _MULTI_DEVICE_RUN.format(workdir=str(workdir), devices=devices, mesh=mesh)
   result = run_on_cpu_devices(script, devices)
   assert result.returncode == 0, result.stderr[-3000:]
 
@@ -142,7 +131,7 @@ def test_four_fake_devices_match_one_and_resume_on_one(tmp_path, uninterrupted,
   assert sorted(four_device) == [2, 4, 6, 8]
   for step, loss in four_device.items():
     assert loss == pytest.approx(reference[step], abs=1e-5)
-  trainer.train_and_evaluate(_resumable_config(16), str(tmp_path))
+  trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(16), str(tmp_path))
   resumed = _losses(str(tmp_path))
   for step in range(10, 17, 2):
     assert resumed[step] == pytest.approx(reference[step], abs=1e-5)
@@ -317,7 +306,7 @@ def test_lm_task_trains_on_prepared_token_shards(tmp_path):
     dict(grad_accum_steps=0, device_batch=8),  # auto: 16 sequences -> 2 x 8
 ])
 def test_gradient_accumulation_matches_full_batch(tmp_path, uninterrupted, overrides):
-  config = _resumable_config(4, **overrides)
+  config = tiny_lm.resumable_mqar_config(4, **overrides)
   trainer.train_and_evaluate(config, str(tmp_path))
   reference = _losses(uninterrupted[0])
   for step, loss in _losses(str(tmp_path)).items():
