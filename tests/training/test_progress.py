@@ -1,5 +1,7 @@
 """The terminal lines of training: progress, start-up and the final summary's details."""
 
+import pytest
+
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
 
@@ -14,6 +16,14 @@ def test_progress_line_has_rates_mfu_eta_and_last_eval(capsys):
   assert "2.00 steps/s    65,536 tokens/s MFU 12.3%" in first and "ETA 0:25" in first
   assert "loss 3.0000 | last eval loss 2.5000 acc 25.00%" in first
   assert "- steps/s" in second and "ETA -" in second
+
+
+def test_throughput_record_at_a_known_rate():
+  # 2 steps/s of 4096 tokens; 1M parameters at 6 FLOPs each per token over 4 devices of 1e12.
+  record = metrics_lib.throughput_metrics(2.0, 4096, 1_000_000, 1e12, 4)
+  assert record == pytest.approx(
+      {"perf/steps_per_sec": 2.0, "perf/tokens_per_sec": 8192.0, "perf/mfu": 0.012288})
+  assert "perf/mfu" not in metrics_lib.throughput_metrics(2.0, 4096, 1_000_000, None, 4)
 
 
 def test_startup_record_line_and_summary(capsys):
