@@ -310,5 +310,6 @@ def main():
         + ([args.note] if args.note else []))
     log(f"wrote {results_lib.write_record(record)}")
 
+
 if __name__ == "__main__":
   main()
