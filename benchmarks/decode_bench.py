@@ -63,9 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="new tokens per sequence (>= 2)")
   parser.add_argument("--output", default="", help="JSON file for the results")
   parser.add_argument("--plot", default="", help="PNG bar chart of the decode rates")
-  parser.add_argument("--records", default=str(results_lib.RECORDS),
-                      help="folder the run's JSON record is written to")
-  parser.add_argument("--no_record", action="store_true", help="write no record")
+  results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   args.models = [m.strip() for m in args.models.split(",") if m.strip()]
   unknown = sorted(set(args.models) - set(models.config.MODELS))

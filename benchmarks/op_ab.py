@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--iters", type=positive_int, default=20, help="queued calls per batch")
   parser.add_argument("--rotate", type=positive_int, default=3,
                       help="distinct input sets cycled through")
-  parser.add_argument("--no-record", action="store_true", help="write no record")
+  results_lib.add_record_flags(parser)
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args(argv)
   if len(args.refs) < 2:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                f"{args.iters} calls queued per batch after {args.warmup} warm-up calls (median "
                f"of 3 batches), {args.rotate} rotating input sets; all refs in one process"]
         + ([args.note] if args.note else []))
-    log(f"wrote {results_lib.write_record(record)}")
+    log(f"wrote {results_lib.write_record(record, args.records)}")
   return rows
 
 

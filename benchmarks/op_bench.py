@@ -281,7 +281,7 @@ def main():
                       help="skip implementations that store every state beyond this")
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="memory for the float64 reference backward (fewer steps if needed)")
-  parser.add_argument("--no-record", action="store_true", help="write no record")
+  results_lib.add_record_flags(parser)
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
@@ -308,7 +308,7 @@ def main():
                f"of 3 batches; device time per call, as triton's do_bench measures); ms synced: "
                f"median of {args.iters} single calls, each blocked on"]
         + ([args.note] if args.note else []))
-    log(f"wrote {results_lib.write_record(record)}")
+    log(f"wrote {results_lib.write_record(record, args.records)}")
 
 
 if __name__ == "__main__":

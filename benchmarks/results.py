@@ -15,6 +15,7 @@ run without a table. `settings` are the run's parameters that say which measurem
 settings and, for each row it shows, takes the newest record that has it.
 """
 
+import argparse
 import datetime
 import json
 import pathlib
@@ -26,6 +27,13 @@ import jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = pathlib.Path(__file__).with_name("records")
+
+
+def add_record_flags(parser: argparse.ArgumentParser) -> None:
+  """--records DIR (where the run's record goes) and --no_record: every benchmark's two flags."""
+  parser.add_argument("--records", default=str(RECORDS),
+                      help="folder the run's JSON record is written to (default %(default)s)")
+  parser.add_argument("--no_record", action="store_true", help="write no record")
 
 
 def utc_now() -> str:
@@ -63,10 +71,12 @@ def make_record(benchmark: str, title: str, command: str, *, settings: dict[str,
                 notes: list[str] = (), table: str | None = None,
                 figures: dict[str, Any] | None = None, date: str | None = None,
                 device: str | None = None, num_devices: int | None = None,
-                backend: str | None = None, jax_version: str | None = None) -> dict[str, Any]:
+                backend: str | None = None,
+                versions: dict[str, str] | None = None) -> dict[str, Any]:
   """A record of a run (see the module docstring); `table` is the markdown table the script
-  printed. Device, backend and JAX version default to this process's (which starts JAX's
-  backend: a process that leaves the accelerator to its children passes them)."""
+  printed. Device and backend default to this process's (which starts JAX's backend: a
+  process that leaves the accelerator to its children passes them); `versions` are added to
+  this process's JAX version (a "jax" entry replaces it)."""
   if table is None and figures is None:
     raise ValueError("a record needs a table or figures")
   if device is None or num_devices is None or backend is None:
@@ -75,7 +85,7 @@ def make_record(benchmark: str, title: str, command: str, *, settings: dict[str,
     backend = backend or jax.default_backend()
   return {"benchmark": benchmark, "title": title, "date": date or utc_now(), "device": device,
           "num_devices": num_devices, "backend": backend,
-          "versions": {"jax": jax_version or jax.__version__}, "git_ref": git_ref(),
+          "versions": {"jax": jax.__version__, **(versions or {})}, "git_ref": git_ref(),
           "command": command, "settings": settings, "notes": list(notes),
           "table": None if table is None else parse_table(table), "figures": figures}
 

@@ -26,6 +26,11 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
+
 FIVE = "mamba2,palimpsa_d,not_palimpsa,gated_deltanet"
 
 # (name, train_throughput flags, seconds: the least worth starting with, the most it may take).
@@ -116,8 +121,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--stages", default=",".join(s[0] for s in STAGES),
                       help="comma-separated stage names, in order")
   parser.add_argument("--render", default="", help="print the tables of a size_tables.json")
-  parser.add_argument("--records", default=str(ROOT / "benchmarks" / "records"),
-                      help="folder each completed stage's JSON record goes to")
+  results_lib.add_record_flags(parser)  # each completed stage's record
   args = parser.parse_args(argv)
   if args.render:
     text = render(json.loads(pathlib.Path(args.render).read_text()))
@@ -142,7 +146,8 @@ def main(argv=None) -> dict:
                                            + shlex.join(COMMON + flags),
                                 "status": f"skipped: {max(left, 0):.0f} s left of the budget"}
       continue
-    result["stages"][name] = run_stage(name, flags, min(left, most), out, args.records)
+    result["stages"][name] = run_stage(name, flags, min(left, most), out,
+                                       None if args.no_record else args.records)
     (out / "size_tables.json").write_text(json.dumps(result, indent=2))
     (out / "size_tables.md").write_text(render(result))
     log(f"{name}: {result['stages'][name]['status']}")

@@ -126,9 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compilation_cache_dir", default="",
                       help="JAX's persistent compilation cache (off by default: compile s "
                            "are then cold compiles)")
-  parser.add_argument("--records", default=str(results_lib.RECORDS),
-                      help="folder the run's JSON record is written to")
-  parser.add_argument("--no_record", action="store_true", help="write no record")
+  results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   return args
 
