@@ -22,8 +22,8 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
   python benchmarks/mqar_sweep.py run --root R --seeds 0 --settings 512:128 --epochs 8
   # runs finished / running / left, steps done, GPU time left at the measured rates
   python benchmarks/mqar_sweep.py status --root runs/mqar_sweep
-  # results.json, accuracy.png and accuracy_vs_step.png under ROOT
-  # (unfinished runs count with their best evaluation so far)
+  # results.json, accuracy.png and accuracy_vs_step.png under ROOT, a record of every
+  # run to --records (unfinished runs count with their best evaluation so far)
   python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
 
 `status`, `collect` and `list` take the same grid flags as `run`. The plot
@@ -39,6 +39,7 @@ import itertools
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
@@ -49,6 +50,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
   sys.path.insert(0, str(REPO))
 
 # pylint: disable=wrong-import-position
+from benchmarks import results as results_lib
 from benchmarks.mqar_sweep_report import collect, read_run_metrics, report
 # pylint: enable=wrong-import-position
 
@@ -351,6 +353,7 @@ def main(argv=None) -> None:
                            "cell's best lr.")
   parser.add_argument("--examples", type=int, default=None, help="shorten: training examples.")
   parser.add_argument("--epochs", type=int, default=None, help="shorten: epochs.")
+  results_lib.add_record_flags(parser)  # collect's record of the sweep
   args = parser.parse_args(argv)
 
   mixers = [m for m in args.mixers.split(",") if m]
@@ -390,7 +393,9 @@ def main(argv=None) -> None:
       train_cells(root, runs, shard(list(cells(runs)), args.shard), extra,
                   args.two_stage)
   else:
-    report(root)
+    report(root, None if args.no_record else args.records,
+           "python " + shlex.join(["benchmarks/mqar_sweep.py"]
+                                  + (sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

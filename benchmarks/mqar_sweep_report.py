@@ -2,12 +2,14 @@
 
 `collect` reads every run under a sweep root (benchmarks/mqar_sweep.py: one workdir per run,
 the files of a train.py run); the rest turns those per-run dicts into the report that
-`mqar_sweep.py collect` prints, saves (results.json) and plots.
+`mqar_sweep.py collect` prints, saves (results.json) and plots, and into the run table of
+its record (benchmarks/results.py; rendered into docs/results/mqar.md).
 """
 
 import json
 import pathlib
 
+from benchmarks import results as results_lib
 from palimpsa_jax.training import metrics as metrics_lib
 
 LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",
@@ -161,9 +163,38 @@ def format_table(rows: list[dict[str, object]]) -> str:
   return "\n".join(lines)
 
 
-def report(root: pathlib.Path) -> None:
+def runs_table(runs: list[dict[str, object]]) -> str:
+  """The record's table: one row per run, its grid point, schedule and outcome."""
+  lines = ["| mixer | seq_len | kv | lr | seed | epochs | examples | best accuracy | at step "
+           "| steps done | finished |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in runs:
+    accuracy = "n/a" if r["best_accuracy"] is None else f"{100 * r['best_accuracy']:.2f}%"
+    state = ("early stop" if r["stopped_early"] else "yes") if r["finished"] else "no"
+    lines.append(f"| {r['mixer']} | {r['seq_len']} | {r['kv']} | {r['lr']:g} | {r['seed']} "
+                 f"| {r['epochs']} | {r['examples']} | {accuracy} | {r['best_step'] or '-'} "
+                 f"| {r['final_step']} | {state} |")
+  return "\n".join(lines)
+
+
+COLLECTED = ("best test accuracy of each run (unfinished runs: their best evaluation so far); "
+             "the device is the one `collect` ran on (run it where the runs trained)")
+
+
+def make_record(root_name: str, runs: list[dict[str, object]], command: str,
+                notes: list[str] = (COLLECTED,), **device) -> dict[str, object]:
+  """The sweep's record of its collected runs; `device`: results.make_record's date, device,
+  num_devices, backend and versions, where they are not this process's."""
+  return results_lib.make_record(
+      "mqar_sweep", f"MQAR sweep: {len(runs)} runs under {root_name}", command,
+      settings={"seq_len_kv": sorted({(r["seq_len"], r["kv"]) for r in runs}),
+                "epochs": sorted({r["epochs"] for r in runs}),
+                "examples": sorted({r["examples"] for r in runs})},
+      notes=notes, table=runs_table(runs), **device)
+
+
+def report(root: pathlib.Path, records_dir: pathlib.Path | str | None, command: str) -> None:
   """Collects the runs under root; writes results.json, accuracy.png, accuracy_vs_step.png
-  there and prints the tables."""
+  there, prints the tables and writes the sweep's record to records_dir (None: none)."""
   records = collect(root)
   if not records:
     raise SystemExit(f"no runs under {root}.")
@@ -176,3 +207,6 @@ def report(root: pathlib.Path) -> None:
   print(format_table(rows))
   print(f"wrote {root / 'results.json'}, {root / 'accuracy.png'} and "
         f"{root / 'accuracy_vs_step.png'}")
+  if records_dir is not None:
+    record = make_record(root.name, records, command)
+    print(f"wrote {results_lib.write_record(record, records_dir)}")

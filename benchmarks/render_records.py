@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import results as results_lib
+from benchmarks.mqar_sweep_report import LABELS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- records:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /records -->)",
@@ -167,6 +168,55 @@ def startup(records: list[Record]) -> str:
                    "command to first step s", "record", "measured"], out)
 
 
+def _lr(text: str) -> str:
+  """'0.00215' -> '2.15e-3'."""
+  mantissa, exponent = f"{float(text):e}".split("e")
+  return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def mqar_paper(records: list[Record]) -> str:
+  """The MQAR sweep in the paper's schedule (60 epochs of 100,000 examples): per mixer and
+  setting, each learning rate's best test accuracy (mean over seeds; the best rate in bold)."""
+  paper = lambda record, row: (row["epochs"], row["examples"]) == ("60", "100000")
+  chosen = newest_rows(records, "mqar_sweep", lambda record, row: (
+      row["mixer"], int(row["seq_len"]), int(row["kv"]), float(row["lr"]), row["seed"]), paper)
+  lrs = sorted({key[3] for key in chosen})
+  cells: dict[tuple, list[tuple[Record, Row]]] = {}
+  for key, found in chosen.items():
+    cells.setdefault(key[:3], []).append(found)
+  order = list(LABELS)
+  out = []
+  for (mixer, seq_len, kv), found in sorted(
+      cells.items(), key=lambda item: (item[0][1], order.index(item[0][0]), item[0][2])):
+    by_lr: dict[float, list[Row]] = {}
+    for _, row in found:
+      by_lr.setdefault(float(row["lr"]), []).append(row)
+    means = {lr: sum(_percent(row) for row in rows) / len(rows) for lr, rows in by_lr.items()}
+    texts = []
+    for lr in lrs:
+      rows = by_lr.get(lr)
+      if not rows:
+        texts.append("-")
+        continue
+      text = f"{means[lr]:.2f}%"
+      text = f"**{text}**" if means[lr] == max(means.values()) else text
+      texts.append(text + (f" (step {int(rows[0]['at step']):,})"
+                           if len(rows) == 1 and rows[0]["at step"] != "-" else
+                           f" ({len(rows)} seeds)" if len(rows) > 1 else ""))
+    steps = dict.fromkeys(f"{int(row['steps done']):,}" for lr in lrs for row in by_lr.get(lr, []))
+    finished = sum(row["finished"] != "no" for _, row in found)
+    out.append([LABELS.get(mixer, mixer), f"{seq_len}, {kv}", *texts, " / ".join(steps),
+                f"{finished} of {len(found)}",
+                ", ".join(sorted({day(record) for record, _ in found}))])
+  return markdown(["mixer", "L, kv pairs", *(f"lr {_lr(str(lr))}" for lr in lrs), "steps done",
+                   "runs finished", "measured"], out)
+
+
+def _percent(row: Row) -> float:
+  """A run's best accuracy in % (0 for a run not evaluated yet)."""
+  return 0.0 if row["best accuracy"] == "n/a" else float(row["best accuracy"].rstrip("%"))
+
+
 def _as_recorded(benchmark: str) -> Callable[[list[Record]], str]:
   def view(records: list[Record]) -> str:
     record = newest(records, benchmark)
@@ -184,6 +234,7 @@ VIEWS: dict[str, Callable[[list[Record]], str]] = {
     "startup": startup,
     "context_parallel_ab": _as_recorded("context_parallel_ab"),
     "decode_bench": _as_recorded("decode_bench"),
+    "mqar_paper": mqar_paper,
 }
 
 
