@@ -217,6 +217,17 @@ def _percent(row: Row) -> float:
   return 0.0 if row["best accuracy"] == "n/a" else float(row["best accuracy"].rstrip("%"))
 
 
+def torch_interop(records: list[Record]) -> str:
+  """The newest PyTorch interop record: its table, versions, command and notes."""
+  record = newest(records, "torch_interop")
+  versions = ", ".join(f"{name} {version}" for name, version in record["versions"].items())
+  settings = record["settings"]
+  return (markdown(record["table"]["columns"], record["table"]["rows"])
+          + f"\n\n(measured {day(record)} UTC on {record['device']}, {versions}; batch "
+          f"{settings['batch']} x {settings['seq_len']} tokens: `{record['command']}`)\n\n"
+          + "\n".join(f"- {note}" for note in record["notes"]))
+
+
 def _as_recorded(benchmark: str) -> Callable[[list[Record]], str]:
   def view(records: list[Record]) -> str:
     record = newest(records, benchmark)
@@ -235,6 +246,7 @@ VIEWS: dict[str, Callable[[list[Record]], str]] = {
     "context_parallel_ab": _as_recorded("context_parallel_ab"),
     "decode_bench": _as_recorded("decode_bench"),
     "mqar_paper": mqar_paper,
+    "torch_interop": torch_interop,
 }
 
 
