@@ -12,7 +12,9 @@ A record holds what a reader needs to trust and repeat a figure:
 `table` holds the script's printed table cell by cell, as text; `figures` named values of a
 run without a table. `settings` are the run's parameters that say which measurement it is
 (size, batch, shapes, ...): benchmarks/render_records.py selects records by benchmark and
-settings and, for each row it shows, takes the newest record that has it.
+settings and, for each row it shows, takes the newest record that has it. Every benchmark
+takes add_record_flags' two flags: `--records DIR` (default benchmarks/records/) and
+`--no_record`.
 """
 
 import argparse
