@@ -184,10 +184,10 @@ def mqar_paper(records: list[Record]) -> str:
   cells: dict[tuple, list[tuple[Record, Row]]] = {}
   for key, found in chosen.items():
     cells.setdefault(key[:3], []).append(found)
-  order = list(LABELS)
+  rank = {mixer: index for index, mixer in enumerate(LABELS)}  # the sweep's order, then others
   out = []
-  for (mixer, seq_len, kv), found in sorted(
-      cells.items(), key=lambda item: (item[0][1], order.index(item[0][0]), item[0][2])):
+  for (mixer, seq_len, kv), found in sorted(cells.items(), key=lambda item: (
+      item[0][1], rank.get(item[0][0], len(rank)), item[0][0], item[0][2])):
     by_lr: dict[float, list[Row]] = {}
     for _, row in found:
       by_lr.setdefault(float(row["lr"]), []).append(row)

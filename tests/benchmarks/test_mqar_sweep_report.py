@@ -35,7 +35,7 @@ def test_collect_records_every_run_and_the_view_takes_the_newest(tmp_path):
   record = _collect(tmp_path, "first", [
       ("a", "palimpsa_d", 1e-3, 0, 0.5, 100), ("b", "palimpsa_d", 1e-2, 0, 0.9, 120),
       ("c", "mamba2", 1e-3, 0, 0.25, 200, 60, True), ("d", "mamba2", 1e-3, 1, 0.75, 220),
-      ("e", "mamba2", 1e-2, 0, 0.125, 180, 3)])
+      ("e", "mamba2", 1e-2, 0, 0.125, 180, 3), ("f", "mesanet", 1e-3, 0, 0.5, 100)])
   assert record["benchmark"] == "mqar_sweep" and "collect --root" in record["command"]
   assert record["settings"] == {"seq_len_kv": [[512, 128]], "epochs": [3, 60],
                                 "examples": [100000]}
@@ -50,6 +50,7 @@ def test_collect_records_every_run_and_the_view_takes_the_newest(tmp_path):
                              "**90.00%** (step 120) | 100 / 120 | 0 of 2 |")
   assert lines[3].startswith("| Mamba2 | 512, 128 | **50.00%** (2 seeds) | - | 200 / 220 "
                              "| 1 of 2 |")
+  assert lines[4].startswith("| mesanet | 512, 128 |")  # a mixer the sweep does not list: last
   # A later collect of one run replaces that run only.
   _collect(tmp_path, "later", [("b", "palimpsa_d", 1e-2, 0, 0.25, 300)])
   table = render_records.mqar_paper(results_lib.load_records(tmp_path / "records"))
