@@ -12,14 +12,13 @@ new positions). One untimed pass compiles, then a timed pass records the time to
 token (the prefill) and each later step (all rows; each step waits for its tokens on the host,
 as streaming does); the decode rate is batch / the median step time. Results go to --output
 (JSON, rewritten after each case so that a stopped run keeps what it measured), a bar chart to
---plot, and a section with date, device, versions, git ref and the exact command to --results.
+--plot, and a record with date, device, versions, git ref and the exact command to --records.
 """
 
 import argparse
 import json
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
 from typing import Any
@@ -35,7 +34,6 @@ from benchmarks import results as results_lib
 from palimpsa_jax import models
 from palimpsa_jax.models import decoding
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("palimpsa_d", "transformer")
 
 
@@ -65,10 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="new tokens per sequence (>= 2)")
   parser.add_argument("--output", default="", help="JSON file for the results")
   parser.add_argument("--plot", default="", help="PNG bar chart of the decode rates")
-  parser.add_argument("--results", default=str(results_lib.RESULTS),
-                      help="markdown file the table is appended to")
-  parser.add_argument("--no_record", action="store_true",
-                      help="do not append to the results file")
+  results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   args.models = [m.strip() for m in args.models.split(",") if m.strip()]
   unknown = sorted(set(args.models) - set(models.config.MODELS))
@@ -77,18 +72,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if args.new_tokens < 2:
     parser.error(f"--new_tokens must be >= 2, got {args.new_tokens}")
   return args
-
-
-def git_ref() -> str:
-  """The short commit of the working tree (+ "dirty" when it has changes), or "unknown"."""
-  try:
-    ref = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return ref + (" + changes" if dirty else "")
 
 
 def decode_once(model, prompt: np.ndarray, new_tokens: int) -> tuple[float, list[float]]:
@@ -160,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   argv_used = sys.argv[1:] if argv is None else argv
   command = "python " + shlex.join(["benchmarks/decode_bench.py"] + argv_used)
   result = {"date": results_lib.utc_now(), "device": device_kind,
-            "backend": jax.default_backend(), "jax": jax.__version__, "git": git_ref(),
+            "backend": jax.default_backend(), "jax": jax.__version__, "git": results_lib.git_ref(),
             "command": command, "size": args.size, "prefill_chunk": decoding.PREFILL_CHUNK,
             "rows": []}
   log(f"{device_kind} ({jax.default_backend()}), jax {jax.__version__}, git {result['git']}")
@@ -188,16 +171,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(result["rows"], args.plot)
     log(f"wrote {args.plot}")
   if not args.no_record:
-    path = results_lib.append_section(
-        f"decode_bench {args.size}, {args.new_tokens} new tokens: {result['date']}",
-        [results_lib.device_line(device_kind, f"git {result['git']}"),
-         f"- command: `{command}`",
-         f"- random initial weights, bf16 compute, greedy; models.decoding.stream (generate.py's "
-         f"path): prefill in chunks of {decoding.PREFILL_CHUNK}, then one jitted step per token "
-         f"with the tokens fetched to the host; timed pass after a compiling pass; decode "
-         f"tok/s = batch / median step"],
-        result["table"], pathlib.Path(args.results))
-    log(f"appended to {path}")
+    record = results_lib.make_record(
+        "decode_bench", f"decode_bench {args.size}, {args.new_tokens} new tokens", command,
+        date=result["date"], device=device_kind, table=result["table"],
+        settings={"size": args.size, "new_tokens": args.new_tokens},
+        notes=[f"random initial weights, bf16 compute, greedy; models.decoding.stream "
+               f"(generate.py's path): prefill in chunks of {decoding.PREFILL_CHUNK}, then one "
+               f"jitted step per token with the tokens fetched to the host; timed pass after a "
+               f"compiling pass; decode tok/s = batch / median step"])
+    log(f"wrote {results_lib.write_record(record, args.records)}")
   return result
 
 

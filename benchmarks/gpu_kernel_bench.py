@@ -5,14 +5,18 @@
 Times the kernel's three stages (boundary states, forward walk, backward walk) each jitted alone
 and, with --sweep, tile variants of each stage, then the whole kernel with the chosen tiles.
 Shapes, inputs (bf16 here), timing and the floor rates of docs/gpu_performance.md come from
-benchmarks/op_bench.py, which is also the table that compares implementations.
+benchmarks/op_bench.py, which is also the table that compares implementations. The table of
+times per shape (and, with --sweep, the chosen tiles) goes as a record to --records
+(benchmarks/records/).
 """
 
 import argparse
 import dataclasses
 import functools
 import itertools
+import math
 import pathlib
+import shlex
 import sys
 
 import jax
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks import results as results_lib
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
@@ -200,12 +205,31 @@ def report(label, name, elem, tf, tfb, log):
   log(line)
 
 
+TABLE_HEADER = ("| shape | (B, T, H, K, V) | boundary ms | walk fwd ms | walk bwd ms | fwd ms "
+                "| fwd+bwd ms | fwd of floor | fwd+bwd of floor | x authors fwd / fwd+bwd "
+                "| fwd+bwd temp MiB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(name, shape, stage_ms, tf, tfb, temp_mib):
+  """The record's row of one shape: the stages' ms (base tiles), the whole kernel's."""
+  elem = math.prod(shape)
+  ref = REFERENCE_MS.get(name)
+  authors = f"{ref[0] / tf:.1f} / {ref[1] / tfb:.1f}" if ref else "-"
+  return (f"| {name} | {tuple(shape)} | "
+          + " | ".join(f"{x:.3f}" for x in stage_ms)
+          + f" | {tf:.3f} | {tfb:.3f} | {elem / FWD_FLOOR_RATE * 1e3 / tf:.2f} "
+          f"| {elem / FWD_BWD_FLOOR_RATE * 1e3 / tfb:.2f} | {authors} "
+          f"| {'-' if temp_mib is None else f'{temp_mib:.1f}'} |")
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--shapes", nargs="*", default=list(SHAPES["perf"]),
                       choices=list(SHAPES["perf"]))
   parser.add_argument("--sweep", action="store_true")
+  results_lib.add_record_flags(parser)
   args_ns = parser.parse_args()
+  rows, notes = [], []
   log = functools.partial(print, flush=True)
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
   for name in args_ns.shapes:
@@ -235,11 +259,25 @@ def main():
     if mem is not None:
       log(f"    fwd+bwd compiled temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, "
           f"args {mem.argument_size_in_bytes / 2**20:.1f} MiB")
+    rows.append(table_row(name, shape, base_times, tf, tfb,
+                          None if mem is None else mem.temp_size_in_bytes / 2**20))
+    notes.append(f"{name} {'best' if args_ns.sweep else 'base'} tiles: {best}")
     if args_ns.sweep:
       diff_out = max_rel_diff(f2(*fwd_sets[0]), f(*fwd_sets[0]))
       diff_grad = max_rel_diff(fb2(*fb_sets[0]), fb(*fb_sets[0]))
       log(f"    best vs base tiles: out/state max rel diff {diff_out:.1e}, grads "
           f"{diff_grad:.1e}")
+  if not args_ns.no_record and rows:
+    record = results_lib.make_record(
+        "gpu_kernel_bench", f"gpu_kernel_bench {' '.join(args_ns.shapes)}"
+        + (" (tile sweep)" if args_ns.sweep else ""),
+        "python " + shlex.join(["benchmarks/gpu_kernel_bench.py"] + sys.argv[1:]),
+        settings={"shapes": args_ns.shapes, "sweep": args_ns.sweep, "dtype": "bfloat16"},
+        table="\n".join([TABLE_HEADER, *rows]),
+        notes=["stages each jitted alone with the base tiles; fwd and fwd+bwd: the whole kernel "
+               f"with the {'best' if args_ns.sweep else 'base'} tiles, 10 calls queued (median "
+               "of 2 batches); floor and authors' times: docs/gpu_performance.md", *notes])
+    log(f"wrote {results_lib.write_record(record, args_ns.records)}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def parse_args(argv):
   parser.add_argument("--log_every", type=int, default=10)
   parser.add_argument("--corpus_mb", type=float, default=200,
                       help="stop collecting documents after this many MB")
+  results_lib.add_record_flags(parser)  # this run's record and the benchmark's
   parser.add_argument("--extra_config", default="",
                       help="more train.py flags, e.g. '--config.model.scan_layers=True'")
   return parser.parse_args(argv)
@@ -264,7 +265,8 @@ def main(argv=None) -> dict:
   run_logged([sys.executable, "benchmarks/train_throughput.py", "--models", args.model,
               "--size", args.size, "--seq_len", str(args.seq_len),
               "--batch_size", str(args.batch), "--steps", "10", "--warmup_steps", "3",
-              "--output", str(bench_json), "--results", str(out / "train_throughput.md"),
+              "--output", str(bench_json),
+              *(["--no_record"] if args.no_record else ["--records", args.records]),
               # Host initialisation is the same program as train.py's; the train step is
               # not (a batch without segment ids), so it is compiled cold.
               "--compilation_cache_dir", str(work / "jax_cache"),
@@ -279,6 +281,23 @@ def main(argv=None) -> dict:
   if result["warm"]["overall_tokens_per_s"]:
     result["train_overall_over_benchmark"] = result["warm"]["overall_tokens_per_s"] / bench
   save("benchmark")
+  if not args.no_record:
+    record = results_lib.make_record(
+        "lm_workflow", f"lm_workflow (train.py end to end, {args.model} {args.size})",
+        result["command"], date=result["date"], device=bench_result["device"],
+        num_devices=bench_result["num_devices"], backend=bench_result["backend"],
+        versions={"jax": bench_result["jax"]},
+        settings={"model": args.model, "size": args.size, "seq_len": args.seq_len,
+                  "batch": args.batch, "scan_layers": "scan_layers=True" in args.extra_config},
+        notes=[f"train command: {result['train_command']}"],
+        figures={f"{start}_{name}": result[start].get(name) for start in ("cold", "warm")
+                 for name in ("lower_s", "compile_s", "time_to_first_step_s")}
+        | {"compile_speedup": result.get("compile_speedup"),
+           "train_median_tokens_per_s": result["warm"]["median_tokens_per_s"],
+           "train_overall_tokens_per_s": result["warm"]["overall_tokens_per_s"],
+           "benchmark_tokens_per_s": bench,
+           "max_loss_difference": result["warm"]["max_loss_difference"]})
+    log(f"wrote {results_lib.write_record(record, args.records)}")
   print(json.dumps({k: result.get(k) for k in (
       "compile_speedup", "train_over_benchmark", "train_overall_over_benchmark",
       "benchmark_tokens_per_s")} | {"cold": {k: result["cold"].get(k) for k in (

@@ -15,13 +15,15 @@ after the last step and is not timed.
 A batched measurement that runs out of GPU memory is retried with half the
 runs; one that fails otherwise, with XLA's deterministic ops (which turn off
 the Palimpsa kernel's accumulating backward walk) and then with the XLA
-"chunked" implementation. The JSON records every attempt.
+"chunked" implementation. The JSON (--output) holds every attempt; the table of
+rates goes as a record to --records (benchmarks/records/).
 """
 
 import argparse
 import json
 import os
 import pathlib
+import shlex
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,9 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # Run as a script: the repository's packages.
   sys.path.insert(0, str(REPO))
+
+from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
+
 LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
 # Retries of a failed batched measurement: (extra XLA flag, implementation).
 FALLBACKS = (("", "auto"), ("--xla_gpu_deterministic_ops=true", "auto"), ("", "chunked"))
@@ -78,7 +83,8 @@ def child(args: argparse.Namespace) -> None:
              if "perf/steps_per_sec" in r][1:]
   rate = statistics.median(rates)
   print("RESULT " + json.dumps({
-      "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+      "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+      "jax": jax.__version__,
       "steps": steps, "steps_per_sec_per_run": rate,
       "total_steps_per_sec": rate * len(configs), "logged_rates": rates,
       "wall_s": time.perf_counter() - start}), flush=True)
@@ -111,6 +117,35 @@ def measure(mode: str, mixer: str, runs: int, impl: str, xla_flag: str,
   return {**record, **json.loads(results[-1][len("RESULT "):])}
 
 
+def write_record(records: list[dict], summary: dict, args: argparse.Namespace,
+                 command: str) -> None:
+  """The rates per mixer as a record, the failed attempts as its notes (none if nothing ran;
+  device and versions from a measurement's child, as this process leaves the GPU alone)."""
+  done = [r for r in records if "error" not in r]
+  if not done:
+    print("no measurement succeeded: no record", file=sys.stderr, flush=True)
+    return
+  lines = ["| mixer | batched runs | batched impl | batched total steps/s | single steps/s "
+           "| speed-up |", "|---|---|---|---|---|---|"]
+  for mixer, row in summary.items():
+    batched = next(r for r in done if r["mixer"] == mixer and r["mode"] == "batched")
+    lines.append(f"| {mixer} | {batched['runs']} | {batched['impl']} "
+                 f"| {row['batched_total_steps_per_sec']:.1f} | {row['single_steps_per_sec']:.1f} "
+                 f"| {row['speedup_over_one_single_process']:.2f} |")
+  notes = [" ".join(filter(None, (r["mode"], r["mixer"], f"x{r['runs']}", f"impl={r['impl']}",
+                                  r.get("xla_flag")))) + f": {r['error']}"
+           for r in records if "error" in r]
+  record = results_lib.make_record(
+      "mqar_batched_throughput", f"MQAR batched vs single-run training at {args.setting}",
+      command, settings={"setting": args.setting, "runs": args.runs, "steps": args.steps,
+                         "single_steps": args.single_steps},
+      table="\n".join(lines), device=done[0]["device"], num_devices=1,
+      backend=done[0]["backend"], versions={"jax": done[0]["jax"]},
+      notes=["rate: median logged steps/s per run after the first log interval; total: rate x "
+             "runs"] + notes)
+  print(f"wrote {results_lib.write_record(record, args.records)}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--output", type=pathlib.Path, default=None)
@@ -122,6 +157,7 @@ def main(argv=None) -> None:
                       help="steps of the single run.")
   parser.add_argument("--budget_s", type=float, default=330.0,
                       help="wall time for all measurements together.")
+  results_lib.add_record_flags(parser)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--mode", choices=("batched", "single"), help=argparse.SUPPRESS)
   parser.add_argument("--mixer", help=argparse.SUPPRESS)
@@ -159,12 +195,16 @@ def main(argv=None) -> None:
           "single_steps_per_sec": done["single"]["total_steps_per_sec"],
           "speedup_over_one_single_process": (done["batched"]["total_steps_per_sec"]
                                               / done["single"]["total_steps_per_sec"])}
-  result = {"command": " ".join(sys.argv), "measurements": records, "summary": summary}
+  command = "python " + shlex.join(["benchmarks/mqar_batched_throughput.py"]
+                                   + (sys.argv[1:] if argv is None else argv))
+  result = {"command": command, "measurements": records, "summary": summary}
   text = json.dumps(result, indent=2)
   print(text)
   if args.output is not None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
+  if not args.no_record:
+    write_record(records, summary, args, command)
 
 
 if __name__ == "__main__":

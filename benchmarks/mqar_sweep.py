@@ -22,13 +22,13 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
   python benchmarks/mqar_sweep.py run --root R --seeds 0 --settings 512:128 --epochs 8
   # runs finished / running / left, steps done, GPU time left at the measured rates
   python benchmarks/mqar_sweep.py status --root runs/mqar_sweep
-  # results.json, accuracy.png and accuracy_vs_step.png under ROOT
-  # (unfinished runs count with their best evaluation so far)
+  # results.json, accuracy.png and accuracy_vs_step.png under ROOT, a record of every
+  # run to --records (unfinished runs count with their best evaluation so far)
   python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
 
 `status`, `collect` and `list` take the same grid flags as `run`. The plot
 shows, per mixer and setting, mean +- std over seeds of each seed's best
-accuracy over learning rates.
+accuracy over learning rates (`collect`'s report: benchmarks/mqar_sweep_report.py).
 """
 
 import argparse
@@ -39,18 +39,23 @@ import itertools
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 
-from palimpsa_jax.training import metrics as metrics_lib
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # Run as a script: the repository's packages.
+  sys.path.insert(0, str(REPO))
+
+# pylint: disable=wrong-import-position
+from benchmarks import results as results_lib
+# collect: the sweep's per-run results, also reached as mqar_sweep.collect.
+from benchmarks.mqar_sweep_report import collect, read_run_metrics, report
+# pylint: enable=wrong-import-position
+
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet")
-LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",
-          "meta_mamba2": "MetaMamba2", "mamba2": "Mamba2",
-          "gated_deltanet": "Gated DeltaNet", "transformer": "Transformer++"}
 SETTINGS = ((512, 128), (1024, 256))
 LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
 SEEDS = (0, 1, 2)
@@ -248,14 +253,14 @@ def status(root: pathlib.Path, grid_runs: list[Run], extra: dict[str, object],
         done, ended = json.loads((root / run.name / "summary.json").read_text())[
             "final_step"], True
         row["finished"] += 1
-      elif exists and (_metrics(root / run.name) or latest_checkpoint(root / run.name)):
-        done = max([r["step"] for r in _metrics(root / run.name)] +
+      elif exists and (read_run_metrics(root / run.name) or latest_checkpoint(root / run.name)):
+        done = max([r["step"] for r in read_run_metrics(root / run.name)] +
                    [latest_checkpoint(root / run.name) or 0])
         row["running"] += 1
       else:
         row["left"] += 1
       if exists:
-        rates += [r["perf/steps_per_sec"] for r in _metrics(root / run.name)[-10:]
+        rates += [r["perf/steps_per_sec"] for r in read_run_metrics(root / run.name)[-10:]
                   if "perf/steps_per_sec" in r]
       row["steps_done"] += done
       row["steps_planned"] += done if ended else total
@@ -297,25 +302,6 @@ def format_status(rows: list[dict[str, object]]) -> str:
   return "\n".join(lines)
 
 
-def _metrics(workdir: pathlib.Path) -> list[dict[str, object]]:
-  """The run's metrics.jsonl records; none before its first log step."""
-  if not (workdir / "metrics.jsonl").exists():
-    return []
-  return metrics_lib.read_metrics(str(workdir))
-
-
-def _progress_from_metrics(workdir: pathlib.Path) -> dict[str, object]:
-  """Summary-like fields of a run stopped before its summary: from metrics.jsonl."""
-  best, best_step, last_step = None, None, 0
-  for record in _metrics(workdir):
-    last_step = max(last_step, record["step"])
-    accuracy = record.get("eval/accuracy")
-    if accuracy is not None and (best is None or accuracy > best):
-      best, best_step = accuracy, record["step"]
-  return {"best_accuracy": best, "best_step": best_step, "final_step": last_step,
-          "stopped_early": False, "wall_time_s": None}
-
-
 def worker_env(gpu: str, gpus: list[str]) -> dict[str, str]:
   """The environment of the worker on `gpu`; workers sharing a GPU allocate on demand.
 
@@ -347,133 +333,6 @@ def mps_daemon(enabled: bool):
     subprocess.run([control], input="quit\n", text=True, check=False)
 
 
-def collect(root: pathlib.Path) -> list[dict[str, object]]:
-  """One record per run started under root: its grid point and summary.
-
-  A run without summary.json (stopped before the end, e.g. by a time limit)
-  gets "finished": False and its best evaluation so far from metrics.jsonl.
-  """
-  records = []
-  for config_path in sorted(root.glob("*/config.json")):
-    workdir = config_path.parent
-    args = json.loads(config_path.read_text())["args"]
-    finished = (workdir / "summary.json").exists()
-    summary = (json.loads((workdir / "summary.json").read_text()) if finished
-               else _progress_from_metrics(workdir))
-    records.append({
-        "name": workdir.name, "mixer": args["mixer"],
-        "seq_len": args["seq_len"], "kv": args["kv"], "lr": args["lr"],
-        "seed": args["seed"], "epochs": args["epochs"],
-        "examples": args["examples"], "batch": args.get("batch"),
-        "finished": finished, "best_accuracy": summary["best_accuracy"],
-        "best_step": summary["best_step"], "final_step": summary["final_step"],
-        "stopped_early": summary["stopped_early"],
-        "wall_time_s": summary["wall_time_s"], "error": summary.get("error")})
-  return records
-
-
-def format_runs(records: list[dict[str, object]]) -> str:
-  """Every run: lr, best accuracy, steps done, whether it finished."""
-  lines = ["| run | best accuracy | at step | steps done | finished |",
-           "|---|---|---|---|---|"]
-  for r in records:
-    accuracy = "n/a" if r["best_accuracy"] is None else f"{100 * r['best_accuracy']:.2f}%"
-    state = ("early stop" if r["stopped_early"] else "yes") if r["finished"] else "no"
-    lines.append(f"| {r['name']} | {accuracy} | {r['best_step']} | {r['final_step']} "
-                 f"| {state} |")
-  return "\n".join(lines)
-
-
-def best_lr_statistics(records: list[dict[str, object]]) -> list[dict[str, object]]:
-  """Per (mixer, seq_len, kv): mean and std over seeds of the best-lr accuracy."""
-  best: dict[tuple, dict[int, dict]] = {}
-  for r in records:
-    key = (r["mixer"], r["seq_len"], r["kv"])
-    per_seed = best.setdefault(key, {})
-    accuracy = r["best_accuracy"] if r["best_accuracy"] is not None else 0.0
-    if r["seed"] not in per_seed or accuracy > per_seed[r["seed"]]["accuracy"]:
-      per_seed[r["seed"]] = {"accuracy": accuracy, "lr": r["lr"]}
-  rows = []
-  for (mixer, seq_len, kv), per_seed in sorted(best.items()):
-    values = [v["accuracy"] for v in per_seed.values()]
-    mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-    rows.append({"mixer": mixer, "seq_len": seq_len, "kv": kv, "mean": mean,
-                 "std": std, "seeds": len(values),
-                 "best_lrs": {str(s): v["lr"] for s, v in sorted(per_seed.items())}})
-  return rows
-
-
-def plot(rows: list[dict[str, object]], path: pathlib.Path) -> None:
-  """Accuracy vs sequence length, one line per mixer, error bars over seeds."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for mixer in dict.fromkeys(r["mixer"] for r in rows):
-    points = sorted((r["seq_len"], r["mean"], r["std"]) for r in rows
-                    if r["mixer"] == mixer)
-    xs, means, stds = zip(*points)
-    ax.errorbar(xs, [100 * m for m in means], yerr=[100 * s for s in stds],
-                marker="o", capsize=3, label=LABELS.get(mixer, mixer))
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(sorted({r["seq_len"] for r in rows}))
-  ax.set_xticklabels([f"{r['seq_len']}\n({r['kv']} kv)" for r in
-                      sorted({(r["seq_len"], r["kv"]): r for r in rows}.values(),
-                             key=lambda r: r["seq_len"])])
-  ax.set_xlabel("sequence length (key-value pairs)")
-  ax.set_ylabel("MQAR accuracy (%), best lr per seed")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def plot_curves(root: pathlib.Path, records: list[dict[str, object]],
-                path: pathlib.Path) -> None:
-  """Test accuracy against training step for every run (one panel per setting)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  settings = sorted({(r["seq_len"], r["kv"]) for r in records})
-  fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
-  colors = {}
-  for ax, (seq_len, kv) in zip(axes[0], settings):
-    for r in records:
-      if (r["seq_len"], r["kv"]) != (seq_len, kv):
-        continue
-      points = [(rec["step"], rec["eval/accuracy"])
-                for rec in _metrics(root / r["name"]) if "eval/accuracy" in rec]
-      if not points:
-        continue
-      steps, accuracies = zip(*points)
-      color = colors.setdefault(r["mixer"], f"C{len(colors)}")
-      lrs = sorted({x["lr"] for x in records if x["mixer"] == r["mixer"]})
-      style = ["-", "--", ":", "-."][lrs.index(r["lr"]) % 4]
-      ax.plot(steps, [100 * a for a in accuracies], style, color=color,
-              label=f"{LABELS.get(r['mixer'], r['mixer'])} lr {r['lr']:g} s{r['seed']}")
-    ax.set_title(f"L={seq_len}, {kv} kv pairs")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("MQAR test accuracy (%)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def format_table(rows: list[dict[str, object]]) -> str:
-  lines = ["| mixer | seq_len | kv | accuracy (mean +- std) | seeds | best lr per seed |",
-           "|---|---|---|---|---|---|"]
-  for r in rows:
-    lrs = ", ".join(f"{lr:g}" for lr in r["best_lrs"].values())
-    lines.append(f"| {LABELS.get(r['mixer'], r['mixer'])} | {r['seq_len']} | {r['kv']} | "
-                 f"{100 * r['mean']:.2f} +- {100 * r['std']:.2f} | {r['seeds']} | {lrs} |")
-  return "\n".join(lines)
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("command", choices=("run", "status", "collect", "list"))
@@ -495,6 +354,7 @@ def main(argv=None) -> None:
                            "cell's best lr.")
   parser.add_argument("--examples", type=int, default=None, help="shorten: training examples.")
   parser.add_argument("--epochs", type=int, default=None, help="shorten: epochs.")
+  results_lib.add_record_flags(parser)  # collect's record of the sweep
   args = parser.parse_args(argv)
 
   mixers = [m for m in args.mixers.split(",") if m]
@@ -534,18 +394,9 @@ def main(argv=None) -> None:
       train_cells(root, runs, shard(list(cells(runs)), args.shard), extra,
                   args.two_stage)
   else:
-    records = collect(root)
-    if not records:
-      raise SystemExit(f"no runs under {root}.")
-    rows = best_lr_statistics(records)
-    (root / "results.json").write_text(json.dumps(
-        {"runs": records, "best_lr": rows}, indent=2))
-    plot(rows, root / "accuracy.png")
-    plot_curves(root, records, root / "accuracy_vs_step.png")
-    print(format_runs(records))
-    print(format_table(rows))
-    print(f"wrote {root / 'results.json'}, {root / 'accuracy.png'} and "
-          f"{root / 'accuracy_vs_step.png'}")
+    report(root, None if args.no_record else args.records,
+           "python " + shlex.join(["benchmarks/mqar_sweep.py"]
+                                  + (sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

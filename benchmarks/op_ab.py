@@ -4,15 +4,15 @@
     python benchmarks/op_ab.py --refs HEAD~1 HEAD --shapes small --impl chunked   # CPU check
 
 The same code's forward+backward time moves by up to 9% between processes and machines
-(benchmarks/RESULTS.md, run 20), more than most kernel changes an A/B has to tell apart;
+(docs/gpu_kernel.md, "Measuring"), more than most kernel changes an A/B has to tell apart;
 within one process it holds to a few tenths of a percent. So this script imports each ref's
 palimpsa_jax and pallas_kernels in turn ("." is the working tree, uncommitted changes
 included; other refs are exported with `git archive` into a temporary directory), compiles
 and runs that ref's op once while its packages are the ones imported, and compares its
 outputs and gradients with the first ref's. Then it times the refs in interleaved rounds
 (op_bench.time_queued: calls queued back to back, median of 3 batches). The table gives
-every round, the median and the speed-up over the first ref; it is appended to
-benchmarks/RESULTS.md with the date, device, JAX version, the refs' commits and the command.
+every round, the median and the speed-up over the first ref; it is written as a record to
+benchmarks/records/ with the date, device, versions, the refs' commits and the command.
 """
 
 import argparse
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--iters", type=positive_int, default=20, help="queued calls per batch")
   parser.add_argument("--rotate", type=positive_int, default=3,
                       help="distinct input sets cycled through")
-  parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+  results_lib.add_record_flags(parser)
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args(argv)
   if len(args.refs) < 2:
@@ -189,15 +189,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   if not args.no_record:
     command = "python " + shlex.join(
         ["benchmarks/op_ab.py"] + (sys.argv[1:] if argv is None else argv))
-    path = results_lib.append_section(
-        f"op_ab {args.shapes} shapes, {args.dtype} inputs, {rows[0]['impl']}: "
-        f"{results_lib.utc_now()}",
-        [results_lib.device_line(device.device_kind), f"- command: `{command}`",
-         f"- chunk_size {args.chunk_size}; {args.rounds} interleaved rounds, each ref "
-         f"{args.iters} calls queued per batch after {args.warmup} warm-up calls (median of "
-         f"3 batches), {args.rotate} rotating input sets; all refs in one process"]
-        + ([f"- note: {args.note}"] if args.note else []), table)
-    log(f"appended to {path}")
+    record = results_lib.make_record(
+        "op_ab", f"op_ab {args.shapes} shapes, {args.dtype} inputs, {rows[0]['impl']}", command,
+        device=device.device_kind, table=table,
+        settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size,
+                  "refs": args.refs},
+        notes=[f"chunk_size {args.chunk_size}; {args.rounds} interleaved rounds, each ref "
+               f"{args.iters} calls queued per batch after {args.warmup} warm-up calls (median "
+               f"of 3 batches), {args.rotate} rotating input sets; all refs in one process"]
+        + ([args.note] if args.note else []))
+    log(f"wrote {results_lib.write_record(record, args.records)}")
   return rows
 
 

@@ -17,8 +17,8 @@ that leaves elements unwritten fails. Then, after warm-up, over rotating input s
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
 implementation in the same run (>1: this one is faster) and the fraction of the floor
 (docs/gpu_performance.md) reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
-A markdown section with the date, device, JAX version and the exact command is appended to
-benchmarks/RESULTS.md.
+A record with the date, device, versions, git ref and the exact command is written to
+benchmarks/records/.
 """
 
 import argparse
@@ -281,7 +281,7 @@ def main():
                       help="skip implementations that store every state beyond this")
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="memory for the float64 reference backward (fewer steps if needed)")
-  parser.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+  results_lib.add_record_flags(parser)
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
@@ -298,16 +298,17 @@ def main():
   print(table)
   if not args.no_record:
     command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
-    path = results_lib.append_section(
-        f"op_bench {args.shapes} shapes, {args.dtype} inputs: {results_lib.utc_now()}",
-        [results_lib.device_line(device.device_kind), f"- command: `{command}`",
-         f"- chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
-         f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
-         f"- ms: per call with {args.iters} calls queued and one block at the end (median of "
-         f"3 batches; device time per call, as triton's do_bench measures); ms synced: "
-         f"median of {args.iters} single calls, each blocked on"]
-        + ([f"- note: {args.note}"] if args.note else []), table)
-    log(f"appended to {path}")
+    record = results_lib.make_record(
+        "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
+        device=device.device_kind, table=table,
+        settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
+        notes=[f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
+               f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
+               f"ms: per call with {args.iters} calls queued and one block at the end (median "
+               f"of 3 batches; device time per call, as triton's do_bench measures); ms synced: "
+               f"median of {args.iters} single calls, each blocked on"]
+        + ([args.note] if args.note else []))
+    log(f"wrote {results_lib.write_record(record, args.records)}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ calls queued back to back with jax.profiler. Each kernel's time per call is list
 its category, its HLO shape and the line of this project's code that launched it
 (benchmarks/step_profile.py does the attribution). "device time" in the header is the sum
 of kernel times per call; the wall time per call beside it includes the gaps between
-kernels and the profiler's overhead. --output writes JSON.
+kernels and the profiler's overhead. --output writes JSON; each mode's table and times go
+as a record to --records (benchmarks/records/).
 """
 
 import argparse
@@ -27,6 +28,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import op_bench, step_profile
+from benchmarks import results as results_lib
 from benchmarks.train_throughput import non_negative_int, positive_int
 from palimpsa_jax.ops.palimpsa import validation
 
@@ -46,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--top", type=positive_int, default=25, help="kernels listed per table")
   parser.add_argument("--trace_dir", default="/tmp/palimpsa_op_profile")
   parser.add_argument("--output", default="", help="JSON file for the results")
+  results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   if args.shape not in op_bench.SHAPES[args.shapes]:
     parser.error(f"--shape must be one of {sorted(op_bench.SHAPES[args.shapes])} "
@@ -84,6 +87,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"jax {jax.__version__}\n\n{table}\n", flush=True)
     result["modes"][mode] = {"wall_ms": wall_ms,
                              "kernels": [dataclasses.asdict(r) for r in rows]}
+    if not args.no_record:
+      record = step_profile.profile_record(
+          "op_profile", f"op_profile {args.shape} {args.impl} {mode}", result["command"],
+          rows=rows, top=args.top, wall_ms=wall_ms, unit="call",
+          settings={"shapes": args.shapes, "shape": args.shape, "implementation": args.impl,
+                    "mode": mode, "chunk_size": args.chunk_size, "dtype": "bfloat16"})
+      print(f"wrote {results_lib.write_record(record, args.records)}", file=sys.stderr)
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
   return result

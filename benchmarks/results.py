@@ -1,31 +1,125 @@
-"""Sections appended to benchmarks/RESULTS.md by the benchmark scripts."""
+"""One JSON record per measured run, written by the benchmark scripts to benchmarks/records/.
 
+A record holds what a reader needs to trust and repeat a figure:
+
+    {"benchmark": "train_throughput", "title": "...", "date": "2026-12-01 06:18 UTC",
+     "device": "NVIDIA H200", "num_devices": 1, "backend": "gpu",
+     "versions": {"jax": "0.11.2"}, "git_ref": "c88a775" or null,
+     "command": "python benchmarks/...", "settings": {...}, "notes": ["..."],
+     "table": {"columns": ["model", ...], "rows": [["palimpsa_d", ...], ...]} or null,
+     "figures": {"name": value, ...} or null}
+
+`table` holds the script's printed table cell by cell, as text; `figures` named values of a
+run without a table. `settings` are the run's parameters that say which measurement it is
+(size, batch, shapes, ...): benchmarks/render_records.py selects records by benchmark and
+settings and, for each row it shows, takes the newest record that has it. Every benchmark
+takes add_record_flags' two flags: `--records DIR` (default benchmarks/records/) and
+`--no_record`.
+"""
+
+import argparse
 import datetime
+import json
 import pathlib
+import re
+import subprocess
+from typing import Any
 
 import jax
 
-RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
-_HEADER = "# Benchmark results\n\nAppended by the scripts in benchmarks/.\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECORDS = pathlib.Path(__file__).with_name("records")
+
+
+def add_record_flags(parser: argparse.ArgumentParser) -> None:
+  """--records DIR (where the run's record goes) and --no_record: every benchmark's two flags."""
+  parser.add_argument("--records", default=str(RECORDS),
+                      help="folder the run's JSON record is written to (default %(default)s)")
+  parser.add_argument("--no_record", action="store_true", help="write no record")
 
 
 def utc_now() -> str:
-  """The current time as RESULTS.md dates it: 'YYYY-MM-DD HH:MM UTC'."""
+  """The current time as records date it: 'YYYY-MM-DD HH:MM UTC'."""
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def device_line(device_kind: str, extra: str = "") -> str:
-  """'- device: KIND (backend), jax VERSION[, extra]'."""
-  return (f"- device: {device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-          + (f", {extra}" if extra else ""))
+def git_ref() -> str:
+  """The short commit of the working tree (+ "changes" when it has some), or "unknown"."""
+  try:
+    ref = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return ref + (" + changes" if dirty else "")
 
 
-def append_section(title: str, lines: list[str], table: str,
-                   path: pathlib.Path = RESULTS) -> pathlib.Path:
-  """Appends '## title' with `lines` (each a full line, e.g. '- command: ...') and the
-  table to path, creating the file with its header if it is missing; returns path."""
-  if not path.exists():
-    path.write_text(_HEADER)
-  with path.open("a") as f:
-    f.write(f"\n## {title}\n\n" + "".join(line + "\n" for line in lines) + f"\n{table}\n")
+def parse_table(markdown: str) -> dict[str, list]:
+  """{"columns", "rows"} of a markdown table ('| a | b |' lines; the '|---|' line skipped)."""
+  lines = [line.strip() for line in markdown.strip().splitlines() if line.strip()]
+  cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines
+           if line.startswith("|") and not set(line) <= set("|-: ")]
+  if not cells:
+    raise ValueError(f"no markdown table in {markdown[:80]!r}")
+  columns, rows = cells[0], cells[1:]
+  for row in rows:
+    if len(row) != len(columns):
+      raise ValueError(f"table row {row} has {len(row)} cells, the header {len(columns)}")
+  return {"columns": columns, "rows": rows}
+
+
+def make_record(benchmark: str, title: str, command: str, *, settings: dict[str, Any],
+                notes: list[str] = (), table: str | None = None,
+                figures: dict[str, Any] | None = None, date: str | None = None,
+                device: str | None = None, num_devices: int | None = None,
+                backend: str | None = None,
+                versions: dict[str, str] | None = None) -> dict[str, Any]:
+  """A record of a run (see the module docstring); `table` is the markdown table the script
+  printed. Device and backend default to this process's (which starts JAX's backend: a
+  process that leaves the accelerator to its children passes them); `versions` are added to
+  this process's JAX version (a "jax" entry replaces it)."""
+  if table is None and figures is None:
+    raise ValueError("a record needs a table or figures")
+  if device is None or num_devices is None or backend is None:
+    devices = jax.devices()
+    device, num_devices = device or devices[0].device_kind, num_devices or len(devices)
+    backend = backend or jax.default_backend()
+  return {"benchmark": benchmark, "title": title, "date": date or utc_now(), "device": device,
+          "num_devices": num_devices, "backend": backend,
+          "versions": {"jax": jax.__version__, **(versions or {})}, "git_ref": git_ref(),
+          "command": command, "settings": settings, "notes": list(notes),
+          "table": None if table is None else parse_table(table), "figures": figures}
+
+
+def write_record(record: dict[str, Any], directory: pathlib.Path | str = RECORDS) -> pathlib.Path:
+  """Writes the record as DIRECTORY/BENCHMARK_YYYY-MM-DDTHHMM[_N].json (a new file, never
+  over an older one); returns its path."""
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  stamp = record["date"].removesuffix(" UTC").replace(" ", "T").replace(":", "")
+  stem = f"{record['benchmark']}_{stamp}"
+  path, n = directory / f"{stem}.json", 1
+  while path.exists():
+    n += 1
+    path = directory / f"{stem}_{n}.json"
+  path.write_text(_dumps(record))
   return path
+
+
+# A JSON list of short scalars (a table's columns or row), as indent=1 spreads it over lines.
+_SHORT_LIST = re.compile(r'\[\n(?:[ ]+(?:"(?:[^"\\\n]|\\.){0,40}"|[-+.\deE]+|true|false|null),?\n)+[ ]*\]')
+
+
+def _dumps(record: dict[str, Any]) -> str:
+  """Indented JSON with each table row (a list of short cells) on one line."""
+  text = json.dumps(record, indent=1, ensure_ascii=False)
+  return _SHORT_LIST.sub(lambda m: json.dumps(json.loads(m.group()), ensure_ascii=False),
+                         text) + "\n"
+
+
+def load_records(directory: pathlib.Path | str = RECORDS) -> list[dict[str, Any]]:
+  """Every record under directory, oldest first (by date, then file name)."""
+  paths = sorted(pathlib.Path(directory).glob("*.json"))
+  records = [json.loads(path.read_text()) for path in paths]
+  return sorted(records, key=lambda r: r["date"])

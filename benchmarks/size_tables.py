@@ -13,7 +13,7 @@ OUT/size_tables.json as soon as it ends:
   760m_loop  Palimpsa-D at 760M, unrolled layers + remat.
 A stage starts only if at least its least time is left in the budget, runs at most its most
 time (or what is left), and a failed or cut-short stage keeps the rows it finished (with the end
-of its log).
+of its log). Each completed stage writes its run's record to --records (benchmarks/records/).
 """
 
 import argparse
@@ -26,6 +26,11 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
+
 FIVE = "mamba2,palimpsa_d,not_palimpsa,gated_deltanet"
 
 # (name, train_throughput flags, seconds: the least worth starting with, the most it may take).
@@ -41,19 +46,21 @@ STAGES = (
     ("760m_loop", ["--size", "760m", "--models", "palimpsa_d", "--scan_layers", "off",
                    "--remat", "--batch_size", "8", "--device_batch", "8"], 150, 300),
 )
-COMMON = ["--seq_len", "4096", "--steps", "5", "--warmup_steps", "2", "--no_record"]
+COMMON = ["--seq_len", "4096", "--steps", "5", "--warmup_steps", "2"]
 
 
 def log(message: str) -> None:
   print(f"[size_tables {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run_stage(name: str, flags: list[str], seconds: float, out: pathlib.Path) -> dict:
-  """One train_throughput.py process; its rows (as far as it got) and status."""
+def run_stage(name: str, flags: list[str], seconds: float, out: pathlib.Path,
+              records: str | None = None) -> dict:
+  """One train_throughput.py process; its rows (as far as it got) and status. A stage that
+  completes writes its record to `records` (None: no record)."""
   output = pathlib.Path(tempfile.gettempdir()) / f"size_tables_{name}.json"
   output.unlink(missing_ok=True)
   command = [sys.executable, "benchmarks/train_throughput.py", *COMMON, *flags,
-             "--output", str(output)]
+             "--output", str(output), *(["--records", records] if records else ["--no_record"])]
   log(f"{name}: $ {shlex.join(command)} (at most {seconds:.0f} s)")
   start = time.perf_counter()
   with open(out / "size_tables.log", "a") as f:
@@ -114,6 +121,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--stages", default=",".join(s[0] for s in STAGES),
                       help="comma-separated stage names, in order")
   parser.add_argument("--render", default="", help="print the tables of a size_tables.json")
+  results_lib.add_record_flags(parser)  # each completed stage's record
   args = parser.parse_args(argv)
   if args.render:
     text = render(json.loads(pathlib.Path(args.render).read_text()))
@@ -138,7 +146,8 @@ def main(argv=None) -> dict:
                                            + shlex.join(COMMON + flags),
                                 "status": f"skipped: {max(left, 0):.0f} s left of the budget"}
       continue
-    result["stages"][name] = run_stage(name, flags, min(left, most), out)
+    result["stages"][name] = run_stage(name, flags, min(left, most), out,
+                                       None if args.no_record else args.records)
     (out / "size_tables.json").write_text(json.dumps(result, indent=2))
     (out / "size_tables.md").write_text(render(result))
     log(f"{name}: {result['stages'][name]['status']}")

@@ -10,7 +10,8 @@ steps and divided by their number. Each one is matched, by name, to the instruct
 compiled step's optimized HLO that launched it, which gives its shape, its JAX operation
 and the innermost line of this project's code that produced it. Pallas kernels are found
 by the name their custom call carries; library GEMMs (cuBLAS) have no HLO name of their
-own. The table lists the largest entries and the total per category; --output writes JSON.
+own. The table lists the largest entries and the total per category; --output writes JSON,
+and the table with the times per category goes as a record to --records (benchmarks/records/).
 """
 
 import argparse
@@ -31,6 +32,7 @@ import ml_collections
 if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks import results as results_lib
 from benchmarks import train_throughput
 from benchmarks.train_throughput import non_negative_int, positive_int
 
@@ -67,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--top", type=positive_int, default=40, help="kernels listed in the table")
   parser.add_argument("--trace_dir", default="/tmp/palimpsa_step_profile")
   parser.add_argument("--output", default="", help="JSON file for the results")
+  results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   if args.model not in train_throughput.models.config.MODELS:
     parser.error(f"--model must be one of {train_throughput.models.config.MODELS}, "
@@ -231,25 +234,46 @@ def trace_calls(run: Callable[[], Any], compiled: Any, calls: int,
   return kernel_times(read_trace(trace_dir), hlo, module, calls, project), wall_ms, out
 
 
-def format_table(rows: list[KernelTime], top: int, step_ms: float, unit: str = "step") -> str:
-  """Markdown: totals per category, then the `top` kernels; times are per `unit`."""
-  total = sum(r.ms_per_step for r in rows)
-  lines = [f"device time {total:.2f} ms per {unit} ({unit} wall time {step_ms:.2f} ms)", "",
-           f"| category | ms per {unit} | share |", "|---|---|---|"]
+def category_ms(rows: list[KernelTime]) -> dict[str, float]:
+  """Milliseconds per step (or call) of each category that has kernels, in CATEGORIES order."""
   by_category = collections.Counter()
   for r in rows:
     by_category[r.category] += r.ms_per_step
-  for category in CATEGORIES:
-    if by_category[category]:
-      lines.append(f"| {category} | {by_category[category]:.2f} | "
-                   f"{by_category[category] / total:.1%} |")
-  lines += ["", f"| kernel | ms per {unit} | share | launches per {unit} | category | shape | "
-            "JAX op | source |", "|---|---|---|---|---|---|---|---|"]
+  return {category: by_category[category] for category in CATEGORIES if by_category[category]}
+
+
+def kernel_table(rows: list[KernelTime], top: int, unit: str = "step") -> str:
+  """Markdown: the `top` kernels, times per `unit`."""
+  total = sum(r.ms_per_step for r in rows)
+  lines = [f"| kernel | ms per {unit} | share | launches per {unit} | category | shape | "
+           "JAX op | source |", "|---|---|---|---|---|---|---|---|"]
   for r in rows[:top]:
     lines.append(f"| {r.name[:60]} | {r.ms_per_step:.3f} | {r.ms_per_step / total:.1%} | "
                  f"{r.calls_per_step:g} | {r.category} | {r.shape} | {r.op[-60:]} | "
                  f"{r.source} |")
   return "\n".join(lines)
+
+
+def format_table(rows: list[KernelTime], top: int, step_ms: float, unit: str = "step") -> str:
+  """Markdown: totals per category, then the `top` kernels; times are per `unit`."""
+  total = sum(r.ms_per_step for r in rows)
+  lines = [f"device time {total:.2f} ms per {unit} ({unit} wall time {step_ms:.2f} ms)", "",
+           f"| category | ms per {unit} | share |", "|---|---|---|"]
+  for category, ms in category_ms(rows).items():
+    lines.append(f"| {category} | {ms:.2f} | {ms / total:.1%} |")
+  return "\n".join(lines + ["", kernel_table(rows, top, unit)])
+
+
+def profile_record(benchmark: str, title: str, command: str, settings: dict[str, Any],
+                   rows: list[KernelTime], top: int, wall_ms: float,
+                   unit: str = "step") -> dict[str, Any]:
+  """A profile's record: the `top` kernels as its table, the wall and device time per `unit`
+  and the time per category as its figures."""
+  return results_lib.make_record(
+      benchmark, title, command, settings=settings, table=kernel_table(rows, top, unit),
+      figures={f"wall_ms_per_{unit}": wall_ms,
+               f"device_ms_per_{unit}": sum(r.ms_per_step for r in rows),
+               f"ms_per_{unit}_by_category": category_ms(rows)})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -289,6 +313,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
     train_throughput.log(f"wrote {args.output}")
+  if not args.no_record:
+    record = profile_record(
+        "step_profile", f"step_profile {label} {args.size}, {args.batch_size} x {args.seq_len} "
+        f"tokens", result["command"], rows=rows, top=args.top, wall_ms=step_ms,
+        settings={"model": args.model, "implementation": args.implementation,
+                  "size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                  "scan_layers": args.scan_layers, "remat": args.remat})
+    train_throughput.log(f"wrote {results_lib.write_record(record, args.records)}")
   return result
 
 

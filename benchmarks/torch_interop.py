@@ -15,7 +15,8 @@ bfloat16 (their chunk kernels on bf16 weights; our bf16 compute on float32
 parameters): rel = ||ours - theirs|| / ||theirs|| over all logits, against
 1e-4 (float32) and 1e-2 (bfloat16). Each side's own bfloat16-vs-float32 rel is
 recorded too (`*_bfloat16_vs_float32`): at random initialisation it can exceed
-1e-2 by itself. Results go to --out as JSON.
+1e-2 by itself. Results go to --out as JSON, and the table of relative errors as
+a record to --records (benchmarks/records/, rendered into docs/torch_models.md).
 
 The authors' code was written for older FLA and transformers releases; the
 few names that moved are aliased before it is imported (`compat` in the JSON
@@ -29,6 +30,8 @@ import importlib.machinery
 import inspect
 import json
 import os
+import pathlib
+import shlex
 import sys
 import tempfile
 import time
@@ -39,7 +42,14 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
+if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import results as results_lib  # pylint: disable=g-import-not-at-top
+
 THRESHOLDS = {"float32": 1e-4, "bfloat16": 1e-2}
+MODELS = {"palimpsa": "Palimpsa-D 170M", "meta_mamba2": "MetaMamba2 170M"}
+DIRECTIONS = {"ours_to_theirs": "ours -> theirs", "theirs_to_ours": "theirs -> ours"}
 
 
 def authors_compat() -> list[str]:
@@ -211,11 +221,49 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   return result
 
 
+def error_table(result: dict) -> str:
+  """Markdown: per model and direction, the logits' relative errors (models that finished)."""
+  lines = ["| model | direction | float32 rel (threshold 1e-4) | bfloat16 rel (threshold 1e-2) "
+           "| bfloat16 vs float32: ours / theirs |", "|---|---|---|---|---|"]
+  for model, label in MODELS.items():
+    for direction, arrow in DIRECTIONS.items():
+      if f"{direction}_bfloat16_vs_float32" not in result.get(model, {}):
+        continue
+      errors = [result[model][f"{direction}_{dtype}"] for dtype in THRESHOLDS]
+      cells = [f"{e['rel_err']:.2e}" + ("" if e["ok"] else " (over)") for e in errors]
+      floor = result[model][f"{direction}_bfloat16_vs_float32"]
+      lines.append(f"| {label} | {arrow} | {' | '.join(cells)} "
+                   f"| {floor['ours']:.2e} / {floor['theirs']:.2e} |")
+  return "\n".join(lines)
+
+
+def write_record(result: dict, args: argparse.Namespace, log) -> None:
+  """The run's record: error_table, parameter counts, what was aliased (none when no model
+  finished)."""
+  table = error_table(result)
+  if table.count("\n") < 2:
+    log("no model finished: no record")
+    return
+  notes = [f"{label}: failed ({result[model]['error'].strip().splitlines()[-1]})"
+           if "error" in result[model] else f"{label}: {result[model]['num_params']:,} parameters"
+           for model, label in MODELS.items()]
+  notes.append(f"aliased for the authors' code: {', '.join(result['compat']) or 'nothing'}")
+  record = results_lib.make_record(
+      "torch_interop", "torch_interop (the authors' PyTorch models against ours)",
+      "python3 " + shlex.join(["benchmarks/torch_interop.py"] + sys.argv[1:]),
+      settings={"batch": args.batch, "seq_len": args.seq_len}, table=table,
+      versions={"torch": result["torch"], "transformers": result["transformers"],
+                "fla": result["fla"]},
+      notes=notes)
+  log(f"wrote {results_lib.write_record(record, args.records)}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True, help="JSON file to write")
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--seq_len", type=int, default=256)
+  results_lib.add_record_flags(parser)
   args = parser.parse_args()
   import torch  # pylint: disable=g-import-not-at-top
   torch.backends.cuda.matmul.allow_tf32 = False
@@ -259,6 +307,8 @@ def main():
                 if isinstance(v, dict) and "rel_err" in v} for m in ("palimpsa", "meta_mamba2")}
   log(json.dumps(errors))
   log(f"all_ok: {record['all_ok']}")
+  if not args.no_record:
+    write_record(record, args, log)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ median step time, tokens/s, MFU (6 * params * tokens/s over the devices' peak),
 the compiled step's memory (temporaries; peak = arguments + outputs + temporaries
 - donated buffers, per device) with the largest batch that memory suggests would
 fit, and the step time relative to Mamba2's in the same run. A non-finite loss or
-gradient stops the run. The table (with date, device, JAX version and the exact
-command) is appended to benchmarks/RESULTS.md, and --output writes JSON.
+gradient stops the run. The table (with date, device, versions, git ref and the exact
+command) is written as a record to benchmarks/records/, and --output writes JSON.
 """
 
 import argparse
@@ -126,10 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compilation_cache_dir", default="",
                       help="JAX's persistent compilation cache (off by default: compile s "
                            "are then cold compiles)")
-  parser.add_argument("--results", default=str(results_lib.RESULTS),
-                      help="markdown file the table is appended to")
-  parser.add_argument("--no_record", action="store_true",
-                      help="do not append to the results file")
+  results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   return args
 
@@ -401,18 +398,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print("\n".join(projections))
   result.update(table=table, projections=projections)
   if not args.no_record:
-    path = results_lib.append_section(
-        f"train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens per "
-        f"step: {now}",
-        [results_lib.device_line(f"{device_kind} x{len(devices)}", f"mesh {dict(mesh.shape)}"),
-         f"- command: `{command}`",
-         f"- bf16 compute, f32 params, configs/lm.py optimizer, remat "
-         f"{'on' if args.remat else 'off'}, kernels "
-         f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"
-         f"{', context-parallel path' if args.context_parallel else ''}; "
-         f"median of {args.steps} steps after {args.warmup_steps} warm-up, random tokens",
-         *projections], table, pathlib.Path(args.results))
-    log(f"appended to {path}")
+    record = results_lib.make_record(
+        "train_throughput",
+        f"train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens per step",
+        command, date=now, device=device_kind, num_devices=len(devices), table=table,
+        settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                  "mesh": dict(mesh.shape), "remat": args.remat,
+                  "kernel_sharding": not args.no_kernel_sharding,
+                  "context_parallel": args.context_parallel},
+        notes=[f"bf16 compute, f32 params, configs/lm.py optimizer, remat "
+               f"{'on' if args.remat else 'off'}, kernels "
+               f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"
+               f"{', context-parallel path' if args.context_parallel else ''}; "
+               f"median of {args.steps} steps after {args.warmup_steps} warm-up, random tokens",
+               *(line.removeprefix("- ") for line in projections)])
+    log(f"wrote {results_lib.write_record(record, args.records)}")
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
     log(f"wrote {args.output}")

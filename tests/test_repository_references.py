@@ -31,3 +31,7 @@ def test_no_tracked_file_cites_outside_notes_or_issue_numbers():
       if OUTSIDE.search(line):
         found.append(f"{name}:{number}: {line.strip()[:120]}")
   assert not found, "point these to docs/ instead:\n" + "\n".join(found)
+
+
+def test_the_archived_notebook_is_checked():
+  assert "docs/archive/RESULTS.md" in _tracked_files()

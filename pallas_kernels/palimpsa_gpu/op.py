@@ -190,7 +190,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, _DIM_MULTIPLE)
-  # Tiles from the H200 sweeps (benchmarks/RESULTS.md, runs 2-4, 11, 14). Forward walk:
+  # Tiles from the H200 sweeps (docs/archive/RESULTS.md, runs 2-4, 11, 14). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel (run 14): one program per K-part of 16 or 32 columns (no padding) and V-tile
   # of up to 2048 entries, a warp per 512 entries. Backward walk (run 16): single-warp

@@ -8,10 +8,10 @@ from benchmarks import decode_bench
 
 
 def test_main_writes_table_json_plot_and_results(tmp_path):
-  results, output, plot = tmp_path / "RESULTS.md", tmp_path / "out.json", tmp_path / "rates.png"
+  records, output, plot = tmp_path / "records", tmp_path / "out.json", tmp_path / "rates.png"
   argv = ["--models", "palimpsa_d", "--size", "tiny", "--batches", "2", "--prompt_lengths",
           "5", "--new_tokens", "3", "--output", str(output), "--plot", str(plot),
-          "--results", str(results)]
+          "--records", str(records)]
   result = decode_bench.main(argv)
   (row,) = result["rows"]
   assert (row["model"], row["batch"], row["prompt_length"], row["new_tokens"]) == (
@@ -19,9 +19,12 @@ def test_main_writes_table_json_plot_and_results(tmp_path):
   assert len(row["step_s"]) == 2 and row["decode_tokens_per_s"] > 0
   assert json.loads(output.read_text())["rows"][0]["batch"] == 2
   assert plot.stat().st_size > 0
-  section = results.read_text()
-  assert "decode_bench tiny, 3 new tokens" in section and "--prompt_lengths 5" in section
-  assert "| palimpsa_d |" in section and "git " in section
+  (path,) = records.glob("decode_bench_*.json")
+  record = json.loads(path.read_text())
+  assert record["title"] == "decode_bench tiny, 3 new tokens"
+  assert "--prompt_lengths 5" in record["command"] and record["git_ref"]
+  (row_cells,) = record["table"]["rows"]
+  assert (row_cells[0], row_cells[2], row_cells[3]) == ("palimpsa_d", "2", "5")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -55,7 +55,7 @@ def test_cpu_check_end_to_end(tmp_path):
       "--output_dir", str(tmp_path / "out"), "--work_dir", str(tmp_path / "work"),
       "--size", "tiny", "--seq_len", "64", "--batch", "2", "--steps", "12",
       "--kill_after_step", "6", "--checkpoint_every", "4", "--eval_every", "4",
-      "--log_every", "2", "--corpus_mb", "1.5"])
+      "--log_every", "2", "--corpus_mb", "1.5", "--no_record"])
   assert result["cold"]["killed_at_step"] >= 6 and result["warm"]["resumed"]
   assert result["warm"]["max_loss_difference"] == 0.0
   assert result["compile_speedup"] >= 2 and result["benchmark_tokens_per_s"] > 0

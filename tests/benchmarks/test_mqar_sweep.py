@@ -42,7 +42,7 @@ def test_collect_best_lr_statistics_and_plot(tmp_path):
       accuracy -= 0.2
     _fake_run(tmp_path, run, accuracy)
   assert sweep.is_finished(tmp_path, runs[0])
-  sweep.main(["collect", "--root", str(tmp_path)])
+  sweep.main(["collect", "--root", str(tmp_path), "--no_record"])
   results = json.loads((tmp_path / "results.json").read_text())
   assert len(results["runs"]) == len(runs)
   rows = {(r["mixer"], r["seq_len"]): r for r in results["best_lr"]}
@@ -65,7 +65,7 @@ def test_collect_reports_unfinished_runs_from_metrics(tmp_path, capsys):
       {"step": 10, "train/loss": 5.0}, {"step": 20, "eval/accuracy": 0.6},
       {"step": 40, "eval/accuracy": 0.5}, {"step": 45, "train/loss": 1.0}]) + "\n")
   assert not sweep.is_finished(tmp_path, stopped)
-  sweep.main(["collect", "--root", str(tmp_path)])
+  sweep.main(["collect", "--root", str(tmp_path), "--no_record"])
   runs = {r["lr"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
   assert runs[1e-2]["finished"] is False
   assert (runs[1e-2]["best_accuracy"], runs[1e-2]["best_step"],

@@ -25,7 +25,7 @@ def test_a_ref_imports_from_its_export_and_the_modules_come_back(tmp_path):
 def test_compares_two_refs_in_one_process():
   rows = op_ab.main(["--refs", "HEAD", ".", "--shapes", "small", "--only", "tiny",
                      "--impl", "chunked", "--modes", "fwd", "fwd+bwd", "--rounds", "2",
-                     "--warmup", "1", "--iters", "2", "--rotate", "1", "--no-record"])
+                     "--warmup", "1", "--iters", "2", "--rotate", "1", "--no_record"])
   assert [(r["mode"], r["ref"]) for r in rows] == [
       ("fwd", "HEAD"), ("fwd", "."), ("fwd+bwd", "HEAD"), ("fwd+bwd", ".")]
   for r in rows:

@@ -12,7 +12,7 @@ def test_cpu_run_profiles_both_modes(tmp_path):
   result = op_profile.main([
       "--shapes", "small", "--shape", "tiny", "--impl", "chunked", "--calls", "2",
       "--warmup", "1", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
-      "--output", str(out)])
+      "--output", str(out), "--records", str(tmp_path / "records")])
   saved = json.loads(out.read_text())
   assert saved == json.loads(json.dumps(result))
   assert saved["dims"] == [1, 256, 2, 16, 16] and set(saved["modes"]) == {"fwd", "fwd+bwd"}
@@ -24,6 +24,13 @@ def test_cpu_run_profiles_both_modes(tmp_path):
     assert any(k["source"].startswith("palimpsa_jax/ops/") for k in kernels)
   # The backward adds kernels of its own.
   assert len(saved["modes"]["fwd+bwd"]["kernels"]) > len(saved["modes"]["fwd"]["kernels"])
+  records = [json.loads(p.read_text()) for p in sorted((tmp_path / "records").glob("*.json"))]
+  assert sorted(r["settings"]["mode"] for r in records) == ["fwd", "fwd+bwd"]
+  for record in records:
+    mode = saved["modes"][record["settings"]["mode"]]
+    assert record["figures"]["wall_ms_per_call"] == mode["wall_ms"]
+    assert len(record["table"]["rows"]) == min(5, len(mode["kernels"]))
+    assert record["table"]["rows"][0][0] == mode["kernels"][0]["name"][:60]
 
 
 @pytest.mark.parametrize("argv", [["--shape", "D999"], ["--shapes", "small", "--shape", "D170"],

@@ -85,9 +85,14 @@ def test_cpu_run_writes_json(tmp_path):
   result = step_profile.main([
       "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
       "--warmup_steps", "1", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
-      "--output", str(out)])
+      "--output", str(out), "--records", str(tmp_path / "records")])
   saved = json.loads(out.read_text())
   assert saved["kernels"] == result["kernels"] and saved["step_ms"] > 0
+  (path,) = (tmp_path / "records").glob("step_profile_*.json")
+  record = json.loads(path.read_text())
+  assert record["settings"]["size"] == "tiny" and len(record["table"]["rows"]) == 5
+  categories = record["figures"]["ms_per_step_by_category"]
+  assert sum(categories.values()) == pytest.approx(record["figures"]["device_ms_per_step"])
   kernels = saved["kernels"]
   assert kernels and all(k["ms_per_step"] >= 0 for k in kernels)
   assert {k["category"] for k in kernels} <= set(step_profile.CATEGORIES)

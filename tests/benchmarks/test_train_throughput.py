@@ -30,11 +30,11 @@ def test_run_plan_rejects_unknown_names(flags, message):
 
 
 def test_main_writes_table_results_and_json(tmp_path, capsys):
-  results, output = tmp_path / "RESULTS.md", tmp_path / "out.json"
+  records, output = tmp_path / "records", tmp_path / "out.json"
   argv = ["--models", "mamba2", "--compare_implementations", "chunked",
           "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
           "--warmup_steps", "1", "--scan_layers", "both", "--no_kernel_sharding",
-          "--results", str(results),
+          "--records", str(records),
           "--output", str(output)]
   result = train_throughput.main(argv)
 
@@ -51,8 +51,11 @@ def test_main_writes_table_results_and_json(tmp_path, capsys):
 
   printed = capsys.readouterr().out
   assert "| mamba2 | auto | yes |" in printed and "| palimpsa_d | chunked | no |" in printed
-  recorded = results.read_text()
-  assert "--compare_implementations chunked" in recorded
-  assert "kernels on the global batch" in recorded and not result["kernel_sharding"]
-  assert result["table"] in recorded and "15B tokens" in recorded
+  (path,) = records.glob("train_throughput_*.json")
+  record = json.loads(path.read_text())
+  assert "--compare_implementations chunked" in record["command"]
+  assert "kernels on the global batch" in record["notes"][0] and not result["kernel_sharding"]
+  assert record["settings"]["size"] == "tiny" and "15B tokens" in record["notes"][1]
+  assert record["table"]["columns"][:3] == ["model", "implementation", "scanned"]
+  assert record["table"]["rows"][3][:3] == ["palimpsa_d", "chunked", "no"]
   assert json.loads(output.read_text())["rows"][2]["model"] == "palimpsa_d"
