@@ -22,7 +22,8 @@ import pathlib
 
 import ml_collections
 
-from palimpsa_jax.training import config_args
+from palimpsa_jax.configs import config_args
+from palimpsa_jax.conversion import checkpoint
 
 TASKS = ("mqar", "lm")
 DEFAULTS = dict(
@@ -63,7 +64,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(
         f"new_params_only_steps must be in [0, steps={args.steps}], got "
         f"{args.new_params_only_steps}.")
-  from palimpsa_jax.conversion import checkpoint  # pylint: disable=g-import-not-at-top
 
   config = _base_config(args.task, ",".join(rest))
   config.model, info = checkpoint.read_conversion(args.source)

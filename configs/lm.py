@@ -28,7 +28,8 @@ import math
 
 import ml_collections
 
-from palimpsa_jax.training import config_args
+from palimpsa_jax import models
+from palimpsa_jax.configs import config_args
 
 DEFAULTS = dict(
     model="palimpsa_d",
@@ -81,7 +82,6 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = parse_args(arg)
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   config = ml_collections.ConfigDict()
   config.task = "lm"
   config.args = args

@@ -18,7 +18,8 @@ import math
 
 import ml_collections
 
-from palimpsa_jax.training import config_args
+from palimpsa_jax import models
+from palimpsa_jax.configs import config_args
 
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
           "gated_deltanet", "mesanet", "transformer")
@@ -70,7 +71,6 @@ PAPER = dict(
 
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   overrides = dict(dtype=args.dtype, implementation=args.impl)
   if args.mixer in _DELTA_MIXERS and args.heads:
     overrides.update(num_heads=args.heads, head_v_dim=args.head_v or 32)

@@ -100,5 +100,5 @@ def test_optimizer_moments_follow_parameter_shardings():
   assert jax.tree.structure(spec.abstract) == jax.tree.structure(state)
   assert int(state["step"]) == 0
   with nnx.use_eager_sharding(False):
-    model = state_lib.merge_model(spec.parts.graphdef, state["params"], state["model_state"])
+    model = models.merge_model(spec.parts.graphdef, state["params"], state["model_state"])
   assert model(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, tiny_lm.VOCAB)

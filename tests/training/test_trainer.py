@@ -13,8 +13,10 @@ import pytest
 
 import ml_collections
 import tiny_lm
+from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import trainer
 
 REPO = pathlib.Path(__file__).parents[2]
@@ -165,7 +167,7 @@ class _NanLM(tiny_lm.TinyLM):
 
 
 def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
-  monkeypatch.setattr(trainer, "model_fn", lambda config: lambda rngs: _NanLM(
+  monkeypatch.setattr(state_lib, "run_model_fn", lambda config: lambda rngs: _NanLM(
       config.model.vocab_size, config.model.width, rngs))
   config = tiny_lm.tiny_mqar_config(log_every_steps=2)
   with pytest.raises(trainer.NonFiniteError, match="non-finite loss or gradient"):
@@ -175,7 +177,7 @@ def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
 
 
 def test_non_finite_check_runs_before_evaluation(tmp_path, monkeypatch):
-  monkeypatch.setattr(trainer, "model_fn", lambda config: lambda rngs: _NanLM(
+  monkeypatch.setattr(state_lib, "run_model_fn", lambda config: lambda rngs: _NanLM(
       config.model.vocab_size, config.model.width, rngs))
   config = tiny_lm.tiny_mqar_config(log_every_steps=1000, eval_every_steps=2,
                                     checkpoint_every_steps=1000)
@@ -249,7 +251,7 @@ def test_lm_targets_stop_at_document_boundaries_and_padding():
   batch = {"tokens": np.array([[5, 6, 7, 8, 9]]),
            "segment_ids": np.array([[0, 0, 1, 1, 1]]),
            "mask": np.array([[1, 1, 1, 1, 0]])}
-  out = trainer.with_lm_targets(batch)
+  out = tasks_lib.with_lm_targets(batch)
   assert sorted(out) == ["segment_ids", "targets", "tokens"]
   np.testing.assert_array_equal(out["targets"], [[6, -100, 8, -100, -100]])
 
