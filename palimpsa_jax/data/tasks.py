@@ -3,6 +3,8 @@
   mqar: the in-memory MQAR generator (data/mqar.py); its test set is fixed for the run.
   lm:   packed text files (data/text.py, data/tokenizer.py) or token shards
         prepared beforehand (data/token_shards.py).
+
+Their config fields are checked before a task is made (palimpsa_jax/configs/base.py).
 """
 
 import abc
@@ -17,8 +19,6 @@ from palimpsa_jax.data import pipeline
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import token_shards
 from palimpsa_jax.data import tokenizer as tokenizer_lib
-
-TASKS = ("mqar", "lm")
 
 
 class Task(abc.ABC):
@@ -56,10 +56,6 @@ class MqarTask(Task):
         shard_index=shard_index, shard_count=shard_count)
     self.train_iterator = iter(self.train_dataset)
     steps_per_epoch = data.num_train_examples // config.batch_size
-    if steps_per_epoch == 0:
-      raise ValueError(
-          f"config.data.num_train_examples={data.num_train_examples} is smaller "
-          f"than config.batch_size={config.batch_size}.")
     self.total_steps = (config.total_steps if config.total_steps > 0
                         else config.num_epochs * steps_per_epoch)
     self.tokens_per_step = config.batch_size * config.seq_len
@@ -85,9 +81,6 @@ class LmTask(Task):
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     data = config.data
     shard_index, shard_count = pipeline.host_shard()
-    if not data.train_files:
-      raise ValueError("config.data.train_files must name the training text files "
-                       "(a glob, or comma-separated globs).")
     shards = token_shards.is_token_shards(data.train_files)
     if shards:
       tokenizer = token_shards.shard_tokenizer(data.train_files, data.tokenizer, workdir)

@@ -74,7 +74,7 @@ def check_group(configs: list[ml_collections.ConfigDict]) -> None:
   for index, config in enumerate(configs):
     if config.task != "mqar":
       raise ValueError(f"configs[{index}].task must be 'mqar', got {config.task!r}.")
-    if config.get("init_from") or config.optimizer.get("new_params_only_steps", 0):
+    if config.init_from or config.optimizer.new_params_only_steps:
       raise ValueError(f"configs[{index}]: batched runs start from scratch "
                        "(no init_from, no new_params_only_steps).")
     flat = _flat(config)
@@ -175,7 +175,7 @@ class _Model:
     Like the single-run trainer, computed on the CPU when config.init_on_host
     resolves to True (off the CPU backend), then copied to `device`.
     """
-    on_host = state_lib.resolve_init_on_host(self.config.get("init_on_host", "auto"))
+    on_host = state_lib.resolve_init_on_host(self.config.init_on_host)
     where = jax.local_devices(backend="cpu")[0] if on_host else device
     init = jax.jit(jax.vmap(lambda seed: self._init_one(jax.random.key(seed))),
                    out_shardings=jax.sharding.SingleDeviceSharding(where))
@@ -263,9 +263,9 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   start_time = time.perf_counter()
   if len(configs) != len(workdirs):
     raise ValueError(f"got {len(configs)} configs but {len(workdirs)} workdirs.")
-  check_group(configs)
   for config in configs:
     trainer.validate_config(config)
+  check_group(configs)
   runs = [_Run(config, os.path.abspath(workdir))
           for config, workdir in zip(configs, workdirs)]
   for run in runs:

@@ -51,7 +51,6 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
     schedule: the learning rate per step; None: learning_rate_schedule(config,
       total_steps).
   """
-  validate_optimizer_config(config)
   if schedule is None:
     schedule = learning_rate_schedule(config, total_steps)
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
@@ -59,24 +58,6 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   if config.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
   return adamw
-
-
-def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first out-of-range optimizer field."""
-  checks = (
-      ("learning_rate", config.learning_rate > 0, "> 0"),
-      ("warmup_fraction", 0 <= config.warmup_fraction <= 1, "in [0, 1]"),
-      ("decay_steps", config.decay_steps >= 0, ">= 0 (0: total_steps)"),
-      ("end_fraction", 0 <= config.end_fraction <= 1, "in [0, 1]"),
-      ("b1", 0 <= config.b1 < 1, "in [0, 1)"),
-      ("b2", 0 <= config.b2 < 1, "in [0, 1)"),
-      ("eps", config.eps >= 0, ">= 0"),
-      ("weight_decay", config.weight_decay >= 0, ">= 0"),
-  )
-  for name, ok, expected in checks:
-    if not ok:
-      raise ValueError(
-          f"config.optimizer.{name} must be {expected}, got {config[name]}.")
 
 
 class NewFirstState(NamedTuple):

@@ -11,6 +11,7 @@ import ml_collections
 import optax
 
 from palimpsa_jax import models
+from palimpsa_jax.configs import base
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
@@ -36,7 +37,7 @@ def make_tx_fn(config: ml_collections.ConfigDict, total_steps: int
   def make_tx(abstract_params):
     tx = optimizer_lib.make_optimizer(config.optimizer, total_steps,
                                       models.weight_decay_mask)
-    new_first = config.optimizer.get("new_params_only_steps", 0)
+    new_first = config.optimizer.new_params_only_steps
     if not new_first:
       return tx
     return optimizer_lib.train_new_parameters_first(
@@ -53,7 +54,7 @@ def initial_state(spec: state_lib.TrainStateSpec,
   parameters are restored directly onto the train state's shardings, with a
   fresh optimizer state, and the model is not randomly initialised first.
   """
-  init_from = config.get("init_from")
+  init_from = config.init_from
   if not init_from:
     return spec.init()
   if jax.tree.leaves(spec.abstract["model_state"]):
@@ -73,32 +74,12 @@ def initial_state(spec: state_lib.TrainStateSpec,
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad training field."""
-  if config.task not in tasks_lib.TASKS:
-    raise ValueError(
-        f"config.task must be one of {tasks_lib.TASKS}, got {config.task!r}.")
-  if not isinstance(config.get("log_diagnostics"), bool):
-    raise ValueError("config.log_diagnostics must be True or False.")
-  init_on_host = config.get("init_on_host", "auto")
-  if not (isinstance(init_on_host, bool) or init_on_host == "auto"):
-    raise ValueError(
-        f"config.init_on_host must be 'auto', True or False, got {init_on_host!r}.")
-  positive = ("seq_len", "batch_size", "eval_batch_size", "log_every_steps",
-              "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints")
-  for name in positive:
-    if not isinstance(config[name], int) or config[name] <= 0:
-      raise ValueError(f"config.{name} must be a positive int, got {config[name]!r}.")
-  if not isinstance(config.grad_accum_steps, int) or config.grad_accum_steps < 0:
-    raise ValueError("config.grad_accum_steps must be a positive int or 0 (auto), got "
-                     f"{config.grad_accum_steps!r}.")
-  if config.total_steps <= 0 and config.get("num_epochs", 0) <= 0:
-    raise ValueError(
-        "set config.total_steps (> 0) or config.num_epochs (> 0); got "
-        f"total_steps={config.total_steps}, num_epochs={config.get('num_epochs')}.")
-  if config.task == "lm" and config.total_steps <= 0:
-    raise ValueError(
-        "the lm task streams its data without epochs: config.total_steps must be "
-        f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
+  """Raises ValueError naming the first bad training field.
+
+  Every field against palimpsa_jax/configs/base.py, then what depends on the
+  devices: the mesh, and the batch's split over hosts, microbatches and shards.
+  """
+  base.validate(config)
   data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
   sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
   accum = grad_accum_steps(config, data * fsdp)
@@ -115,7 +96,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.eval_batch_size={config.eval_batch_size} must split evenly over the "
         f"mesh's data x fsdp = {data * fsdp} batch shards.")
-  optimizer_lib.validate_optimizer_config(config.optimizer)
 
 
 def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> int:
@@ -129,8 +109,8 @@ def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> in
   """
   if config.grad_accum_steps:
     return config.grad_accum_steps
-  limit = config.get("device_batch", 0)
-  if not isinstance(limit, int) or limit <= 0:
+  limit = config.device_batch
+  if limit <= 0:
     raise ValueError(
         "config.grad_accum_steps=0 (auto) needs config.device_batch, the most "
         f"sequences per device and microbatch, > 0; got {limit!r}.")
@@ -215,7 +195,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   spec = state_lib.make_train_state_spec(
       state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh,
       rules,
-      init_on_host=config.get("init_on_host", "auto"))
+      init_on_host=config.init_on_host)
   checkpointer = checkpoint_lib.Checkpointer(
       workdir, every_steps=config.checkpoint_every_steps,
       keep=config.keep_checkpoints, async_save=config.async_checkpointing)
