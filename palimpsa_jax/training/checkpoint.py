@@ -240,5 +240,5 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
   finally:
     manager.close()
   model = models.merge_model(parts.graphdef, restored["model"]["params"],
-                                restored["model"]["model_state"])
+                             restored["model"]["model_state"])
   return model, config, int(step)
