@@ -20,11 +20,15 @@ _STARTED_AT = time.time()  # For perf/time_to_first_step_s; before the heavy imp
 from absl import app
 from absl import flags
 from absl import logging
+from flax import nnx
 import jax
 from ml_collections import config_flags
 
+from palimpsa_jax.models.summary import parameter_table
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import config_overrides
+from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import trainer
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:args]).")
@@ -41,12 +45,7 @@ _CACHE_DIR = compile_cache.define_flag()
 
 def dry_run(config) -> None:
   """Prints the model's parameter table and, as the last line, `params: <count>`."""
-  # pylint: disable=g-import-not-at-top
-  from flax import nnx
-  from palimpsa_jax.models.summary import parameter_table
-  from palimpsa_jax.training import trainer
-  # pylint: enable=g-import-not-at-top
-  build = trainer.model_fn(config)
+  build = state_lib.run_model_fn(config)
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: build(nnx.Rngs(config.seed)))
   table, count = parameter_table(model)
@@ -71,7 +70,6 @@ def main(argv):
     return
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (except with --dry_run).")
-  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
   trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT)
 
 

@@ -137,11 +137,10 @@ class OurForward:
     from flax import nnx
     import jax
     from palimpsa_jax import models
-    from palimpsa_jax.training import state as state_lib
     # pylint: enable=g-import-not-at-top
     config = config.copy_and_resolve_references()
     config.dtype = dtype
-    graphdef = state_lib.abstract_model(lambda rngs: models.build_model(config, rngs)).graphdef
+    graphdef = models.abstract_model(lambda rngs: models.build_model(config, rngs)).graphdef
     self._forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
     self._precision = "highest" if dtype == "float32" else None
 
@@ -171,7 +170,6 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   from palimpsa_jax.conversion import checkpoint as checkpoint_lib
   from palimpsa_jax.conversion import torch_layouts
   from palimpsa_jax.conversion import torch_checkpoints
-  from palimpsa_jax.training import state as state_lib
   # pylint: enable=g-import-not-at-top
   config_cls, model_cls = authors_classes(model_type)
   config = our_170m(model_type)
@@ -192,7 +190,7 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   theirs = model_cls.from_pretrained(hf_dir, dtype=torch.float32)
   result["num_params"] = sum(p.numel() for p in theirs.parameters())
   mark("exported and loaded in theirs")
-  _, our_params, _ = state_lib.split_model(checkpoint_lib.load_converted(ours_dir)[0])
+  _, our_params, _ = models.split_model(checkpoint_lib.load_converted(ours_dir)[0])
   # theirs -> ours
   torch.manual_seed(0)
   hf_config = torch_layouts.authors_config(config)
@@ -202,7 +200,7 @@ def run_model_type(model_type: str, tokens: np.ndarray, workdir: str, log) -> di
   native_dir, imported = folder("native"), folder("imported")
   native.save_pretrained(native_dir)
   torch_checkpoints.import_checkpoint(native_dir, imported, verbose=False)
-  _, imported_params, _ = state_lib.split_model(checkpoint_lib.load_converted(imported)[0])
+  _, imported_params, _ = models.split_model(checkpoint_lib.load_converted(imported)[0])
   mark("theirs saved and imported")
   forwards = {dtype: OurForward(config, dtype) for dtype in THRESHOLDS}
   for direction, params, torch_model in (("ours_to_theirs", our_params, theirs),

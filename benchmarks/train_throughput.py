@@ -222,7 +222,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   rules = sharding_lib.rules_from_config(config.mesh)
   total_steps = config.total_steps
   spec = state_lib.make_train_state_spec(
-      trainer.model_fn(config), config.seed,
+      state_lib.run_model_fn(config), config.seed,
       trainer.make_tx_fn(config, total_steps), mesh, rules)
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
   accum = trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh))

@@ -22,9 +22,10 @@ import pathlib
 
 import ml_collections
 
-from palimpsa_jax.training import config_args
+from palimpsa_jax.configs import base
+from palimpsa_jax.configs import config_args
+from palimpsa_jax.conversion import checkpoint
 
-TASKS = ("mqar", "lm")
 DEFAULTS = dict(
     source="",                # conversion output directory (required)
     task="mqar",              # base config: configs/<task>.py
@@ -54,8 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = config_args.parse_config_arg(",".join(own), **DEFAULTS)
   if not args.source:
     raise ValueError("configs/finetune.py needs source=<conversion output directory>.")
-  if args.task not in TASKS:
-    raise ValueError(f"task must be one of {TASKS}, got {args.task!r}.")
+  if args.task not in base.TASKS:
+    raise ValueError(f"task must be one of {base.TASKS}, got {args.task!r}.")
   for name in ("steps", "evals"):
     if args[name] <= 0:
       raise ValueError(f"{name} must be positive, got {args[name]}.")
@@ -63,7 +64,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(
         f"new_params_only_steps must be in [0, steps={args.steps}], got "
         f"{args.new_params_only_steps}.")
-  from palimpsa_jax.conversion import checkpoint  # pylint: disable=g-import-not-at-top
 
   config = _base_config(args.task, ",".join(rest))
   config.model, info = checkpoint.read_conversion(args.source)
@@ -82,7 +82,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = args.steps
   config.optimizer.learning_rate = args.lr
   config.optimizer.warmup_fraction = args.warmup
-  config.optimizer.decay_steps = 0
   config.optimizer.end_fraction = args.end_fraction
   config.optimizer.new_params_only_steps = args.new_params_only_steps
   return config

@@ -28,7 +28,9 @@ import math
 
 import ml_collections
 
-from palimpsa_jax.training import config_args
+from palimpsa_jax import models
+from palimpsa_jax.configs import base
+from palimpsa_jax.configs import config_args
 
 DEFAULTS = dict(
     model="palimpsa_d",
@@ -80,10 +82,9 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The LM run: palimpsa_jax/configs/base.py's fields, set from the arguments."""
   args = parse_args(arg)
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
-  config = ml_collections.ConfigDict()
-  config.task = "lm"
+  config = base.base_config("lm")
   config.args = args
   config.model = models.model_config(args.model, args.size, dtype=args.dtype)
   config.model.scan_layers = args.scan_layers
@@ -96,40 +97,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.grad_accum_steps = 0
   config.device_batch = args.device_batch
   config.total_steps = args.steps
-  config.num_epochs = 0
-  config.log_every_steps = 50
-  config.eval_every_steps = 1000
-  config.checkpoint_every_steps = 1000
-  config.keep_checkpoints = 3
-  config.async_checkpointing = True
-  config.log_diagnostics = True  # Mixer statistics per layer at eval steps.
-  # Initial parameters computed on the CPU, then sharded: "auto" (on GPU/TPU,
-  # whose compilers take minutes for the per-parameter random init), True, False.
-  config.init_on_host = ml_collections.FieldReference("auto", field_type=object)
-  config.early_stop_accuracy = 0.0  # 0: never stop early.
 
-  config.data = ml_collections.ConfigDict()
-  config.data.train_files = ""  # Required: glob(s) of text files or of .npy token shards.
-  config.data.eval_files = ""  # Optional held-out files.
-  config.data.eval_batches = 20
+  # config.data.train_files is required: glob(s) of text files or of .npy token shards.
   config.data.tokenizer = f"bpe:{config.model.vocab_size}"
 
-  config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = args.lr
   # The paper's warmup steps as a share of the run, which follows its actual length.
   config.optimizer.warmup_fraction = min(1.0, args.warmup / args.steps)
-  config.optimizer.decay_steps = 0  # 0: total_steps.
   config.optimizer.end_fraction = 0.1
-  config.optimizer.b1 = 0.9
   config.optimizer.b2 = 0.95
   config.optimizer.eps = 1e-15
-  config.optimizer.weight_decay = 0.1
-  config.optimizer.clip_norm = 1.0
 
-  config.mesh = ml_collections.ConfigDict()
   config.mesh.data = 1
   config.mesh.fsdp = -1
-  config.mesh.sequence = 1  # > 1: each sequence split over that many devices
-  config.mesh.tensor = 1
-  config.mesh.rules = ()
   return config

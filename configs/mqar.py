@@ -18,7 +18,9 @@ import math
 
 import ml_collections
 
-from palimpsa_jax.training import config_args
+from palimpsa_jax import models
+from palimpsa_jax.configs import base
+from palimpsa_jax.configs import config_args
 
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
           "gated_deltanet", "mesanet", "transformer")
@@ -70,7 +72,6 @@ PAPER = dict(
 
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   overrides = dict(dtype=args.dtype, implementation=args.impl)
   if args.mixer in _DELTA_MIXERS and args.heads:
     overrides.update(num_heads=args.heads, head_v_dim=args.head_v or 32)
@@ -101,16 +102,15 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The MQAR run: palimpsa_jax/configs/base.py's fields, set from the arguments."""
   args = parse_args(arg)
-  config = ml_collections.ConfigDict()
-  config.task = "mqar"
+  config = base.base_config("mqar")
   config.args = args
   config.model = model_config(args)
   config.seed = args.seed
   config.seq_len = args.seq_len
   config.batch_size = args.batch
   config.eval_batch_size = max(args.batch, 128)
-  config.grad_accum_steps = 1
   steps_per_epoch = args.examples // args.batch
   config.num_epochs = args.epochs
   config.total_steps = args.steps or -1  # -1: num_epochs passes over the training set.
@@ -118,14 +118,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_every_steps = max(1, steps_per_epoch // args.evals_per_epoch)
   config.checkpoint_every_steps = max(1, steps_per_epoch)
   config.keep_checkpoints = 2
-  config.async_checkpointing = True
-  config.log_diagnostics = True  # Mixer statistics per layer at eval steps.
-  # Initial parameters computed on the CPU, then sharded: "auto" (on GPU/TPU,
-  # whose compilers take minutes for the per-parameter random init), True, False.
-  config.init_on_host = ml_collections.FieldReference("auto", field_type=object)
   config.early_stop_accuracy = args.early_stop
 
-  config.data = ml_collections.ConfigDict()
   config.data.vocab_size = args.vocab
   config.data.num_kv_pairs = args.kv
   config.data.num_train_examples = args.examples
@@ -133,21 +127,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data.power_a = args.power_a
   config.data.random_non_queries = args.random_non_queries
 
-  config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = args.lr
   config.optimizer.warmup_fraction = args.warmup  # Of the run's actual steps.
-  config.optimizer.decay_steps = 0  # 0: the whole run.
-  config.optimizer.end_fraction = 0.0
-  config.optimizer.b1 = 0.9
-  config.optimizer.b2 = 0.999
-  config.optimizer.eps = 1e-8
-  config.optimizer.weight_decay = 0.1
-  config.optimizer.clip_norm = 1.0
-
-  config.mesh = ml_collections.ConfigDict()
-  config.mesh.data = -1
-  config.mesh.fsdp = 1
-  config.mesh.sequence = 1  # > 1: each sequence split over that many devices
-  config.mesh.tensor = 1
-  config.mesh.rules = ()
   return config

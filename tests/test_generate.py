@@ -15,7 +15,6 @@ from palimpsa_jax import models
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import generation
 from palimpsa_jax.evaluation import lm as lm_lib
-from palimpsa_jax.training import state as state_lib
 from tests.conversion import mamba2_fixtures as fx
 
 pytest.importorskip("tokenizers")
@@ -36,7 +35,7 @@ def _lm(tmp_path_factory):
   tokenizer_lib.load_or_train_tokenizer(f"bpe:{VOCAB}", str(files), str(workdir))
   config = models.model_config("palimpsa_d", "tiny", num_layers=1, vocab_size=VOCAB,
                                dtype="float32")
-  _, params, _ = state_lib.split_model(models.build_model(config, nnx.Rngs(0)))
+  _, params, _ = models.split_model(models.build_model(config, nnx.Rngs(0)))
   fx.write_workdir(str(workdir), config, params, ml_collections.ConfigDict(
       {"task": "lm", "seq_len": 16, "seed": 0, "data": {"tokenizer": f"bpe:{VOCAB}"}}))
   model, _, _, tokenizer = lm_lib.load_checkpoint(str(workdir))
@@ -81,7 +80,7 @@ def test_text_stream_holds_back_an_incomplete_character(lm):
 
 def test_lm_tools_reject_an_mqar_checkpoint(tmp_path):
   config = models.model_config("palimpsa_d", "tiny", num_layers=1)
-  _, params, _ = state_lib.split_model(models.build_model(config, nnx.Rngs(0)))
+  _, params, _ = models.split_model(models.build_model(config, nnx.Rngs(0)))
   fx.write_workdir(str(tmp_path), config, params, ml_collections.ConfigDict({"task": "mqar",
                                                                            "seed": 0}))
   with pytest.raises(ValueError, match="trained on task 'mqar'; this needs a language model"):

@@ -4,10 +4,8 @@
       --layers <auto:N | i,j,k | none> --init <paper | zero>
 """
 
-from palimpsa_jax.conversion.checkpoint import (load_converted, read_conversion,
-                                                restore_params, write_conversion)
+from palimpsa_jax.conversion.checkpoint import load_converted, read_conversion, write_conversion
 from palimpsa_jax.conversion.command import run_conversion
-from palimpsa_jax.conversion.finetune import new_parameter_mask, train_new_parameters_first
 from palimpsa_jax.conversion.hf_mamba2 import load_hf_mamba2
 from palimpsa_jax.conversion.sources import Source, load_source
 from palimpsa_jax.conversion.surgery import convert
@@ -22,10 +20,7 @@ __all__ = [
     "load_converted",
     "load_hf_mamba2",
     "load_source",
-    "new_parameter_mask",
     "read_conversion",
-    "restore_params",
     "run_conversion",
-    "train_new_parameters_first",
     "write_conversion",
 ]

@@ -10,15 +10,13 @@ from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import sources
 from palimpsa_jax.conversion import surgery
 from palimpsa_jax.conversion import windows as windows_lib
+from palimpsa_jax.data import text as text_lib
+from palimpsa_jax.data import tokenizer as tokenizer_lib
 
 
 def calibration_batch(files: str, tokenizer_path: str, seq_len: int,
                       num_rows: int) -> np.ndarray:
   """[num_rows, seq_len] int32 tokens: the files' documents, concatenated (EOS between)."""
-  # pylint: disable=g-import-not-at-top
-  from palimpsa_jax.data import text as text_lib
-  from palimpsa_jax.data import tokenizer as tokenizer_lib
-  # pylint: enable=g-import-not-at-top
   tokenizer = tokenizer_lib.load_tokenizer(tokenizer_path)
   needed = seq_len * num_rows
   tokens: list[int] = []

@@ -27,6 +27,9 @@ from typing import Any
 
 import ml_collections
 import numpy as np
+from safetensors.numpy import load_file
+
+from palimpsa_jax import models
 
 EMBEDDING_NAMES = {
     "transformers": "backbone.embeddings.weight",
@@ -53,7 +56,6 @@ def safetensors_files(path: str) -> list[str]:
 
 def read_tensors(path: str) -> dict[str, np.ndarray]:
   """All tensors of the checkpoint at `path` (file or sharded directory)."""
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
   tensors: dict[str, np.ndarray] = {}
   for file in safetensors_files(path):
     for name, value in load_file(file).items():
@@ -265,7 +267,6 @@ def map_tensors(tensors: dict[str, np.ndarray], dims: Mamba2Dims,
 def model_config(dims: Mamba2Dims, dtype: str = "float32",
                  beta_rank: int | None = None) -> ml_collections.ConfigDict:
   """Our Mamba2 model config for these sizes (beta_rank: ceil(d/16) by default)."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   config = models.model_config(
       "mamba2", "tiny", vocab_size=dims.vocab_size, d_model=dims.d_model,
       num_layers=dims.num_layers, expand=dims.d_inner // dims.d_model,

@@ -6,7 +6,9 @@ from typing import Any
 
 import ml_collections
 
+from palimpsa_jax import models
 from palimpsa_jax.conversion import hf_mamba2
+from palimpsa_jax.training import checkpoint as checkpoint_lib
 
 CONVERTIBLE_MIXERS = ("meta_mamba2", "palimpsa_d")
 
@@ -55,10 +57,6 @@ def load_source(path: str, *, num_groups: int | None = None,
     params, config, layout = hf_mamba2.load_hf_mamba2(
         path, num_groups=num_groups, dtype=dtype or "float32")
     return Source(params, config, layout, path)
-  # pylint: disable=g-import-not-at-top
-  from palimpsa_jax.training import checkpoint as checkpoint_lib
-  from palimpsa_jax.training import state as state_lib
-  # pylint: enable=g-import-not-at-top
   model, run_config, step = checkpoint_lib.load_model(path)
   config = run_config.model
   if config.mixer not in CONVERTIBLE_MIXERS:
@@ -67,5 +65,5 @@ def load_source(path: str, *, num_groups: int | None = None,
         f"{CONVERTIBLE_MIXERS} (Mamba2 or NotPalimpsa models)")
   if dtype is not None:
     config.dtype = dtype
-  _, params, _ = state_lib.split_model(model)
+  _, params, _ = models.split_model(model)
   return Source(params, config, "orbax", path, step)

@@ -23,7 +23,6 @@ from palimpsa_jax import models
 from palimpsa_jax.conversion.sources import Source
 
 INITS = ("paper", "zero")
-NEW_PARAMETER_NAMES = ("beta_down", "beta_up", "b_scale", "Ip_log")
 # softplus(-1e4) and its derivative underflow to exactly 0 in float32.
 ZERO_INIT_B_SCALE = -1e4
 
@@ -54,10 +53,6 @@ def _leaves(tree: dict[str, Any]) -> dict[tuple[str, ...], Any]:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _is_new(path: tuple) -> bool:
-  return any(name in NEW_PARAMETER_NAMES for name in path)
-
-
 def convert(source: Source, layers: Sequence[int], init: str = "paper",
             seed: int = 0) -> tuple[nnx.Module, ml_collections.ConfigDict]:
   """(converted NNX model, its model config) with `layers` made metaplastic."""
@@ -66,10 +61,7 @@ def convert(source: Source, layers: Sequence[int], init: str = "paper",
   layers = [int(i) for i in layers]
   check_layers(layers, source.config)
   config = converted_config(source.config, layers)
-  # pylint: disable=g-import-not-at-top
-  from palimpsa_jax.training import state as state_lib
-  # pylint: enable=g-import-not-at-top
-  graphdef, params, model_state = state_lib.split_model(
+  graphdef, params, model_state = models.split_model(
       models.build_model(config, nnx.Rngs(seed)))
   target = _leaves(params)
   given = _leaves(source.params)
@@ -81,7 +73,8 @@ def convert(source: Source, layers: Sequence[int], init: str = "paper",
       raise ValueError(
           f"source parameter {'/'.join(map(str, path))} has shape {value.shape}, "
           f"the converted model expects {target[path].shape}")
-  uncovered = sorted((p for p in set(target) - set(given) if not _is_new(p)), key=str)
+  uncovered = sorted((p for p in set(target) - set(given)
+                      if not models.is_new_parameter(p)), key=str)
   if uncovered:
     raise ValueError(f"converted-model parameters missing from the source: {uncovered}")
 
@@ -96,4 +89,4 @@ def convert(source: Source, layers: Sequence[int], init: str = "paper",
     return leaf
 
   params = jax.tree_util.tree_map_with_path(pick, params)
-  return state_lib.merge_model(graphdef, params, model_state), config
+  return models.merge_model(graphdef, params, model_state), config

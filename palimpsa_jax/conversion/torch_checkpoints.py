@@ -14,15 +14,18 @@ import os
 import shutil
 from typing import Any
 
+from flax import nnx
 import jax
 import ml_collections
 import numpy as np
+from safetensors.numpy import save_file
 
 from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import hf_mamba2
 from palimpsa_jax.conversion import torch_layouts as layouts
 from palimpsa_jax.conversion import windows as windows_lib
+from palimpsa_jax.training import checkpoint as train_checkpoint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -74,11 +77,7 @@ def tensors_to_params(tensors: dict[str, np.ndarray], config: ml_collections.Con
 
 def _build_model(config: ml_collections.ConfigDict, params: dict[tuple, np.ndarray]):
   """Our NNX model holding `params` (keyed by path); ValueError if they do not fit it."""
-  # pylint: disable=g-import-not-at-top
-  from flax import nnx
-  from palimpsa_jax.training import state as state_lib
-  # pylint: enable=g-import-not-at-top
-  parts = state_lib.abstract_model(lambda rngs: models.build_model(config, rngs))
+  parts = models.abstract_model(lambda rngs: models.build_model(config, rngs))
   given = {tuple(str(k) for k in path): value for path, value in params.items()}
   abstract = nnx.to_pure_dict(parts.abstract_params)
   wanted = {models.path_names(path): leaf
@@ -99,7 +98,7 @@ def _build_model(config: ml_collections.ConfigDict, params: dict[tuple, np.ndarr
   model_state = nnx.to_pure_dict(parts.abstract_model_state)
   if jax.tree_util.tree_leaves(model_state):
     raise ValueError("the model has non-parameter variables, which an import cannot fill")
-  return state_lib.merge_model(parts.graphdef, tree, model_state)
+  return models.merge_model(parts.graphdef, tree, model_state)
 
 
 def read_source(source: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -134,8 +133,7 @@ def import_checkpoint(source: str, dest: str, *, dtype: str = "float32",
   config = layouts.our_config(hf_config, dtype, source)
   params = tensors_to_params(tensors, config, source)
   model = _build_model(config, params)
-  from palimpsa_jax.training import state as state_lib  # pylint: disable=g-import-not-at-top
-  _, nested, _ = state_lib.split_model(model)
+  _, nested, _ = models.split_model(model)
   dt = windows_lib.bias_dt(nested, config.num_layers)
   info = {"source": os.path.abspath(source), "source_kind": f"authors_{hf_config['model_type']}",
           "source_step": None, "layers": [], "init": "imported", "seed": None,
@@ -152,16 +150,12 @@ def import_checkpoint(source: str, dest: str, *, dtype: str = "float32",
 
 def load_ours(checkpoint: str) -> tuple[dict, ml_collections.ConfigDict]:
   """(parameter pure dict, model config) of a conversion destination or train.py workdir."""
-  # pylint: disable=g-import-not-at-top
-  from palimpsa_jax.training import checkpoint as train_checkpoint
-  from palimpsa_jax.training import state as state_lib
-  # pylint: enable=g-import-not-at-top
   if os.path.isfile(os.path.join(checkpoint, checkpoint_lib.CONVERSION_FILE)):
     model, config, _ = checkpoint_lib.load_converted(checkpoint)
   else:
     model, run_config, _ = train_checkpoint.load_model(checkpoint)
     config = run_config.model
-  _, params, _ = state_lib.split_model(model)
+  _, params, _ = models.split_model(model)
   params = jax.tree.map(np.asarray, params)
   if config.get("scan_layers"):
     stacked = params["blocks"]
@@ -205,7 +199,6 @@ def export_checkpoint(checkpoint: str, dest: str, *, verbose: bool = True) -> st
   Returns:
     The authors' model_type written.
   """
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   for name in (CONFIG_FILE, WEIGHTS_FILE):
     if os.path.exists(os.path.join(dest, name)):
       raise FileExistsError(f"{os.path.join(dest, name)} exists; choose another --dest")

@@ -47,6 +47,7 @@ from typing import Any
 
 import ml_collections
 
+from palimpsa_jax import models
 from palimpsa_jax.layers.mlp import swiglu_hidden_dim
 
 MODEL_TYPES = ("palimpsa", "meta_mamba2")
@@ -148,7 +149,6 @@ def _palimpsa_config(hf: dict[str, Any], dtype: str) -> ml_collections.ConfigDic
   hidden = get("intermediate_size")
   if hidden is None:  # FLA's GatedMLP rule, the same as ours
     hidden = swiglu_hidden_dim(d, get("hidden_ratio") or 4)
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   config = models.model_config(
       _OUR_MODELS["palimpsa", bool(get("metaplasticity"))], "tiny",
       vocab_size=int(get("vocab_size")), d_model=d, num_layers=int(get("num_hidden_layers")),
@@ -178,7 +178,6 @@ def _meta_mamba2_config(hf: dict[str, Any], dtype: str) -> ml_collections.Config
     problems.append(f"expand={expand} with head_dim={head_dim}: inner width "
                     f"{expand * d} is not a whole number of heads")
   _unsupported("meta_mamba2", problems)
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   config = models.model_config(
       _OUR_MODELS["meta_mamba2", bool(get("metaplasticity"))], "tiny",
       vocab_size=int(get("vocab_size")), d_model=d, num_layers=int(get("num_hidden_layers")),
@@ -202,7 +201,6 @@ def our_config(hf_config: dict[str, Any], dtype: str = "float32",
 
 def authors_model_type(config: ml_collections.ConfigDict) -> str:
   """The authors' model_type for our model config; ValueError where none fits exactly."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   model_type = _MODEL_TYPE_OF_MIXER.get(config.mixer)
   if model_type is None:
     raise ValueError(
@@ -228,7 +226,6 @@ def authors_model_type(config: ml_collections.ConfigDict) -> str:
 
 def authors_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The authors' config.json for our model config (see authors_model_type)."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   model_type = authors_model_type(config)
   common = dict(
       architectures=[ARCHITECTURES[model_type]], model_type=model_type,
@@ -321,7 +318,6 @@ def _beta_tensors(beta: list[tuple], metaplastic: bool) -> list[Tensor]:
 
 def tensor_table(config: ml_collections.ConfigDict) -> list[Tensor]:
   """Every tensor of the authors' checkpoint of our model `config`, lm_head excluded."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
   model_type = authors_model_type(config)
   prefix = PREFIXES[model_type]
   metaplastic = bool(models.metaplastic_layers(config))

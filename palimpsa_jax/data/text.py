@@ -25,6 +25,7 @@ import os
 from typing import Any, Protocol
 
 import grain
+import jax.numpy as jnp
 import numpy as np
 
 TEXT_SUFFIXES = (".txt",)
@@ -134,6 +135,7 @@ class _ParquetFile:
 
   def __init__(self, path: str):
     try:
+      # Deferred: pyarrow is optional (the eval extra) and only .parquet files need it.
       import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       raise ImportError(
@@ -345,7 +347,7 @@ def next_token_targets(tokens, segment_ids, mask=None):
     targets [B, T] (tokens shifted left by one, 0 at the last position) and weights [B, T] in
     {0, 1}: 1 where position t predicts a real token t + 1 of the same segment.
   """
-  xp = np if isinstance(tokens, np.ndarray) else _jnp()
+  xp = np if isinstance(tokens, np.ndarray) else jnp
   targets = xp.concatenate([tokens[:, 1:], xp.zeros_like(tokens[:, :1])], axis=1)
   same = segment_ids[:, 1:] == segment_ids[:, :-1]
   if mask is not None:
@@ -353,7 +355,3 @@ def next_token_targets(tokens, segment_ids, mask=None):
   weights = xp.concatenate([same, xp.zeros_like(same[:, :1])], axis=1).astype(xp.float32)
   return targets, weights
 
-
-def _jnp():
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp

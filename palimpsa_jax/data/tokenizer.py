@@ -14,6 +14,9 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import tokenizers
+
+from palimpsa_jax.data import text as text_lib
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-sequence tokens of common tokenizer.json files, in the order they are looked for.
@@ -21,15 +24,6 @@ _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", 
 _BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 _BYTE_FALLBACK = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 DEFAULT_MAX_TRAIN_BYTES = 1 << 30
-
-
-def _tokenizers():
-  try:
-    import tokenizers  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError("palimpsa_jax.data.tokenizer needs the `tokenizers` package: "
-                      "pip install tokenizers") from e
-  return tokenizers
 
 
 @functools.cache
@@ -116,7 +110,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
   """Loads a tokenizer.json file."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
-  hf = _tokenizers().Tokenizer.from_file(path)
+  hf = tokenizers.Tokenizer.from_file(path)
   return TextTokenizer(hf=hf, eos_id=_find_eos(hf, path), path=path)
 
 
@@ -131,7 +125,7 @@ def _limited(texts: Iterator[str], max_bytes: int) -> Iterator[str]:
 
 def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, path: str) -> TextTokenizer:
   """Trains a byte-level BPE with EOS_TOKEN as its only special token (id 0); saves it to path."""
-  tk = _tokenizers()
+  tk = tokenizers
   if vocab_size < 258:
     raise ValueError(f"vocab_size must be >= 258 (256 bytes + EOS + 1 merge), got {vocab_size}")
   hf = tk.Tokenizer(tk.models.BPE())
@@ -184,6 +178,5 @@ def load_or_train_tokenizer(spec: str, train_files: str | Sequence[str] | None,
   if train_files is None:
     raise FileNotFoundError(f"no trained tokenizer at {path!r} and no train_files to train "
                             f"one for spec {spec!r}")
-  from palimpsa_jax.data import text  # pylint: disable=g-import-not-at-top
-  return train_bpe_tokenizer(_limited(text.iter_documents(train_files), max_train_bytes),
+  return train_bpe_tokenizer(_limited(text_lib.iter_documents(train_files), max_train_bytes),
                              vocab_size, path)

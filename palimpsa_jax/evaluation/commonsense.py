@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import json
 import os
 import sys
+import sysconfig
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ except ImportError as e:
                     "pip install -e '.[eval]'") from e
 
 from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax.models.decoding import generate
 
 MODEL_NAME = "palimpsa_jax"
 # The paper's zero-shot suite.
@@ -206,7 +208,6 @@ class PalimpsaLM(lm_eval_model.TemplateLM):
 
     Prompts of equal length and equal generation settings share one generate call.
     """
-    from palimpsa_jax.models.decoding import generate  # pylint: disable=g-import-not-at-top
     groups = collections.defaultdict(list)
     settings = []
     for index, request in enumerate(requests):
@@ -330,7 +331,6 @@ def install_lm_eval_hook(site_packages: str | None = None) -> str:
   Returns:
     The path of the .pth file.
   """
-  import sysconfig  # pylint: disable=g-import-not-at-top
   directory = site_packages or sysconfig.get_paths()["purelib"]
   path = os.path.join(directory, HOOK_FILE)
   with open(path, "w") as f:
@@ -347,6 +347,7 @@ def main() -> None:
   if sys.argv[1:] == ["--install-lm-eval-hook"]:
     print(f"wrote {install_lm_eval_hook()}")
     return
+  # Deferred: lm-eval's command-line module is needed only when this runs as a command.
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=g-import-not-at-top
   cli_evaluate()
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
+from palimpsa_jax.evaluation import checkpoints
 from palimpsa_jax.ops import kernel_sharding
 
 DEFAULT_BATCH_SIZE = 8
@@ -140,7 +141,6 @@ def checkpoint_tokenizer(checkpoint: str, config: Any) -> tokenizer_lib.TextToke
 def load_checkpoint(checkpoint: str):
   """(model, config, step, tokenizer) of a train.py checkpoint or a conversion output
   (palimpsa_jax.evaluation.checkpoints)."""
-  from palimpsa_jax.evaluation import checkpoints  # pylint: disable=g-import-not-at-top
   model, config, step = checkpoints.load_model(checkpoint)
   if config.get("task", "lm") != "lm":
     raise ValueError(f"checkpoint {checkpoint!r} was trained on task {config.task!r}; this "

@@ -94,6 +94,7 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
     curves: checkpoint path -> {"bucket_end", "mean_nll", "step"}.
     path: the PNG to write.
   """
+  # Deferred: matplotlib is slow to import and only the plot needs it.
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top

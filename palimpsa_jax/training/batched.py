@@ -5,7 +5,7 @@ are stacked along a leading run axis [R, ...] and one jitted step, the
 single-run trainer's step (training/steps.py) vmapped over that axis, advances
 all of them: per run its own parameters (initialised from its seed), optimizer
 state, learning-rate schedule and data order (its seed's MQAR train and test
-sets, training/trainer.py's MqarTask). A run that reaches the early-stop
+sets, data/tasks.py's MqarTask). A run that reaches the early-stop
 accuracy (or a non-finite loss) stops there: its updates are masked out, and
 once a quarter of the stacked runs have stopped they are dropped from the stack
 (one recompilation).
@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 
 from palimpsa_jax import models
+from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
@@ -73,7 +74,7 @@ def check_group(configs: list[ml_collections.ConfigDict]) -> None:
   for index, config in enumerate(configs):
     if config.task != "mqar":
       raise ValueError(f"configs[{index}].task must be 'mqar', got {config.task!r}.")
-    if config.get("init_from") or config.optimizer.get("new_params_only_steps", 0):
+    if config.init_from or config.optimizer.new_params_only_steps:
       raise ValueError(f"configs[{index}]: batched runs start from scratch "
                        "(no init_from, no new_params_only_steps).")
     flat = _flat(config)
@@ -133,8 +134,8 @@ class _Model:
   def __init__(self, config: ml_collections.ConfigDict, total_steps: int):
     self.config = config
     self.total_steps = total_steps
-    self.model_fn = trainer.model_fn(config)
-    self.graphdef = state_lib.abstract_model(self.model_fn).graphdef
+    self.model_fn = state_lib.run_model_fn(config)
+    self.graphdef = models.abstract_model(self.model_fn).graphdef
     # The schedule of learning rate 1; a run's rate scales it (the product
     # is the single-run schedule's peak * factor, bit for bit).
     unit = ml_collections.ConfigDict(config.optimizer.to_dict())
@@ -163,7 +164,7 @@ class _Model:
 
   def _init_one(self, key: jax.Array) -> dict:
     with nnx.use_eager_sharding(False):
-      _, params, model_state = state_lib.split_model(self.model_fn(nnx.Rngs(key)))
+      _, params, model_state = models.split_model(self.model_fn(nnx.Rngs(key)))
     tx, _ = self._optimizer(1.0)  # the optimizer state does not depend on the rate
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "model_state": model_state, "opt_state": tx.init(params)}
@@ -174,7 +175,7 @@ class _Model:
     Like the single-run trainer, computed on the CPU when config.init_on_host
     resolves to True (off the CPU backend), then copied to `device`.
     """
-    on_host = state_lib.resolve_init_on_host(self.config.get("init_on_host", "auto"))
+    on_host = state_lib.resolve_init_on_host(self.config.init_on_host)
     where = jax.local_devices(backend="cpu")[0] if on_host else device
     init = jax.jit(jax.vmap(lambda seed: self._init_one(jax.random.key(seed))),
                    out_shardings=jax.sharding.SingleDeviceSharding(where))
@@ -193,7 +194,7 @@ def _summary_path(workdir: str) -> pathlib.Path:
   return pathlib.Path(workdir) / run_summary.SUMMARY_FILE
 
 
-def _stacked_eval_batches(tasks: dict[int, trainer.MqarTask], seeds: list[int],
+def _stacked_eval_batches(tasks: dict[int, tasks_lib.MqarTask], seeds: list[int],
                           device: jax.Device) -> list[dict[str, jax.Array]]:
   """The test batches of every run, stacked [R, B, ...] on `device`."""
   per_seed = {seed: list(task.eval_batches()) for seed, task in tasks.items()}
@@ -262,9 +263,9 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   start_time = time.perf_counter()
   if len(configs) != len(workdirs):
     raise ValueError(f"got {len(configs)} configs but {len(workdirs)} workdirs.")
-  check_group(configs)
   for config in configs:
     trainer.validate_config(config)
+  check_group(configs)
   runs = [_Run(config, os.path.abspath(workdir))
           for config, workdir in zip(configs, workdirs)]
   for run in runs:
@@ -276,7 +277,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
 
   config = todo[0].config
   device = jax.local_devices()[0]
-  tasks = {run.seed: trainer.MqarTask(run.config) for run in todo}
+  tasks = {run.seed: tasks_lib.MqarTask(run.config) for run in todo}
   total_steps = next(iter(tasks.values())).total_steps
   model = _Model(config, total_steps)
   for run in todo:

@@ -9,6 +9,10 @@ A workdir written by train.py holds:
                          checkpoints that could not be restored, moved
                          aside when an older one restored instead
   metrics.jsonl          see training/metrics.py
+
+A parameters-only checkpoint (a conversion output, which a fine-tuning run
+starts from: config.init_from) holds converted/, an Orbax StandardCheckpointer
+item {"params": parameter tree}; see save_params and restore_params.
 """
 
 import datetime
@@ -24,11 +28,13 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
+from palimpsa_jax import models
 from palimpsa_jax.training import state as state_lib
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
+PARAMS_DIR = "converted"
 
 
 class CheckpointError(RuntimeError):
@@ -160,6 +166,26 @@ class Checkpointer:
     self._manager.close()
 
 
+def save_params(dest: str, params: Any) -> None:
+  """Writes `params` (pure dict of arrays) as the parameters-only checkpoint of `dest`."""
+  path = epath.Path(os.path.abspath(dest)) / PARAMS_DIR
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, {"params": params})
+
+
+def restore_params(dest: str, abstract_params: Any) -> Any:
+  """The parameters saved by save_params, restored onto `abstract_params`' shapes and shardings.
+
+  Args:
+    dest: a directory holding a parameters-only checkpoint (a conversion output).
+    abstract_params: pure dict of jax.ShapeDtypeStruct (with shardings), e.g.
+      the "params" entry of a train state's abstract tree.
+  """
+  path = epath.Path(os.path.abspath(dest)) / PARAMS_DIR
+  with ocp.StandardCheckpointer() as checkpointer:
+    return checkpointer.restore(path, {"params": abstract_params})["params"]
+
+
 def workdir_of(checkpoint: str) -> str:
   """The absolute train.py workdir of a workdir or of its checkpoints/<step> folder."""
   path = os.path.abspath(checkpoint)
@@ -192,8 +218,6 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
   Returns:
     (NNX model, the run's config, step).
   """
-  # Imported here: the trainer module imports this one.
-  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
   workdir, step = _resolve(checkpoint)
   config = load_config(workdir)
   manager = ocp.CheckpointManager(
@@ -202,8 +226,8 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}/{CHECKPOINT_DIR}.")
-  parts = state_lib.abstract_model(trainer.model_fn(config), config.seed)
-  abstract = state_lib.abstract_on_first_local_device(parts)
+  parts = models.abstract_model(state_lib.run_model_fn(config), config.seed)
+  abstract = models.abstract_on_first_local_device(parts)
   try:
     restored = manager.restore(
         step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
@@ -215,6 +239,6 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
         f"{_first_line(error).rstrip('.')}.{hint}") from None
   finally:
     manager.close()
-  model = state_lib.merge_model(parts.graphdef, restored["model"]["params"],
-                                restored["model"]["model_state"])
+  model = models.merge_model(parts.graphdef, restored["model"]["params"],
+                             restored["model"]["model_state"])
   return model, config, int(step)

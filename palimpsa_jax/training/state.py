@@ -28,65 +28,25 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+import ml_collections
 import numpy as np
 import optax
 
+from palimpsa_jax import models
 from palimpsa_jax.training import sharding as sharding_lib
 
-ModelFn = Callable[[nnx.Rngs], nnx.Module]
 InitOnHost = bool | Literal["auto"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelParts:
-  """The static pieces of a split model.
-
-  Attributes:
-    graphdef: nnx graph definition (static structure of the module).
-    abstract_params: nnx.State of the trained parameters (ShapeDtypeStructs,
-      with their sharding metadata).
-    abstract_model_state: nnx.State of every other variable.
-  """
-  graphdef: Any
-  abstract_params: nnx.State
-  abstract_model_state: nnx.State
+def run_model_fn(config: ml_collections.ConfigDict) -> models.ModelFn:
+  """rngs -> the run config's NNX language model (config.model)."""
+  return lambda rngs: models.build_model(config.model, rngs)
 
 
-def _build(model_fn: ModelFn, seed: int) -> nnx.Module:
+def _build(model_fn: models.ModelFn, seed: int) -> nnx.Module:
   # Shardings are applied by jit's out_shardings, not eagerly per variable.
   with nnx.use_eager_sharding(False):
     return model_fn(nnx.Rngs(seed))
-
-
-def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
-  """(graphdef, params pure dict, other variables pure dict)."""
-  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
-
-
-def abstract_model(model_fn: ModelFn, seed: int = 0) -> ModelParts:
-  """Shapes and structure of the model without allocating it."""
-  with nnx.use_eager_sharding(False):
-    model = nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed)))
-  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-  return ModelParts(graphdef, params, model_state)
-
-
-def abstract_on_first_local_device(parts: ModelParts) -> dict[str, Any]:
-  """The model's abstract {"params", "model_state"} pure dicts on the first local device.
-
-  The restore target of a model loaded on one device (evaluation, conversion).
-  """
-  device = SingleDeviceSharding(jax.local_devices()[0])
-  return jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-      {"params": nnx.to_pure_dict(parts.abstract_params),
-       "model_state": nnx.to_pure_dict(parts.abstract_model_state)})
-
-
-def merge_model(graphdef: Any, params: dict, model_state: dict) -> nnx.Module:
-  """The NNX module holding `params` and `model_state`."""
-  return nnx.merge(graphdef, params, model_state)
 
 
 def match_param_shardings(abstract_tree: Any, param_shardings: dict,
@@ -124,14 +84,14 @@ class TrainStateSpec:
     abstract: ShapeDtypeStructs (with shardings) of the train state.
     init: () -> a freshly initialised train state, created sharded.
   """
-  parts: ModelParts
+  parts: models.ModelParts
   tx: optax.GradientTransformation
   shardings: dict
   abstract: dict
   init: Callable[[], dict]
 
 
-def make_train_state_spec(model_fn: ModelFn, seed: int,
+def make_train_state_spec(model_fn: models.ModelFn, seed: int,
                           make_tx: Callable[[dict], optax.GradientTransformation],
                           mesh: Mesh, rules: sharding_lib.Rules,
                           init_on_host: InitOnHost = "auto") -> TrainStateSpec:
@@ -152,12 +112,12 @@ def make_train_state_spec(model_fn: ModelFn, seed: int,
       full float parameters in each host's memory.
   """
   use_host = resolve_init_on_host(init_on_host)
-  parts = abstract_model(model_fn, seed)
+  parts = models.abstract_model(model_fn, seed)
   tx = make_tx(nnx.to_pure_dict(parts.abstract_params))
   shardings = train_state_shardings(parts, tx, mesh, rules)
 
   def build_variables():
-    _, params, model_state = split_model(_build(model_fn, seed))
+    _, params, model_state = models.split_model(_build(model_fn, seed))
     return params, model_state
 
   def assemble(params, model_state):
@@ -223,7 +183,7 @@ def _host_initialiser(build_variables: Callable[[], tuple[dict, dict]],
   return init
 
 
-def train_state_shardings(parts: ModelParts, tx: optax.GradientTransformation,
+def train_state_shardings(parts: models.ModelParts, tx: optax.GradientTransformation,
                           mesh: Mesh, rules: sharding_lib.Rules) -> dict:
   """Shardings of every leaf of the train state."""
   replicated = sharding_lib.replicated(mesh)
@@ -240,7 +200,7 @@ def train_state_shardings(parts: ModelParts, tx: optax.GradientTransformation,
   }
 
 
-def abstract_train_state(parts: ModelParts, tx: optax.GradientTransformation,
+def abstract_train_state(parts: models.ModelParts, tx: optax.GradientTransformation,
                          shardings: dict) -> dict:
   """ShapeDtypeStructs (with shardings) of the train state: restore targets."""
   params = nnx.to_pure_dict(parts.abstract_params)

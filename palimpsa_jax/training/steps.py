@@ -11,7 +11,6 @@ import optax
 
 from palimpsa_jax import models
 from palimpsa_jax.data.mqar import IGNORE_INDEX
-from palimpsa_jax.training import state as state_lib
 
 Batch = dict[str, jax.Array]
 # () -> the context the steps are traced in (sharding_lib.kernel_context).
@@ -54,7 +53,7 @@ def _forward_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch):
   "positions" must hold every position whose target counts (MQAR's query
   positions), so the sums equal those over the whole sequence.
   """
-  model = state_lib.merge_model(graphdef, params, model_state)
+  model = models.merge_model(graphdef, params, model_state)
   positions = batch.get("positions")
   logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
                  positions=positions)
@@ -171,7 +170,7 @@ def diagnostics(graphdef: Any, params: dict, model_state: dict, batch: Batch
   Palimpsa: precision mean/std, metaplastic fraction, ...); layers without
   diagnostics are skipped.
   """
-  model = state_lib.merge_model(graphdef, params, model_state)
+  model = models.merge_model(graphdef, params, model_state)
   _, per_layer = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
                        return_diagnostics=True)
   out = {}

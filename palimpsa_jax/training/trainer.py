@@ -1,7 +1,6 @@
 """train_and_evaluate: the training loop behind train.py (MQAR and language modelling)."""
 
-import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 import os
 import time
 from typing import Any
@@ -9,17 +8,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 
 from palimpsa_jax import models
-from palimpsa_jax.conversion import checkpoint as conversion_lib
-from palimpsa_jax.conversion import finetune as finetune_lib
-from palimpsa_jax.data import mqar as mqar_lib
-from palimpsa_jax.data import pipeline
-from palimpsa_jax.data import text as text_lib
-from palimpsa_jax.data import token_shards
-from palimpsa_jax.data import tokenizer as tokenizer_lib
+from palimpsa_jax.configs import base
+from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
@@ -29,16 +22,9 @@ from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 
-TASKS = ("mqar", "lm")
-
 
 class NonFiniteError(FloatingPointError):
   """Raised when the loss or the gradient norm stops being finite."""
-
-
-def model_fn(config: ml_collections.ConfigDict) -> state_lib.ModelFn:
-  """rngs -> the configured NNX language model."""
-  return lambda rngs: models.build_model(config.model, rngs)
 
 
 def make_tx_fn(config: ml_collections.ConfigDict, total_steps: int
@@ -51,11 +37,11 @@ def make_tx_fn(config: ml_collections.ConfigDict, total_steps: int
   def make_tx(abstract_params):
     tx = optimizer_lib.make_optimizer(config.optimizer, total_steps,
                                       models.weight_decay_mask)
-    new_first = config.optimizer.get("new_params_only_steps", 0)
+    new_first = config.optimizer.new_params_only_steps
     if not new_first:
       return tx
-    return finetune_lib.train_new_parameters_first(
-        tx, finetune_lib.new_parameter_mask(abstract_params), new_first)
+    return optimizer_lib.train_new_parameters_first(
+        tx, models.new_parameter_mask(abstract_params), new_first)
 
   return make_tx
 
@@ -68,14 +54,14 @@ def initial_state(spec: state_lib.TrainStateSpec,
   parameters are restored directly onto the train state's shardings, with a
   fresh optimizer state, and the model is not randomly initialised first.
   """
-  init_from = config.get("init_from")
+  init_from = config.init_from
   if not init_from:
     return spec.init()
   if jax.tree.leaves(spec.abstract["model_state"]):
     raise ValueError(
         f"config.init_from={init_from!r} holds parameters only, but this model "
         "also has non-parameter variables.")
-  params = conversion_lib.restore_params(init_from, spec.abstract["params"])
+  params = checkpoint_lib.restore_params(init_from, spec.abstract["params"])
   fresh = jax.jit(
       lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
                  "model_state": spec.abstract["model_state"],
@@ -88,31 +74,12 @@ def initial_state(spec: state_lib.TrainStateSpec,
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad training field."""
-  if config.task not in TASKS:
-    raise ValueError(f"config.task must be one of {TASKS}, got {config.task!r}.")
-  if not isinstance(config.get("log_diagnostics"), bool):
-    raise ValueError("config.log_diagnostics must be True or False.")
-  init_on_host = config.get("init_on_host", "auto")
-  if not (isinstance(init_on_host, bool) or init_on_host == "auto"):
-    raise ValueError(
-        f"config.init_on_host must be 'auto', True or False, got {init_on_host!r}.")
-  positive = ("seq_len", "batch_size", "eval_batch_size", "log_every_steps",
-              "eval_every_steps", "checkpoint_every_steps", "keep_checkpoints")
-  for name in positive:
-    if not isinstance(config[name], int) or config[name] <= 0:
-      raise ValueError(f"config.{name} must be a positive int, got {config[name]!r}.")
-  if not isinstance(config.grad_accum_steps, int) or config.grad_accum_steps < 0:
-    raise ValueError("config.grad_accum_steps must be a positive int or 0 (auto), got "
-                     f"{config.grad_accum_steps!r}.")
-  if config.total_steps <= 0 and config.get("num_epochs", 0) <= 0:
-    raise ValueError(
-        "set config.total_steps (> 0) or config.num_epochs (> 0); got "
-        f"total_steps={config.total_steps}, num_epochs={config.get('num_epochs')}.")
-  if config.task == "lm" and config.total_steps <= 0:
-    raise ValueError(
-        "the lm task streams its data without epochs: config.total_steps must be "
-        f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
+  """Raises ValueError naming the first bad training field.
+
+  Every field against palimpsa_jax/configs/base.py, then what depends on the
+  devices: the mesh, and the batch's split over hosts, microbatches and shards.
+  """
+  base.validate(config)
   data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
   sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
   accum = grad_accum_steps(config, data * fsdp)
@@ -129,7 +96,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f"config.eval_batch_size={config.eval_batch_size} must split evenly over the "
         f"mesh's data x fsdp = {data * fsdp} batch shards.")
-  optimizer_lib.validate_optimizer_config(config.optimizer)
 
 
 def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> int:
@@ -143,8 +109,8 @@ def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> in
   """
   if config.grad_accum_steps:
     return config.grad_accum_steps
-  limit = config.get("device_batch", 0)
-  if not isinstance(limit, int) or limit <= 0:
+  limit = config.device_batch
+  if limit <= 0:
     raise ValueError(
         "config.grad_accum_steps=0 (auto) needs config.device_batch, the most "
         f"sequences per device and microbatch, > 0; got {limit!r}.")
@@ -158,143 +124,7 @@ def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> in
       "shards; set config.grad_accum_steps explicitly.")
 
 
-class Task(abc.ABC):
-  """Training batches (checkpointable iterator), evaluation batches, sizes."""
-
-  train_iterator: Any
-  total_steps: int
-  tokens_per_step: int
-
-  @abc.abstractmethod
-  def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-    """This host's evaluation batches (the same number on every host)."""
-
-
-class MqarTask(Task):
-  """MQAR from the in-memory generator; the test set is fixed for the run."""
-
-  def __init__(self, config: ml_collections.ConfigDict):
-    data = config.data
-    shard_index, shard_count = pipeline.host_shard()
-    generate = lambda num, seed: mqar_lib.multiquery_ar(
-        vocab_size=data.vocab_size, num_examples=num,
-        input_seq_len=config.seq_len, num_kv_pairs=data.num_kv_pairs,
-        power_a=data.power_a, random_non_queries=data.random_non_queries,
-        seed=seed)
-    # Distinct streams for train and test, different for every seed.
-    train_inputs, train_targets = generate(data.num_train_examples, 2 * config.seed)
-    test_inputs, test_targets = generate(data.num_test_examples, 2 * config.seed + 1)
-    per_host = pipeline.per_host_batch_size(config.batch_size, shard_count)
-    # The loss reads the logits at the query positions only (steps.py).
-    self.train_dataset = pipeline.array_dataset(
-        {"tokens": train_inputs, "targets": train_targets,
-         "positions": mqar_lib.target_positions(train_targets)},
-        batch_size=per_host, seed=config.seed, shuffle=True, num_epochs=None,
-        shard_index=shard_index, shard_count=shard_count)
-    self.train_iterator = iter(self.train_dataset)
-    steps_per_epoch = data.num_train_examples // config.batch_size
-    if steps_per_epoch == 0:
-      raise ValueError(
-          f"config.data.num_train_examples={data.num_train_examples} is smaller "
-          f"than config.batch_size={config.batch_size}.")
-    self.total_steps = (config.total_steps if config.total_steps > 0
-                        else config.num_epochs * steps_per_epoch)
-    self.tokens_per_step = config.batch_size * config.seq_len
-    test = pipeline.pad_rows(
-        {"tokens": test_inputs, "targets": test_targets,
-         "positions": mqar_lib.target_positions(test_targets)},
-        config.eval_batch_size,
-        {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX, "positions": 0})
-    self._eval_dataset = pipeline.array_dataset(
-        test, batch_size=pipeline.per_host_batch_size(config.eval_batch_size,
-                                                      shard_count),
-        seed=0, shuffle=False, num_epochs=1, shard_index=shard_index,
-        shard_count=shard_count)
-
-  def eval_batches(self):
-    return iter(self._eval_dataset)
-
-
-class LmTask(Task):
-  """Packed text from data/text.py, tokenised with data/tokenizer.py, or token
-  shards prepared beforehand (data/token_shards.py)."""
-
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-    data = config.data
-    shard_index, shard_count = pipeline.host_shard()
-    if not data.train_files:
-      raise ValueError("config.data.train_files must name the training text files "
-                       "(a glob, or comma-separated globs).")
-    shards = token_shards.is_token_shards(data.train_files)
-    if shards:
-      tokenizer = token_shards.shard_tokenizer(data.train_files, data.tokenizer, workdir)
-    else:
-      tokenizer = tokenizer_lib.load_or_train_tokenizer(
-          data.tokenizer, data.train_files, workdir)
-    if tokenizer.vocab_size > config.model.vocab_size:
-      raise ValueError(
-          f"the tokenizer has {tokenizer.vocab_size} tokens but "
-          f"config.model.vocab_size={config.model.vocab_size}; raise the model's "
-          "vocabulary or use a smaller tokenizer.")
-
-    per_host = pipeline.per_host_batch_size(config.batch_size, shard_count)
-    if shards:
-      self.train_dataset = token_shards.make_shard_dataset(
-          data.train_files, config.seq_len, per_host, config.seed, shard_index, shard_count)
-    else:
-      self.train_dataset = text_lib.make_text_dataset(
-          data.train_files, tokenizer, config.seq_len, per_host, config.seed,
-          shard_index, shard_count)
-    self.train_iterator = iter(self.train_dataset)
-    self.total_steps = config.total_steps
-    self.tokens_per_step = config.batch_size * config.seq_len
-    self._eval_dataset = None
-    eval_per_host = pipeline.per_host_batch_size(config.eval_batch_size, shard_count)
-    if data.eval_files and token_shards.is_token_shards(data.eval_files):
-      # Refuses eval shards prepared with another tokenizer than the training data's.
-      token_shards.shard_tokenizer(data.eval_files, tokenizer.path, workdir)
-      self._eval_dataset = token_shards.make_shard_eval_dataset(
-          data.eval_files, config.seq_len, eval_per_host, shard_index, shard_count)
-    elif data.eval_files:
-      self._eval_dataset = text_lib.make_text_eval_dataset(
-          data.eval_files, tokenizer, config.seq_len, eval_per_host,
-          shard_index, shard_count)
-    self._num_eval_batches = data.eval_batches
-
-  def eval_batches(self):
-    if self._eval_dataset is None:
-      return iter(())
-    batches = iter(self._eval_dataset)
-    # Every host must run the same number of eval steps: stop at the
-    # configured count, or earlier only if the (sharded) data runs out.
-    return (with_lm_targets(batch) for _, batch in
-            zip(range(self._num_eval_batches), batches))
-
-
-def with_lm_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Adds next-token "targets" to a packed text batch (MQAR batches have them).
-
-  A target is IGNORE_INDEX at the last position, across document boundaries
-  and on padding ("mask" 0); "mask" itself is consumed.
-  """
-  if "targets" in batch:
-    return batch
-  batch = dict(batch)
-  mask = batch.pop("mask", None)
-  targets, weights = text_lib.next_token_targets(
-      batch["tokens"], batch["segment_ids"], mask)
-  batch["targets"] = np.where(weights > 0, targets, mqar_lib.IGNORE_INDEX).astype(
-      np.int32)
-  return batch
-
-
-def make_task(config: ml_collections.ConfigDict, workdir: str) -> Task:
-  if config.task == "mqar":
-    return MqarTask(config)
-  return LmTask(config, workdir)
-
-
-def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: Task,
+def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: tasks_lib.Task,
              mesh: jax.sharding.Mesh,
              diagnostics_step: Callable[..., dict] | None = None
              ) -> dict[str, float]:
@@ -360,11 +190,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpoint_lib.save_config(config, workdir)
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
-  task = make_task(config, workdir)
+  task = tasks_lib.make_task(config, workdir)
   total_steps = task.total_steps
   spec = state_lib.make_train_state_spec(
-      model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh, rules,
-      init_on_host=config.get("init_on_host", "auto"))
+      state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh,
+      rules,
+      init_on_host=config.init_on_host)
   checkpointer = checkpoint_lib.Checkpointer(
       workdir, every_steps=config.checkpoint_every_steps,
       keep=config.keep_checkpoints, async_save=config.async_checkpointing)
@@ -403,7 +234,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   try:
     while step < total_steps and not stopped_early:
       batch = sharding_lib.global_batch(
-          with_lm_targets(next(task.train_iterator)), mesh)
+          tasks_lib.with_lm_targets(next(task.train_iterator)), mesh)
       if compiled_step is None:
         compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
       state, step_metrics = compiled_step(state, batch)

@@ -14,7 +14,6 @@ import numpy as np
 
 from palimpsa_jax import models
 from palimpsa_jax.conversion import hf_mamba2
-from palimpsa_jax.training import state as state_lib
 
 NUM_LAYERS = 3
 NUM_GROUPS = 2
@@ -36,7 +35,7 @@ def tiny_config(model: str = "mamba2") -> ml_collections.ConfigDict:
 
 def random_params(config: ml_collections.ConfigDict, seed: int) -> dict:
   """The model's parameters with every leaf randomised (A and dt kept sensible)."""
-  _, params, _ = state_lib.split_model(models.build_model(config, nnx.Rngs(seed)))
+  _, params, _ = models.split_model(models.build_model(config, nnx.Rngs(seed)))
   rng = np.random.default_rng(seed)
 
   def randomise(path, leaf):

@@ -18,9 +18,7 @@ from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.conversion import command
-from palimpsa_jax.conversion import finetune
 from palimpsa_jax.training import checkpoint as checkpoint_lib
-from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import trainer
 
 pytest.importorskip("safetensors")
@@ -72,8 +70,8 @@ def test_cli_converts_hf_checkpoint_with_zero_init_to_the_same_function(
 
   model, model_config, _ = conversion_lib.load_converted(str(dest))
   assert list(model_config.metaplastic_layers) == info["layers"]
-  graphdef, _, model_state = state_lib.split_model(models.build_model(config, nnx.Rngs(0)))
-  source_model = state_lib.merge_model(graphdef, params, model_state)
+  graphdef, _, model_state = models.split_model(models.build_model(config, nnx.Rngs(0)))
+  source_model = models.merge_model(graphdef, params, model_state)
   np.testing.assert_allclose(_logits(model, tokens), _logits(source_model, tokens),
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(FileExistsError, match="already holds a conversion"):
@@ -90,7 +88,7 @@ def test_orbax_not_palimpsa_source_calibration_and_control_copy(tokens, tmp_path
   assert info["source_kind"] == "orbax" and info["source_step"] == 7
   assert info["dt_source"].startswith("calibration batch [2, 16]")
   model, _, _ = conversion_lib.load_converted(str(tmp_path / "conv"))
-  _, converted, _ = state_lib.split_model(model)
+  _, converted, _ = models.split_model(model)
   layer = info["layers"][0]
   np.testing.assert_array_equal(converted["blocks"][layer]["mixer"]["q_proj"]["kernel"],
                                 params["blocks"][layer]["mixer"]["q_proj"]["kernel"])
@@ -99,11 +97,11 @@ def test_orbax_not_palimpsa_source_calibration_and_control_copy(tokens, tmp_path
   control = command.run_conversion(workdir, str(tmp_path / "control"), "none", verbose=False)
   assert control["layers"] == []
   model, _, _ = conversion_lib.load_converted(str(tmp_path / "control"))
-  jax.tree.map(np.testing.assert_array_equal, state_lib.split_model(model)[1], params)
+  jax.tree.map(np.testing.assert_array_equal, models.split_model(model)[1], params)
 
   with pytest.raises(ValueError, match="mixer 'attention'"):
     transformer = models.model_config("transformer", "tiny", num_layers=1, dtype="float32")
-    _, t_params, _ = state_lib.split_model(models.build_model(transformer, nnx.Rngs(0)))
+    _, t_params, _ = models.split_model(models.build_model(transformer, nnx.Rngs(0)))
     fx.write_workdir(str(tmp_path / "tf"), transformer, t_params)
     command.run_conversion(str(tmp_path / "tf"), str(tmp_path / "tf_conv"), "0", verbose=False)
 
@@ -125,7 +123,7 @@ def test_calibration_batch_from_text_files(tmp_path):
 
 def _new_and_old_leaves(params: dict) -> tuple[dict, dict]:
   """(new metaplastic leaves, source leaves) of a parameter tree, by key path."""
-  mask = dict(jax.tree_util.tree_leaves_with_path(finetune.new_parameter_mask(params)))
+  mask = dict(jax.tree_util.tree_leaves_with_path(models.new_parameter_mask(params)))
   leaves = jax.tree_util.tree_leaves_with_path(params)
   return ({p: np.asarray(x) for p, x in leaves if mask[p]},
           {p: np.asarray(x) for p, x in leaves if not mask[p]})
@@ -154,11 +152,11 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
   assert f"initialised parameters from {dest}" in result.stdout
 
   converted, _, _ = conversion_lib.load_converted(dest)
-  new_start, old_start = _new_and_old_leaves(state_lib.split_model(converted)[1])
+  new_start, old_start = _new_and_old_leaves(models.split_model(converted)[1])
   assert len(new_start) == 5  # beta_down kernel, beta_up kernel + bias, b_scale, Ip_log
   assert all(p[1].key == 1 for p in new_start)
   model, _, step = checkpoint_lib.load_model(str(workdir / "checkpoints" / "2"))
-  new, old = _new_and_old_leaves(state_lib.split_model(model)[1])
+  new, old = _new_and_old_leaves(models.split_model(model)[1])
   assert step == 2 and old.keys() == old_start.keys()
   for path, value in old.items():  # the source's parameters wait two steps
     np.testing.assert_array_equal(value, old_start[path], err_msg=str(path))
@@ -166,7 +164,7 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
   model, run_config, step = checkpoint_lib.load_model(str(workdir))
   assert step == 4 and list(run_config.model.metaplastic_layers) == [1]
   assert model.blocks[1].mixer.metaplasticity and not model.blocks[0].mixer.metaplasticity
-  _, final_old = _new_and_old_leaves(state_lib.split_model(model)[1])
+  _, final_old = _new_and_old_leaves(models.split_model(model)[1])
   assert any(not np.array_equal(final_old[p], old_start[p]) for p in old_start)
 
   # Restarted after step 2, the run continues from its own checkpoint, not init_from.
@@ -179,7 +177,7 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
   assert "resumed from" in out and "initialised parameters" not in out
   resumed, _, _ = checkpoint_lib.load_model(str(workdir))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               state_lib.split_model(resumed)[1], state_lib.split_model(model)[1])
+               models.split_model(resumed)[1], models.split_model(model)[1])
 
 
 def test_finetune_config_errors(hf_source, tmp_path):

@@ -11,7 +11,6 @@ import pytest
 from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax import models
 from palimpsa_jax.conversion import hf_mamba2
-from palimpsa_jax.training import state as state_lib
 
 pytest.importorskip("safetensors")
 
@@ -51,9 +50,9 @@ def test_loaded_model_matches_float64_reference_of_the_checkpoint(
   jax.tree.map(np.testing.assert_array_equal, loaded, jax.tree.map(np.asarray, params))
 
   loaded_config.implementation = "sequential"
-  graphdef, _, model_state = state_lib.split_model(
+  graphdef, _, model_state = models.split_model(
       models.build_model(loaded_config, nnx.Rngs(0)))
-  model = state_lib.merge_model(graphdef, jax.tree.map(np.asarray, loaded), model_state)
+  model = models.merge_model(graphdef, jax.tree.map(np.asarray, loaded), model_state)
   ours = np.asarray(model(tokens))
   expected = fx.reference_logits(tensors, layout, tokens, fx.NUM_GROUPS, fx.STATE_DIM)
   np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)

@@ -9,11 +9,10 @@ import pytest
 
 from tests.conversion import mamba2_fixtures as fx
 from palimpsa_jax import models
-from palimpsa_jax.conversion import finetune
 from palimpsa_jax.conversion import surgery
 from palimpsa_jax.conversion import windows
 from palimpsa_jax.conversion.sources import Source
-from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import optimizer as optimizer_lib
 
 
 def _source(model="mamba2", seed=1):
@@ -22,9 +21,9 @@ def _source(model="mamba2", seed=1):
 
 
 def _model(src):
-  graphdef, _, model_state = state_lib.split_model(
+  graphdef, _, model_state = models.split_model(
       models.build_model(src.config, nnx.Rngs(0)))
-  return state_lib.merge_model(graphdef, src.params, model_state)
+  return models.merge_model(graphdef, src.params, model_state)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,7 @@ def test_zero_init_computes_the_source_function(model, layers, tokens):
 def test_paper_init_keeps_every_source_weight_and_adds_spec_parameters(tokens):
   src = _source()
   converted, _ = surgery.convert(src, [1], init="paper", seed=3)
-  _, params, _ = state_lib.split_model(converted)
+  _, params, _ = models.split_model(converted)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b),
                {k: v for k, v in params.items() if k != "blocks"},
                {k: v for k, v in src.params.items() if k != "blocks"})
@@ -135,11 +134,11 @@ def test_convert_errors():
 
 def test_new_parameters_train_first_then_everything():
   converted, _ = surgery.convert(_source(), [1], seed=3)
-  _, params, _ = state_lib.split_model(converted)
-  mask = finetune.new_parameter_mask(params)
+  _, params, _ = models.split_model(converted)
+  mask = models.new_parameter_mask(params)
   assert mask["blocks"][1]["mixer"]["beta_up"]["kernel"]
   assert not mask["blocks"][1]["mixer"]["in_proj"]["kernel"] and not mask["embed"]
-  tx = finetune.train_new_parameters_first(optax.sgd(1.0), mask, steps=2)
+  tx = optimizer_lib.train_new_parameters_first(optax.sgd(1.0), mask, steps=2)
   grads = jax.tree.map(jnp.ones_like, params)
   state = tx.init(params)
   for step in range(3):
@@ -147,6 +146,6 @@ def test_new_parameters_train_first_then_everything():
     frozen = step < 2
     assert float(jnp.abs(updates["embed"]).max()) == (0.0 if frozen else 1.0)
     assert float(jnp.abs(updates["blocks"][1]["mixer"]["b_scale"]).max()) == 1.0
-  assert finetune.train_new_parameters_first(optax.sgd(1.0), mask, 0) is not None
+  assert optimizer_lib.train_new_parameters_first(optax.sgd(1.0), mask, 0) is not None
   with pytest.raises(ValueError, match="steps must be >= 0"):
-    finetune.train_new_parameters_first(optax.sgd(1.0), mask, -1)
+    optimizer_lib.train_new_parameters_first(optax.sgd(1.0), mask, -1)

@@ -14,7 +14,6 @@ from palimpsa_jax import models
 from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import torch_layouts
 from palimpsa_jax.conversion import torch_checkpoints
-from palimpsa_jax.training import state as state_lib
 
 pytest.importorskip("safetensors")
 
@@ -30,7 +29,7 @@ def _import(tmp_path, cfg, tensors, name="imported"):
 
 def _params(dest):
   model, config, info = checkpoint_lib.load_converted(dest)
-  _, params, _ = state_lib.split_model(model)
+  _, params, _ = models.split_model(model)
   return model, config, info, params
 
 
@@ -200,7 +199,7 @@ def test_imported_model_finetunes_and_exports_from_the_train_py_workdir(tmp_path
   again = str(tmp_path / "again")
   torch_checkpoints.import_checkpoint(exported, again, verbose=False)
   trained, _, _ = train_checkpoint.load_model(workdir)
-  _, trained_params, _ = state_lib.split_model(trained)
+  _, trained_params, _ = models.split_model(trained)
   start, back = _params(dest)[3], _params(again)[3]
   jax.tree.map(np.testing.assert_array_equal, trained_params, back)
   assert any(not np.array_equal(a, b) for a, b in
@@ -240,7 +239,7 @@ def test_export_of_a_scanned_model_gives_each_layer_its_slice(tmp_path):
   checkpoint_lib.write_conversion(dest, model, config, {"init": "paper"})
   torch_checkpoints.export_checkpoint(dest, str(tmp_path / "out"), verbose=False)
   tensors = torch_checkpoints.hf_mamba2.read_tensors(str(tmp_path / "out"))
-  stacked = state_lib.split_model(model)[1]["blocks"]
+  stacked = models.split_model(model)[1]["blocks"]
   for layer in range(fx.LAYERS):
     np.testing.assert_array_equal(
         tensors[f"model.layers.{layer}.attn.q_proj.weight"],

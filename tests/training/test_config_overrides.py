@@ -63,7 +63,7 @@ def test_unknown_field_messages():
   assert "config.data.vocab_size is a value of type int" in message(config, "data.vocab_size.x")
   assert message(config, "optimizer.zzz").endswith(
       "the fields of config.optimizer are b1, b2, clip_norm, decay_steps, end_fraction, eps, "
-      "learning_rate, warmup_fraction, weight_decay.")
+      "learning_rate, new_params_only_steps, warmup_fraction, weight_decay.")
 
 
 def test_overrides_and_config_argument_from_argv():

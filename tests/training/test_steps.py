@@ -14,7 +14,6 @@ from palimpsa_jax import models
 from palimpsa_jax.data import mqar
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.training import sharding as sharding_lib
-from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 
 LENGTH, PAIRS, VOCAB = 32, 4, 64
@@ -24,7 +23,7 @@ LENGTH, PAIRS, VOCAB = 32, 4, 64
 def setup():
   config = models.mqar_model_config("palimpsa_d", d_model=32, vocab_size=VOCAB,
                                     dtype="float32", chunk_size=8)
-  graphdef, params, model_state = state_lib.split_model(
+  graphdef, params, model_state = models.split_model(
       models.build_model(config, nnx.Rngs(0)))
   inputs, targets = mqar.multiquery_ar(VOCAB, 6, LENGTH, PAIRS, seed=1)
   batch = {"tokens": inputs, "targets": targets}

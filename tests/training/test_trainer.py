@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 import ml_collections
-from tests.training import tiny_lm
+from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import trainer
+from tests.training import tiny_lm
 
 REPO = pathlib.Path(__file__).parents[2]
 
@@ -154,7 +156,7 @@ class _NanLM(tiny_lm.TinyLM):
 
 
 def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
-  monkeypatch.setattr(trainer, "model_fn", lambda config: lambda rngs: _NanLM(
+  monkeypatch.setattr(state_lib, "run_model_fn", lambda config: lambda rngs: _NanLM(
       config.model.vocab_size, config.model.width, rngs))
   config = tiny_lm.tiny_mqar_config(log_every_steps=2)
   with pytest.raises(trainer.NonFiniteError, match="non-finite loss or gradient"):
@@ -164,7 +166,7 @@ def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):
 
 
 def test_non_finite_check_runs_before_evaluation(tmp_path, monkeypatch):
-  monkeypatch.setattr(trainer, "model_fn", lambda config: lambda rngs: _NanLM(
+  monkeypatch.setattr(state_lib, "run_model_fn", lambda config: lambda rngs: _NanLM(
       config.model.vocab_size, config.model.width, rngs))
   config = tiny_lm.tiny_mqar_config(log_every_steps=1000, eval_every_steps=2,
                                     checkpoint_every_steps=1000)
@@ -238,7 +240,7 @@ def test_lm_targets_stop_at_document_boundaries_and_padding():
   batch = {"tokens": np.array([[5, 6, 7, 8, 9]]),
            "segment_ids": np.array([[0, 0, 1, 1, 1]]),
            "mask": np.array([[1, 1, 1, 1, 0]])}
-  out = trainer.with_lm_targets(batch)
+  out = tasks_lib.with_lm_targets(batch)
   assert sorted(out) == ["segment_ids", "targets", "tokens"]
   np.testing.assert_array_equal(out["targets"], [[6, -100, 8, -100, -100]])
 

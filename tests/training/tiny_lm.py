@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from palimpsa_jax import models
-from palimpsa_jax.training import trainer
+from palimpsa_jax.training import state as state_lib
 
 VOCAB = 32
 
@@ -49,7 +49,8 @@ def decay_mask(params):
 
 def use_tiny_model(patcher) -> None:
   """Points the trainer at TinyLM (patcher: pytest's monkeypatch or similar)."""
-  patcher.setattr(trainer, "model_fn", lambda config: lambda rngs: build(config.model, rngs))
+  patcher.setattr(state_lib, "run_model_fn",
+                  lambda config: lambda rngs: build(config.model, rngs))
 
 
 def tiny_mqar_config(**overrides) -> ml_collections.ConfigDict:

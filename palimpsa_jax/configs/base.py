@@ -1,0 +1,206 @@
+"""The run config: every field the trainer reads, with its default, type and check, once.
+
+configs/mqar.py, configs/lm.py and configs/finetune.py start from `base_config(task)` and set
+only what differs. A field whose default is REQUIRED has none: the config file sets it (from
+its arguments). `validate` checks a config field by field, once, when a run starts
+(training/trainer.py's validate_config) and raises ValueError naming the first bad field and
+what it expects. The checks that need the devices (mesh, batch shards) stay in the trainer.
+
+The groups config.model (checked by the model builder), config.args and config.finetune (the
+config file's own arguments, already checked when parsed) are not described here.
+"""
+
+from collections.abc import Callable
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+TASKS = ("mqar", "lm")
+REQUIRED = object()  # A default that means "the config file sets this field".
+# Groups of fields the trainer does not read (see the module docstring).
+FREE_GROUPS = ("model", "args", "finetune")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One config field.
+
+  Attributes:
+    default: its value in base_config, or REQUIRED.
+    types: the accepted value types (bool is never an int or a float here).
+    check: value -> whether it is allowed (after the type check).
+    expected: what an allowed value is, for the error ("a positive int").
+  """
+  default: Any
+  types: tuple[type, ...]
+  check: Callable[[Any], bool]
+  expected: str
+
+
+def _any(_: Any) -> bool:
+  return True
+
+
+def _positive_int(default: Any) -> Field:
+  return Field(default, (int,), lambda v: v > 0, "a positive int")
+
+
+def _fraction(default: Any) -> Field:
+  return Field(default, (float,), lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def _mesh_axis(default: int) -> Field:
+  return Field(default, (int,), lambda v: v == -1 or v > 0,
+               "a positive int, or -1 for the remaining devices")
+
+
+# The top-level fields; "data" holds DATA_FIELDS[task].
+FIELDS = {
+    "task": Field(REQUIRED, (str,), lambda v: v in TASKS, f"one of {TASKS}"),
+    "seed": Field(REQUIRED, (int,), _any, "an int"),
+    "seq_len": _positive_int(REQUIRED),
+    "batch_size": _positive_int(REQUIRED),  # Global, in sequences.
+    "eval_batch_size": _positive_int(REQUIRED),  # Global, in sequences.
+    # 0: as many microbatches as keep each device at device_batch sequences or fewer.
+    "grad_accum_steps": Field(1, (int,), lambda v: v >= 0, "a positive int or 0 (auto)"),
+    # Most sequences per device and microbatch for grad_accum_steps=0; 0: not set.
+    "device_batch": Field(0, (int,), lambda v: v >= 0, "an int >= 0 (0: not set)"),
+    # <= 0: num_epochs passes over the training set (MQAR only).
+    "total_steps": Field(REQUIRED, (int,), _any, "an int (<= 0: num_epochs passes)"),
+    "num_epochs": Field(0, (int,), lambda v: v >= 0, "an int >= 0"),
+    "log_every_steps": _positive_int(50),
+    "eval_every_steps": _positive_int(1000),
+    "checkpoint_every_steps": _positive_int(1000),
+    "keep_checkpoints": _positive_int(3),
+    "async_checkpointing": Field(True, (bool,), _any, "True or False"),
+    "log_diagnostics": Field(True, (bool,), _any, "True or False"),  # Mixer statistics per layer.
+    # Initial parameters computed on the CPU, then sharded: "auto" (on GPU/TPU, whose
+    # compilers take minutes for the per-parameter random init), True, False.
+    "init_on_host": Field("auto", (bool, str), lambda v: v in (True, False, "auto"),
+                          "'auto', True or False"),
+    # Stop once an evaluation reaches this accuracy; 0: never; None: never (and no
+    # early-stop record).
+    "early_stop_accuracy": Field(0.0, (float, type(None)), lambda v: v is None or 0 <= v <= 1,
+                                 "a number in [0, 1] (0: never stop early) or None"),
+    # A conversion output whose parameters start the run (configs/finetune.py); "": none.
+    "init_from": Field("", (str,), _any, "a directory, or '' for a fresh initialisation"),
+}
+
+OPTIMIZER_FIELDS = {
+    "learning_rate": Field(REQUIRED, (float,), lambda v: v > 0, "> 0"),
+    "warmup_fraction": _fraction(0.0),  # Of the schedule's horizon (decay_steps).
+    # The cosine's horizon, warmup included; 0: total_steps.
+    "decay_steps": Field(0, (int,), lambda v: v >= 0, ">= 0 (0: total_steps)"),
+    "end_fraction": _fraction(0.0),  # The final learning rate, as a fraction of the peak.
+    "b1": Field(0.9, (float,), lambda v: 0 <= v < 1, "in [0, 1)"),
+    "b2": Field(0.999, (float,), lambda v: 0 <= v < 1, "in [0, 1)"),
+    "eps": Field(1e-8, (float,), lambda v: v >= 0, ">= 0"),
+    "weight_decay": Field(0.1, (float,), lambda v: v >= 0, ">= 0"),
+    "clip_norm": Field(1.0, (float,), _any, "a number (<= 0: no clipping)"),
+    # Fine-tuning: the first steps train only the new metaplastic parameters.
+    "new_params_only_steps": Field(0, (int,), lambda v: v >= 0, "an int >= 0"),
+}
+
+MESH_FIELDS = {
+    "data": _mesh_axis(-1),
+    "fsdp": _mesh_axis(1),
+    "sequence": _mesh_axis(1),  # > 1: each sequence split over that many devices.
+    "tensor": _mesh_axis(1),
+    # (logical axis, mesh axis or None) pairs over training/sharding.py's DEFAULT_RULES.
+    "rules": Field((), (tuple, list), _any, "a sequence of (logical axis, mesh axis) pairs"),
+}
+
+DATA_FIELDS = {
+    "mqar": {  # data/mqar.py's generator.
+        "vocab_size": _positive_int(REQUIRED),
+        "num_kv_pairs": _positive_int(REQUIRED),
+        "num_train_examples": _positive_int(REQUIRED),
+        "num_test_examples": _positive_int(REQUIRED),
+        "power_a": Field(REQUIRED, (float,), lambda v: v > 0, "> 0"),
+        "random_non_queries": Field(REQUIRED, (bool,), _any, "True or False"),
+    },
+    "lm": {  # data/text.py, data/token_shards.py.
+        "train_files": Field("", (str,), bool,
+                             "the training text files (a glob, or comma-separated globs)"),
+        "eval_files": Field("", (str,), _any, "held-out files, or '' for none"),
+        "eval_batches": _positive_int(20),
+        # A tokenizer.json path, or "bpe:<vocab>": a byte-level BPE trained on train_files.
+        "tokenizer": Field(REQUIRED, (str,), bool, "a tokenizer.json path or 'bpe:<vocab>'"),
+    },
+}
+
+
+def _group(fields: dict[str, Field]) -> dict[str, Any]:
+  values = {}
+  for name, field in fields.items():
+    default = None if field.default is REQUIRED else field.default
+    if name == "init_on_host":  # "auto" or a bool: a field of no single type.
+      default = ml_collections.FieldReference(default, field_type=object)
+    values[name] = default
+  return values
+
+
+def base_config(task: str) -> ml_collections.ConfigDict:
+  """Every field's default (REQUIRED ones None) for `task` ("mqar" or "lm")."""
+  if task not in TASKS:
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
+  config = ml_collections.ConfigDict(_group(FIELDS))
+  config.task = task
+  config.optimizer = ml_collections.ConfigDict(_group(OPTIMIZER_FIELDS))
+  config.mesh = ml_collections.ConfigDict(_group(MESH_FIELDS))
+  config.data = ml_collections.ConfigDict(_group(DATA_FIELDS[task]))
+  return config
+
+
+def _is_type(value: Any, types: tuple[type, ...]) -> bool:
+  if isinstance(value, bool):
+    return bool in types
+  if float in types and isinstance(value, int):
+    return True
+  return isinstance(value, types)
+
+
+def _check_group(group: ml_collections.ConfigDict, fields: dict[str, Field],
+                 prefix: str) -> None:
+  unknown = sorted(set(group) - set(fields))
+  if unknown:
+    raise ValueError(f"{prefix}{unknown[0]} is not a config field; the fields of "
+                     f"{prefix.rstrip('.')} are {', '.join(fields)}.")
+  for name, field in fields.items():
+    if name not in group:
+      raise ValueError(f"{prefix}{name} is missing; expected {field.expected}.")
+    value = group[name]
+    if not (_is_type(value, field.types) and field.check(value)):
+      raise ValueError(f"{prefix}{name} must be {field.expected}, got {value!r}.")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first field of `config` that is missing, unknown or bad.
+
+  Order: the top-level fields, the run length, then optimizer, mesh and data.
+  """
+  top = {k: v for k, v in config.items()
+         if k not in FREE_GROUPS and k not in ("optimizer", "mesh", "data")}
+  _check_group(top, FIELDS, "config.")
+  if "model" not in config:
+    raise ValueError("config.model is missing; expected the model config "
+                     "(models/config.py).")
+  if config.total_steps <= 0 and config.num_epochs <= 0:
+    raise ValueError(
+        "set config.total_steps (> 0) or config.num_epochs (> 0); got "
+        f"total_steps={config.total_steps}, num_epochs={config.num_epochs}.")
+  if config.task == "lm" and config.total_steps <= 0:
+    raise ValueError(
+        "the lm task streams its data without epochs: config.total_steps must be "
+        f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
+  for name, fields in (("optimizer", OPTIMIZER_FIELDS), ("mesh", MESH_FIELDS),
+                       ("data", DATA_FIELDS[config.task])):
+    if not isinstance(config.get(name), ml_collections.ConfigDict):
+      raise ValueError(f"config.{name} must be a group of fields "
+                       f"({', '.join(fields)}), got {config.get(name)!r}.")
+    _check_group(config[name], fields, f"config.{name}.")
+  if config.task == "mqar" and config.data.num_train_examples < config.batch_size:
+    raise ValueError(
+        f"config.data.num_train_examples={config.data.num_train_examples} is smaller "
+        f"than config.batch_size={config.batch_size}.")

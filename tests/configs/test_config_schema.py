@@ -1,0 +1,103 @@
+"""The run config's one table of fields (palimpsa_jax/configs/base.py) and the config files on it."""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+import pytest
+
+from palimpsa_jax.configs import base
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _config_file(name: str):
+  spec = importlib.util.spec_from_file_location(f"{name}_config", REPO / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _lm_config(arg: str = "size=tiny") -> ml_collections.ConfigDict:
+  config = _config_file("lm").get_config(arg)
+  config.data.train_files = "data/*.txt"
+  return config
+
+
+@pytest.mark.parametrize("task", base.TASKS)
+def test_base_config_holds_every_field_with_its_default(task):
+  config = base.base_config(task)
+  groups = {"": base.FIELDS, "optimizer.": base.OPTIMIZER_FIELDS,
+            "mesh.": base.MESH_FIELDS, "data.": base.DATA_FIELDS[task]}
+  for prefix, fields in groups.items():
+    group = config[prefix.rstrip(".")] if prefix else config
+    for name, field in fields.items():
+      expected = None if field.default is base.REQUIRED else field.default
+      if name == "task":
+        expected = task
+      assert group[name] == expected, prefix + name
+  assert set(config) == set(base.FIELDS) | {"optimizer", "mesh", "data"}
+  with pytest.raises(ValueError, match="task must be one of"):
+    base.base_config("vision")
+
+
+@pytest.mark.parametrize("name, arg", [
+    ("mqar", ""), ("mqar", "preset=paper,mixer=mamba2,seq_len=1024,kv=256"),
+    ("lm", "size=tiny"), ("lm", "model=mamba2,size=170m"),
+])
+def test_config_files_set_every_required_field(name, arg):
+  config = _lm_config(arg) if name == "lm" else _config_file(name).get_config(arg)
+  base.validate(config)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seq_len", 0, "config.seq_len must be a positive int, got 0."),
+    ("log_diagnostics", 1, "config.log_diagnostics must be True or False, got 1."),
+    ("batch_size", True, "config.batch_size must be a positive int, got True."),
+    ("early_stop_accuracy", 1.5, "config.early_stop_accuracy must be a number in [0, 1]"),
+    ("optimizer.b2", 1.0, "config.optimizer.b2 must be in [0, 1), got 1.0."),
+    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate must be > 0, got 0.0."),
+    ("optimizer.end_fraction", 2.0, "config.optimizer.end_fraction must be a number in [0, 1]"),
+    ("optimizer.decay_steps", -1, "config.optimizer.decay_steps must be >= 0 (0: total_steps)"),
+    ("optimizer.learning_rate", "3e-3", "config.optimizer.learning_rate must be > 0"),
+    ("mesh.tensor", 0, "config.mesh.tensor must be a positive int, or -1"),
+    ("data.num_kv_pairs", None, "config.data.num_kv_pairs must be a positive int, got None."),
+])
+def test_a_bad_value_is_named_with_what_was_expected(field, value, message):
+  config = _config_file("mqar").get_config()
+  *groups, leaf = field.split(".")
+  target = config[groups[0]] if groups else config
+  with target.ignore_type():
+    target[leaf] = value
+  with pytest.raises(ValueError) as error:
+    base.validate(config)
+  assert str(error.value).startswith(message)
+
+
+def test_missing_and_unknown_fields_are_named():
+  config = _config_file("mqar").get_config()
+  del config.optimizer["clip_norm"]
+  with pytest.raises(ValueError, match=r"^config.optimizer.clip_norm is missing; expected a "):
+    base.validate(config)
+  config = _config_file("mqar").get_config()
+  config.log_every = 5
+  with pytest.raises(ValueError, match=r"^config.log_every is not a config field; the fields "):
+    base.validate(config)
+  config = _lm_config()
+  config.data.num_kv_pairs = 4  # an MQAR field in an LM config
+  with pytest.raises(ValueError, match=r"^config.data.num_kv_pairs is not a config field"):
+    base.validate(config)
+
+
+def test_cross_field_checks():
+  config = _lm_config()
+  config.data.train_files = ""
+  with pytest.raises(ValueError, match=r"^config.data.train_files must be the training text"):
+    base.validate(config)
+  config = _config_file("mqar").get_config("examples=16,batch=32")
+  with pytest.raises(ValueError, match="num_train_examples=16 is smaller than config.batch_size"):
+    base.validate(config)
+  config = _config_file("mqar").get_config()
+  config.num_epochs = 0
+  with pytest.raises(ValueError, match=r"set config.total_steps \(> 0\) or config.num_epochs"):
+    base.validate(config)
