@@ -89,7 +89,7 @@ def test_tile_variants_agree(k_dim):
   """
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
-                            chunk_size=16, interpret=True)
+                     chunk_size=16, interpret=True)
   assert base.walk_bwd == "mosaic" and not base.accumulate_bwd
   triton = dataclasses.replace(base, walk_bwd="triton")
   variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
@@ -128,7 +128,7 @@ def test_backward_walk_in_pieces_agrees():
   b, h = 2, 2
   args = _random_op_args(4, (b, 40, h, 32, 16))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=False,
-                            chunk_size=16, interpret=True)
+                     chunk_size=16, interpret=True)
   pieces = dataclasses.replace(base, max_walk_temp_bytes=1)
   assert (base.walk_pieces, pieces.walk_pieces) == (1, b * h)
 
@@ -148,7 +148,7 @@ def test_saved_boundary_states_fit_the_residual_budget():
   log_alpha = jnp.full((b, t, h), -0.1)
   ip = jnp.ones((h,))
   cfg = make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
-                           interpret=True)
+                    interpret=True)
   assert (cfg.k_pad, cfg.v_pad) == (8, 8)
   _, residuals = forward.forward(
       cfg, q, q, v, v, log_alpha, ip, jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)),
@@ -319,7 +319,7 @@ def test_reduce_add_only_without_deterministic_ops(monkeypatch, flags, determini
   args = _random_op_args(0, (1, 64, 1, 16, 16))
   for interpret in (True, False):
     cfg = make_config(args[0], args[2], args[4], args[5], return_variance=False,
-                             chunk_size=64, interpret=interpret)
+                      chunk_size=64, interpret=interpret)
     assert cfg.accumulate_bwd == (not interpret and not deterministic)
 
 
