@@ -29,8 +29,9 @@ from benchmarks import results as results_lib
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
-from pallas_kernels.palimpsa_gpu import op as gpu_op
-from pallas_kernels.palimpsa_gpu import boundary, walk, walk_mosaic
+from pallas_kernels.palimpsa_gpu import (backward, boundary, forward, make_config,
+                                         palimpsa_gpu, walk, walk_mosaic)
+from pallas_kernels.palimpsa_gpu.config import forward_block_v, largest_block_v
 
 REFERENCE_MS = {  # docs/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
     "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
@@ -48,11 +49,14 @@ def kernel_inputs(seed, shape, dtype=jnp.bfloat16):
 
 
 def pallas_fns(cfg):
+  kernel = functools.partial(palimpsa_gpu, return_variance=cfg.return_variance,
+                             chunk_size=cfg.chunk, interpret=False, config=cfg)
+
   def fwd(*a):
-    return gpu_op._palimpsa(cfg, *a, None)[::2]  # out, mu_final
+    return kernel(*a, None)[::2]  # out, mu_final
 
   def loss(a, cot):
-    out = gpu_op._palimpsa(cfg, *a, None)[0]
+    out = kernel(*a, None)[0]
     return jnp.sum(out.astype(jnp.float32) * cot)
 
   fb = jax.grad(loss)
@@ -63,32 +67,30 @@ def _stage_args(cfg, args):
   """Each stage's inputs as the op passes them: (boundary, forward walk, backward walk)."""
   q, k, v, beta, la, ip, mu0, p0 = args
   qh, kh, vh, betah, gates, ipv = jax.jit(
-      lambda *a: gpu_op._prepare(cfg, *a, None))(q, k, v, beta, la, ip)
-  m0, b0 = gpu_op._initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
-  q_rows, k_rows, v_rows, beta_rows, k_bound = gpu_op.forward_rows(
-      cfg, (q, k, v, beta), (qh, kh, vh, betah))
+      lambda *a: forward.prepare(cfg, *a, None))(q, k, v, beta, la, ip)
+  m0, b0 = forward.initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
+  q_rows, k_rows, v_rows, beta_rows, k_bound = forward.forward_rows(cfg, q, k, v, beta)
   bnd = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
   ms, bs, _, _ = _boundary_fn(cfg)(*bnd)
   fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step,
-         gpu_op._ip_row(ipv, cfg.k + cfg.k_pad), ms, bs)
-  to_bwd = lambda x: gpu_op.backward_starts(cfg, x[..., :cfg.v, :cfg.k])
-  bwd = (qh, kh, vh, betah, gates.step, gpu_op._ip_row(ipv, cfg.k_bwd),
+         forward.ip_row(ipv, cfg.k + cfg.k_pad), ms, bs)
+  to_bwd = lambda x: backward.backward_starts(cfg, x[..., :cfg.v, :cfg.k])
+  bwd = (qh, kh, vh, betah, gates.step, forward.ip_row(ipv, cfg.k_bwd),
          jnp.ones(vh.shape, vh.dtype), to_bwd(ms), to_bwd(bs))
   return bnd, fwd, bwd
 
 
 def _boundary_fn(cfg):
   return jax.jit(functools.partial(
-      boundary.boundary_states, heads=cfg.row_heads, chunk=cfg.chunk,
-      block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary, split=cfg.split_boundary,
-      bf16_products=cfg.boundary_bf16, num_warps=cfg.num_warps_boundary,
-      num_stages=cfg.num_stages_boundary, interpret=False))
+      boundary.boundary_states, heads=cfg.h, chunk=cfg.chunk,
+      block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
+      num_warps=cfg.num_warps_boundary, interpret=False))
 
 
 def _forward_walk_fn(cfg, dtype):
   return jax.jit(functools.partial(
-      walk.walk_forward, heads=cfg.h, caller_rows=cfg.caller_rows, chunk=cfg.chunk,
-      block_v=cfg.block_v, unroll=cfg.unroll, prefetch=cfg.prefetch, k_part=cfg.k_part,
+      walk.walk_forward, heads=cfg.h, chunk=cfg.chunk,
+      block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
       with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
 
 
@@ -121,7 +123,7 @@ def stage_times(cfg, args):
 
 
 def _tiles(cfg, elements, k_width, v_min=1):
-  return gpu_op._block_v(cfg.v + cfg.v_pad, k_width, elements, v_min)
+  return largest_block_v(cfg.v + cfg.v_pad, k_width, elements, v_min)
 
 
 def _variants(base):
@@ -130,19 +132,17 @@ def _variants(base):
   kp2 = next_power_of_two(kp)
   largest = largest_power_of_two_dividing(kp)
   out = []
-  for k_part, (elems, warps), split in itertools.product(
-      sorted({16, min(largest, 32), min(kp2, 64)}), ((512, 1), (2048, 4)), (True, False)):
-    cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps,
-                              split_boundary=split)
+  for k_part, (elems, warps) in itertools.product(
+      sorted({16, min(largest, 32), min(kp2, 64)}), ((512, 1), (2048, 4))):
+    cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps)
     cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, k_part, 16))
-    out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part} "
-                f"split={split}", cfg))
+    out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
   for k_part in sorted({8, 16, min(largest, 32)}):
     if k_part > largest:
       continue
     for warps in (1, 2):
       for unroll in (2, 4):
-        bv = gpu_op.forward_block_v(base.v + base.v_pad, k_part, warps)
+        bv = forward_block_v(base.v + base.v_pad, k_part, warps)
         cfg = dataclasses.replace(base, block_v=bv, num_warps=warps, unroll=unroll,
                                   k_part=k_part)
         out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
@@ -183,7 +183,6 @@ def sweep(base, base_times, args, log):
   return dataclasses.replace(
       base, block_v_boundary=b_cfg.block_v_boundary,
       num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
-      split_boundary=b_cfg.split_boundary,
       block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
       k_part=f_cfg.k_part, walk_bwd=w_cfg.walk_bwd, block_v_bwd=w_cfg.block_v_bwd,
       num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,
@@ -239,9 +238,8 @@ def main():
     sets = [kernel_inputs(s, shape) for s in range(2)]
     fwd_sets = [s[0] for s in sets]
     fb_sets = [s[0] + (s[1],) for s in sets]
-    base = gpu_op.make_config(sets[0][0][0], sets[0][0][2], sets[0][0][4],
-                              sets[0][0][5], return_variance=False, chunk_size=64,
-                              interpret=False)
+    base = make_config(sets[0][0][0], sets[0][0][2], sets[0][0][4], sets[0][0][5],
+                       return_variance=False, chunk_size=64, interpret=False)
     log(f"{name} {shape}: {base}")
     f, fb = pallas_fns(base)
     base_times = stage_times(base, sets[0][0])

@@ -1,9 +1,23 @@
-"""Small helpers shared by the Pallas kernels (no dependency on palimpsa_jax)."""
+"""Small helpers shared by the Pallas kernels and the XLA implementations (no dependency on
+palimpsa_jax)."""
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
+
+
+def step_gates(log_alpha: jax.Array, starts: jax.Array | None) -> jax.Array:
+  """The per-step gates a_t = exp(log_alpha_t) in float32, 0 where a segment starts at t.
+
+  Every Palimpsa implementation builds its gates with this rule, in its own layout:
+  restarting from the prior is M = 0, Ibar = 0 in the linear form, which a zero gate does.
+  starts: bool, broadcastable to log_alpha, or None (no restarts).
+  """
+  a = jnp.exp(log_alpha.astype(jnp.float32))
+  if starts is None:
+    return a
+  return jnp.where(starts, 0.0, a)
 
 
 def next_power_of_two(n: int) -> int:

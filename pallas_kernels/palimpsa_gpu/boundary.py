@@ -15,6 +15,9 @@ from pallas_kernels.common import bf16_terms, k_parts, largest_power_of_two_divi
 from pallas_kernels.palimpsa_gpu import layout
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+# Triton software-pipelining stages of the boundary kernel's chunk loop (3 were no faster
+# on an H200).
+_NUM_STAGES = 2
 
 
 def _carries_kernel(g_ref, am_ref, ab_ref, em_ref, eb_ref, cm_ref, cb_ref, m0_ref,
@@ -104,12 +107,13 @@ def _chunk_write(x, y, *, exact_bf16: bool, interpret: bool):
 
 
 def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
-                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, split,
-                     exact_bf16, interpret):
-  """Sequential over chunks for one (batch*head, V-tile, K-part): state += chunk writes.
+                     ms_ref, bs_ref, mf_ref, bf_ref, *, chunk, num_chunks, exact_bf16,
+                     interpret):
+  """Sequential over chunks for one (batch*head, V-tile, K-part, state): state += chunk
+  writes.
 
-  With split, program axis 3 picks the state: 0 walks M (writes v (x) k), 1 walks Ibar
-  (writes beta (x) k^2); otherwise one program walks both.
+  Program axis 3 picks the state: 0 walks M (writes v (x) k), 1 walks Ibar (writes
+  beta (x) k^2), in separate programs (fewer registers, twice the programs).
   """
   write = functools.partial(_chunk_write, exact_bf16=exact_bf16, interpret=interpret)
 
@@ -130,32 +134,26 @@ def _boundary_kernel(k_ref, v_ref, beta_ref, w_ref, g_ref, m0_ref, b0_ref,
       ref[...] = state
 
   both = ((m0_ref, b0_ref), (v_ref, beta_ref), (1, 2), (ms_ref, bs_ref), (mf_ref, bf_ref))
-  if not split:
-    walk(*both)
-    return
   for which in (0, 1):
     @pl.when(pl.program_id(3) == which)
     def _():
       walk(*(pair[which:which + 1] for pair in both))
 
 
-def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int | None,
-                    chunk: int, block_v: int, k_part: int, split: bool,
-                    bf16_products: bool, num_warps: int, num_stages: int,
-                    interpret: bool):
+def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk: int,
+                    block_v: int, k_part: int, num_warps: int, interpret: bool):
   """States (M, Ibar) before every chunk and after the last, one Pallas kernel.
 
-  Grid (batch*head, V-tile, K-part[, state]): each program walks the chunks in order.
+  Grid (batch*head, V-tile, K-part, state): each program walks the chunks in order.
+  With bfloat16 v and beta, the chunk writes are bfloat16 tensor-core products (exact)
+  of v or beta with w * k^p split into three bfloat16 terms (on an H200 1.7-2.5x
+  faster than 3xTF32, which float32 rows use).
 
   Args:
-    k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp] (with heads: [B, Tp, H, Kp],
-    [B, Tp, H, Vp], the caller's layout); to_end: [BH, Tp]; chunk_gate: [BH, NC];
-    m0, b0: [BH, Vp, Kp] initial state.
+    k: [B, Tp, H, Kp]; v, beta: [B, Tp, H, Vp] (the caller's layout, padded);
+    to_end: [BH, Tp]; chunk_gate: [BH, NC]; m0, b0: [BH, Vp, Kp] initial state.
+    heads: H (batch*head n is batch n // H, head n % H).
     block_v, k_part: V-tile and K-part (powers of two dividing Vp and Kp).
-    split: M and Ibar in separate programs (fewer registers, twice the programs).
-    bf16_products: with bfloat16 v and beta, chunk writes as bfloat16 tensor-core
-      products (exact) of v or beta with w * k^p split into three bfloat16 terms,
-      instead of 3xTF32.
 
   Returns:
     m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
@@ -165,17 +163,17 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int | None
   if vp % block_v or kp % k_part:
     raise ValueError(f"block_v={block_v} must divide V={vp} and k_part={k_part} K={kp}")
   nc = tp // chunk
-  grid = (bh, vp // block_v, kp // k_part) + ((2,) if split else ())
+  grid = (bh, vp // block_v, kp // k_part, 2)
   seq_k = layout.rows_spec(heads, tp, k_part, lambda n, j, p, *_: (n, 0, p))
   seq_v = layout.rows_spec(heads, tp, block_v, lambda n, j, p, *_: (n, 0, j))
   state = pl.BlockSpec((None, block_v, k_part), lambda n, j, p, *_: (n, j, p))
   starts = pl.BlockSpec((None, nc, block_v, k_part), lambda n, j, p, *_: (n, 0, j, p))
   f32 = jnp.float32
-  exact_bf16 = bf16_products and v.dtype == beta.dtype == jnp.bfloat16
-  kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc, split=split,
+  exact_bf16 = v.dtype == beta.dtype == jnp.bfloat16
+  kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc,
                              exact_bf16=exact_bf16, interpret=interpret)
   params = None if interpret else plgpu_triton.CompilerParams(
-      num_warps=num_warps, num_stages=num_stages)
+      num_warps=num_warps, num_stages=_NUM_STAGES)
   return pl.pallas_call(
       kernel, grid=grid,
       in_specs=[seq_k, seq_v, seq_v,

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import step_gates
+
 
 class Gates(NamedTuple):
   """Per-step and per-chunk decays, all float32, with segment restarts folded in.
@@ -46,16 +48,13 @@ def pad_rows(x: jax.Array, t_pad: int, d_pad: int) -> jax.Array:
   return jnp.pad(x, ((0, 0), (0, t_pad), (0, 0), (0, d_pad)))
 
 
-def rows_spec(heads: int | None, t_block: int, d_block: int,
+def rows_spec(heads: int, t_block: int, d_block: int,
               index: Callable[..., tuple]) -> pl.BlockSpec:
-  """BlockSpec of a [t_block, d_block] block of rows of one batch*head.
+  """BlockSpec of a [t_block, d_block] block of rows of one batch*head, in the caller's
+  layout [B, Tp, H, D]: batch*head n is batch n // heads, head n % heads.
 
-  heads=None: the array is head-major [BH, Tp, D]; otherwise it is in the caller's layout
-  [B, Tp, H, D] and batch*head n is batch n // heads, head n % heads.
   index(*program ids) -> (n, block index along T, block index along D).
   """
-  if heads is None:
-    return pl.BlockSpec((None, t_block, d_block), index)
 
   def caller(*ids):
     n, t, d = index(*ids)
@@ -81,28 +80,25 @@ def state_from_head_major(s: jax.Array, b: int, h: int, v: int, k: int) -> jax.A
   return s[:, :v, :k].reshape(b, h, v, k)
 
 
-def make_gates(log_alpha: jax.Array, segment_ids: jax.Array | None, h: int,
+def make_gates(log_alpha: jax.Array, starts: jax.Array | None, h: int,
                t_pad: int, chunk: int) -> Gates:
-  """Gates from log_alpha [B, T, H] and segment_ids [B, T] (or None)."""
+  """Gates from log_alpha [B, T, H] and segment starts [B, T] bool (or None)."""
   b, t, _ = log_alpha.shape
   la = jnp.transpose(log_alpha.astype(jnp.float32), (0, 2, 1)).reshape(b * h, t)
   la = jnp.pad(la, ((0, 0), (0, t_pad)))
-  if segment_ids is None:
+  if starts is None:
     reset = jnp.zeros(la.shape, bool)
   else:
-    seg = segment_ids.astype(jnp.int32)
-    change = jnp.concatenate(
-        [jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    reset = jnp.broadcast_to(change[:, None, :], (b, h, t)).reshape(b * h, t)
+    reset = jnp.broadcast_to(starts[:, None, :], (b, h, t)).reshape(b * h, t)
     reset = jnp.pad(reset, ((0, 0), (0, t_pad)))
-  step = jnp.where(reset, 0.0, jnp.exp(la))
+  step = step_gates(la, reset)
   bh, tp = la.shape
   nc = tp // chunk
   cum = jnp.cumsum(la.reshape(bh, nc, chunk), axis=-1)
   total = cum[..., -1:]
   to_end = jnp.exp(total - cum)
   chunk_gate = jnp.exp(total[..., 0])
-  if segment_ids is not None:
+  if starts is not None:
     # A restart strictly after t (inside the chunk) cuts the decay from t to the end.
     reset_c = reset.reshape(bh, nc, chunk).astype(jnp.int32)
     resets_from = jnp.flip(jnp.cumsum(jnp.flip(reset_c, -1), -1), -1)

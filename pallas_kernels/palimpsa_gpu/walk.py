@@ -2,7 +2,7 @@
 
 Forward: grid (B*H, chunk, V-tile); each program starts from its chunk-boundary state
 [BV, Kp] (float32, in registers) and steps through the chunk one token at a time,
-reading rows head-major or in the caller's layout and writing readouts as [B, T, H, V].
+reading its rows and writing readouts in the caller's layout [B, T, H, D].
 Backward: grid (B*H, chunk, V-tile group, K-slice); each program loops over its
 V-tiles (usually one) on its K-slice (usually 16 columns), recomputes the states of its
 chunk sub-chunk by sub-chunk (sub-chunk start states go through a per-program scratch
@@ -24,6 +24,10 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.common import fast_reciprocal, fma, k_parts
 from pallas_kernels.palimpsa_gpu import layout
+
+# Forward walk: loop bodies ahead that a program loads its rows (2 were no faster on an
+# H200).
+FORWARD_PREFETCH = 1
 
 
 def _params(num_warps: int, interpret: bool):
@@ -107,18 +111,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, m0_ref, b0_ref
 
 
 def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, heads: int,
-                 caller_rows: bool, chunk: int, block_v: int, unroll: int, prefetch: int,
-                 k_part: int, with_var: bool, out_dtype, num_warps: int, interpret: bool):
+                 chunk: int, block_v: int, unroll: int, k_part: int, with_var: bool,
+                 out_dtype, num_warps: int, interpret: bool):
   """Readouts of every step, written in the caller's layout.
 
   Args:
-    q, k: [BH, Tp, Kp]; v, beta: [BH, Tp, Vp] (or [B, Tp, H, Kp], [B, Tp, H, Vp] with
-    caller_rows); a: [BH, Tp] step gates;
+    q, k: [B, Tp, H, Kp]; v, beta: [B, Tp, H, Vp] (the caller's layout, padded);
+    a: [BH, Tp] step gates;
     ip_row: [BH, Kp] prior precision; m_starts, b_starts: [BH, NC, Vp, Ks] with
     Ks >= Kp (columns past Kp are padding and not read).
     heads: H (batch*head n is batch n // H, head n % H).
     k_part: width of the K-parts (a power of two dividing Kp).
-    unroll: steps per loop body; prefetch: bodies ahead that rows are loaded.
+    unroll: steps per loop body (rows are loaded FORWARD_PREFETCH bodies ahead).
 
   Returns:
     [out [B, Tp, H, Vp] out_dtype] + ([var [B, Tp, H, Vp] f32] if with_var).
@@ -126,7 +130,7 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, heads: int,
   bh, tp = a.shape
   kp, vp, k_state = q.shape[-1], v.shape[-1], m_starts.shape[-1]
   nc, nv = tp // chunk, vp // block_v
-  rows = functools.partial(layout.rows_spec, heads if caller_rows else None, chunk)
+  rows = functools.partial(layout.rows_spec, heads, chunk)
   row_k = rows(kp, lambda n, c, j: (n, c, 0))
   row_v = rows(block_v, lambda n, c, j: (n, c, j))
   row_out = layout.rows_spec(heads, chunk, block_v, lambda n, c, j: (n, c, j))
@@ -134,9 +138,10 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, heads: int,
   out_shape = [jax.ShapeDtypeStruct((bh // heads, tp, heads, vp), out_dtype)]
   if with_var:
     out_shape.append(jax.ShapeDtypeStruct((bh // heads, tp, heads, vp), jnp.float32))
-  if prefetch < 1 or chunk < prefetch * unroll:
-    raise ValueError(f"prefetch={prefetch} must be >= 1 with prefetch * unroll <= chunk "
-                     f"(unroll={unroll}, chunk={chunk})")
+  prefetch = FORWARD_PREFETCH
+  if chunk < prefetch * unroll:
+    raise ValueError(f"unroll={unroll} steps per body, loaded {prefetch} bodies ahead, "
+                     f"must fit in chunk={chunk}")
   kernel = functools.partial(_forward_kernel, chunk=chunk, unroll=unroll,
                              prefetch=prefetch, k_part=k_part, with_var=with_var,
                              interpret=interpret)

@@ -9,26 +9,25 @@ from jax.interpreters import batching
 from jax.interpreters import mlir
 import jax.numpy as jnp
 
+from pallas_kernels.common import step_gates
 from pallas_kernels.palimpsa_tpu import layout
 from pallas_kernels.palimpsa_tpu.backward import backward
 from pallas_kernels.palimpsa_tpu.forward import boundary_states, walk_outputs
 
 
-def _gates(log_alpha, segment_ids, g: layout.Geometry):
+def _gates(log_alpha, starts, g: layout.Geometry):
   """Per-step gate alpha_t and in-chunk write weight w_t, both [N, 1, Tp] float32.
 
-  alpha_t is 0 where the segment id changes (restart from the prior: M = 0, Ibar = 0) and 1 on
+  alpha_t is 0 where a segment starts (restart from the prior: M = 0, Ibar = 0) and 1 on
   padded steps; w_t = prod_{s > t in t's chunk} alpha_s.
   """
   la = layout.steps_to_kernel(log_alpha, g, 0.0)                 # [N, 1, Tp]
-  if segment_ids is None:
+  if starts is None:
     reset = jnp.zeros_like(la, dtype=bool)
   else:
-    change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    change = jnp.pad(change, ((0, 0), (1, 0)))                    # [B, T]
-    change = jnp.broadcast_to(change[:, :, None], log_alpha.shape)
+    change = jnp.broadcast_to(starts[:, :, None], log_alpha.shape)
     reset = layout.steps_to_kernel(change, g, 0.0) > 0
-  gate = jnp.where(reset, 0.0, jnp.exp(la))
+  gate = step_gates(la, reset)
   chunks = lambda x: x.reshape(g.n, g.num_chunks, g.chunk)
   la_c, reset_c = chunks(la), chunks(reset)
   later = jnp.cumsum(la_c[..., ::-1], axis=-1)[..., ::-1] - la_c   # sum over s > t in chunk
@@ -37,9 +36,10 @@ def _gates(log_alpha, segment_ids, g: layout.Geometry):
   return gate, w.reshape(g.n, 1, g.tp)
 
 
-def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size, interpret):
+def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_starts, chunk_size,
+             interpret):
   g = layout.geometry(q.shape, v.shape[-1], chunk_size, short_chunks=bool(interpret))
-  gate, w = _gates(log_alpha, segment_ids, g)
+  gate, w = _gates(log_alpha, segment_starts, g)
   inputs = dict(q_t=layout.keys_to_kernel(q, g), k_t=layout.keys_to_kernel(k, g),
                 v=layout.values_to_kernel(v, g), beta=layout.values_to_kernel(beta, g),
                 gate=gate, ip=layout.prior_to_kernel(prior_precision, g))
@@ -48,18 +48,18 @@ def _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
 def _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                  segment_ids, return_variance, chunk_size, interpret):
+                  segment_starts, return_variance, chunk_size, interpret):
   outputs, _ = _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                        segment_ids, return_variance, chunk_size, interpret)
+                        segment_starts, return_variance, chunk_size, interpret)
   return outputs
 
 
 def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-             segment_ids, return_variance, chunk_size, interpret):
+             segment_starts, return_variance, chunk_size, interpret):
   """Kernel outputs and the residuals of the backward (inputs, chunk-start and final states)."""
   if not interpret:
     q = _lowers_only_for_tpu.bind(q)
-  g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
+  g, x, w = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_starts, chunk_size,
                      interpret)
   ip_state = prior_precision.astype(jnp.float32)[None, :, None, None]
   mu0 = initial_mu.astype(jnp.float32)
@@ -75,16 +75,16 @@ def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_prec
   out = layout.values_from_kernel(out, g).astype(v.dtype)
   if var is not None:
     var = layout.values_from_kernel(var, g)
-  residuals = (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_ids, m_start,
+  residuals = (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_starts, m_start,
                ibar_start, mu_end, prec_end)
   return (out, var, mu_end, prec_end), residuals
 
 
 def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
-  (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_ids, m_start, ibar_start,
+  (q, k, v, beta, log_alpha, prior_precision, mu0, prec0, segment_starts, m_start, ibar_start,
    mu_end, prec_end) = residuals
   d_out, d_var, d_mu_end, d_prec_end = cotangents
-  g, x, _ = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_ids, chunk_size,
+  g, x, _ = _prepare(q, k, v, beta, log_alpha, prior_precision, segment_starts, chunk_size,
                      interpret)
   # Final state: mu_T = M_T / (Ibar_T + Ip), I_T = Ibar_T + Ip.
   r_end = 1.0 / prec_end
@@ -102,7 +102,8 @@ def _bwd(return_variance, chunk_size, interpret, residuals, cotangents):
   d_prec0 = lam_m0 * mu0 + lam_i0
   dip_steps = jnp.sum(dip[:, :g.kd, :g.vd].reshape(g.batch, g.heads, -1), axis=(0, 2))
   d_ip = dip_steps + jnp.sum(lam_i_end - lam_i0, axis=(0, 2, 3))
-  seg_ct = None if segment_ids is None else jnp.zeros(segment_ids.shape, jax.dtypes.float0)
+  seg_ct = (None if segment_starts is None
+            else jnp.zeros(segment_starts.shape, jax.dtypes.float0))
   return (layout.keys_from_kernel(jnp.sum(dq_t, axis=1), g).astype(q.dtype),
           layout.keys_from_kernel(jnp.sum(dk_t, axis=1), g).astype(k.dtype),
           layout.values_from_kernel(dv, g).astype(v.dtype),
@@ -145,14 +146,14 @@ def _check_tpu() -> None:
 
 
 def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                 segment_ids, *, return_variance: bool, chunk_size: int,
+                 segment_starts, *, return_variance: bool, chunk_size: int,
                  interpret: bool | pltpu.InterpretParams):
   """Exact Palimpsa on TPU (Pallas Mosaic); differentiable w.r.t. every float input.
 
   Args:
     q, k: [B, T, H, K] (K <= 256); v, beta: [B, T, H, V]; log_alpha: [B, T, H];
     prior_precision: [H]; initial_mu, initial_precision: [B, H, V, K] float32;
-    segment_ids: [B, T] int32 or None (restart from the prior where the id changes).
+    segment_starts: [B, T] bool or None (True where the state restarts from the prior).
     return_variance: also return sum_k q^2 / I_t.
     chunk_size: time block (> 0, checked by `palimpsa`), rounded up to the 128-lane width
       (interpreted: the whole sequence if shorter).
@@ -174,4 +175,4 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
     _check_tpu()
   layout.geometry(q.shape, v.shape[-1], chunk_size)
   return _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-                       segment_ids, return_variance, chunk_size, interpret)
+                       segment_starts, return_variance, chunk_size, interpret)

@@ -3,7 +3,6 @@
 Each case runs in a fresh process with 8 fake CPU devices (chex.set_n_cpu_devices); meshes of 4 and 8 devices.
 """
 
-import pathlib
 
 import chex
 import jax
@@ -20,9 +19,7 @@ from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.palimpsa import palimpsa, PalimpsaState
 assert jax.device_count() == 8
 CASES, GRADS = {cases!r}, {grads!r}
-import sys
-sys.path.insert(0, {tests!r})
-import palimpsa_suite
+from tests.ops.palimpsa import palimpsa_suite
 # Segments: row 0 restarts exactly at the border of 8-step (and 16-step) shards and inside
 # one; its third segment spans several shards. Row 1 restarts inside shards only.
 x = palimpsa_suite.make_inputs(0, (2, 64, 2, 4, 4),
@@ -73,7 +70,7 @@ print("ok")
 
 
 def _run(run_on_cpu_devices, cases, grads=True):
-  script = _SCRIPT.format(cases=cases, grads=grads, tests=str(pathlib.Path(__file__).parent))
+  script = _SCRIPT.format(cases=cases, grads=grads)
   result = run_on_cpu_devices(script, 8, timeout=600)
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 

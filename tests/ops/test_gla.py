@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from palimpsa_jax.ops.gla import GLAResult, simple_gla
-from palimpsa_jax.ops.ssd import ssd_quadratic
+from tests.ops.oracles.ssd import ssd_quadratic
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 to_float64)
 

@@ -2,29 +2,28 @@
 
 import chex
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 import pytest
 
 from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.ops.palimpsa import implementations, palimpsa
 
 # Runs in a subprocess with 4 CPU devices: mesh data 2 x tensor 2; the batch is
 # sharded over data, the heads over tensor.
 _SCRIPT = """
 import chex, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-import importlib
 from palimpsa_jax.ops import kernel_sharding
-from palimpsa_jax.ops.palimpsa import palimpsa
+from palimpsa_jax.ops.palimpsa import implementations, palimpsa
 assert jax.device_count() == 4
 IMPL = {impl!r}
-kernel_module = importlib.import_module("pallas_kernels." + IMPL.replace("pallas", "palimpsa"))
-kernel_name = IMPL.replace("pallas", "palimpsa")
 seen = []
-original = getattr(kernel_module, kernel_name)
+original = implementations.IMPLEMENTATIONS[IMPL]
 def recording(q, *args, **kwargs):
   seen.append(q.shape)
   return original(q, *args, **kwargs)
-setattr(kernel_module, kernel_name, recording)
+implementations.IMPLEMENTATIONS[IMPL] = recording
 
 B, T, H, K, V = 4, 24, 4, 16, 16
 rng = np.random.default_rng(0)
@@ -100,9 +99,6 @@ def test_compiled_kernel_per_gpu_shard():
   """On 2+ GPUs: the compiled kernel runs on [B / n, ...] and matches the chunked op."""
   if jax.default_backend() != "gpu" or jax.device_count() < 2:
     pytest.skip("needs 2 or more GPUs")
-  import pallas_kernels.palimpsa_gpu as gpu_kernel  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from palimpsa_jax.ops.palimpsa import palimpsa  # pylint: disable=g-import-not-at-top
   n = jax.device_count()
   b, t, h, kd, vd = 2 * n, 256, 4, 48, 48
   keys = jax.random.split(jax.random.key(0), 5)
@@ -115,7 +111,7 @@ def test_compiled_kernel_per_gpu_shard():
   batch = NamedSharding(mesh, PartitionSpec("data"))
   sharded = [jax.device_put(x, batch) for x in (q, k, v, beta, log_alpha)]
   seen = []
-  original = gpu_kernel.palimpsa_gpu
+  original = implementations.IMPLEMENTATIONS["pallas_gpu"]
 
   def recording(q, *args, **kwargs):
     seen.append(q.shape)
@@ -125,12 +121,10 @@ def test_compiled_kernel_per_gpu_shard():
     return jax.numpy.sum(palimpsa(*args, ip, implementation=impl).out ** 2)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5)), static_argnums=0)
-  try:
-    gpu_kernel.palimpsa_gpu = recording
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", recording)
     with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",)):
       value, grads = step("pallas_gpu", *sharded)
-  finally:
-    gpu_kernel.palimpsa_gpu = original
   assert set(seen) == {(b // n, t, h, kd)}
   ref_value, ref_grads = step("chunked", q, k, v, beta, log_alpha)
   chex.assert_trees_all_close(value, ref_value, rtol=1e-4)

@@ -1,6 +1,7 @@
-"""`palimpsa`: the public op. Validates, builds the initial state, dispatches."""
+"""`palimpsa`: the public op. Validates, builds the initial state and the segment starts,
+dispatches to an implementation of the table in implementations.py."""
 
-import importlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,20 +9,11 @@ import jax.numpy as jnp
 from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops import gla
 from palimpsa_jax.ops import kernel_sharding
-from palimpsa_jax.ops.palimpsa.associative import palimpsa_associative
-from palimpsa_jax.ops.palimpsa.chunked import palimpsa_chunked
-from palimpsa_jax.ops.palimpsa.linear_form import gate_from
-from palimpsa_jax.ops.palimpsa.sequential import palimpsa_sequential
+from palimpsa_jax.ops.common import segment_starts
+from palimpsa_jax.ops.palimpsa.implementations import (IMPLEMENTATIONS, KERNELS,
+                                                       KernelUnavailable)
 from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
 from palimpsa_jax.ops.palimpsa.validation import validate_palimpsa_args
-
-_XLA_IMPLEMENTATIONS = {
-    "sequential": palimpsa_sequential,
-    "associative": palimpsa_associative,
-    "chunked": palimpsa_chunked,
-}
-_KERNEL_MODULES = {"pallas_gpu": "pallas_kernels.palimpsa_gpu",
-                   "pallas_tpu": "pallas_kernels.palimpsa_tpu"}
 
 
 def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, segment_ids=None,
@@ -79,23 +71,21 @@ def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
   if beta is None:
     beta = jnp.zeros_like(v)
 
+  starts = None if segment_ids is None else segment_starts(segment_ids, *segment_ids.shape)
+  args = (q, k, v, beta, log_alpha, ip, mu0, prec0, starts)
+  options = dict(return_variance=return_variance, chunk_size=chunk_size, interpret=interpret)
   explicit = implementation != "auto"
   if not explicit:
-    implementation = _auto_implementation()
-  if implementation in _KERNEL_MODULES:
-    result = _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segment_ids,
-                         return_variance, chunk_size, interpret, explicit)
-    if result is not None:
-      return result
-    implementation = "chunked"
-
-  f32 = lambda x: x.astype(jnp.float32)
-  ipb = ip[None, :, None, None]
-  out, var, m, ibar = _XLA_IMPLEMENTATIONS[implementation](
-      f32(q), f32(k), f32(v), f32(beta), gate_from(log_alpha, segment_ids), ip,
-      mu0 * prec0, prec0 - ipb, return_variance=return_variance, chunk_size=chunk_size)
-  precision = ibar + ipb
-  return PalimpsaResult(out.astype(v.dtype), var, PalimpsaState(m / precision, precision))
+    implementation = auto_implementation()
+  outputs = None
+  if implementation in KERNELS:
+    outputs = _run_kernel(implementation, args, options, explicit)
+    if outputs is None:  # "auto", and the kernel cannot run this call.
+      implementation = "chunked"
+  if outputs is None:
+    outputs = IMPLEMENTATIONS[implementation](*args, **options)
+  out, var, mu, precision = outputs
+  return PalimpsaResult(out, var, PalimpsaState(mu, precision))
 
 
 def _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, implementation,
@@ -158,7 +148,9 @@ def _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
   return PalimpsaResult(out, var, PalimpsaState(m / precision, precision))
 
 
-def _auto_implementation() -> str:
+def auto_implementation() -> str:
+  """What implementation="auto" runs first: the kernel of the default backend, else
+  "chunked"."""
   platform = jax.default_backend()
   if platform in ("gpu", "cuda", "rocm"):
     return "pallas_gpu"
@@ -167,39 +159,29 @@ def _auto_implementation() -> str:
   return "chunked"
 
 
-def _run_kernel(implementation, q, k, v, beta, log_alpha, ip, mu0, prec0, segment_ids,
-                return_variance, chunk_size, interpret, explicit) -> PalimpsaResult | None:
+def _run_kernel(implementation, args, options, explicit):
   """Calls a Pallas kernel; None under "auto" (explicit=False) where it cannot run the call.
 
   Inside ops.kernel_sharding.kernel_sharding the kernel runs per device shard of the batch
   and heads (shard_map); elsewhere on the whole arrays.
 
-  A kernel that declines (NotImplementedError) or a missing kernel module gives None under
-  "auto" (-> "chunked"). A kernel the caller named explicitly never falls back: a decline raises
-  ValueError with the kernel's reason, a missing module its ImportError.
+  A kernel that declines (NotImplementedError) or whose module is missing gives None under
+  "auto" (-> "chunked"). A kernel the caller named explicitly never falls back: a decline
+  raises ValueError with the kernel's reason, a missing module its ImportError.
   """
+  q = args[0]
   try:
-    module = importlib.import_module(_KERNEL_MODULES[implementation])
-  except ImportError:
+    return kernel_sharding.shard_kernel(
+        functools.partial(IMPLEMENTATIONS[implementation], **options), args,
+        in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
+        out_layouts=("b.h.", "b.h." if options["return_variance"] else None, "bh..", "bh.."),
+        batch_size=q.shape[0], num_heads=q.shape[2])
+  except KernelUnavailable:
     if explicit:
       raise
     return None
-  kernel = getattr(module, implementation.replace("pallas", "palimpsa"))
-
-  def call(*args):
-    return kernel(*args, return_variance=return_variance, chunk_size=chunk_size,
-                  interpret=interpret)
-
-  try:
-    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    out, var, mu, prec = kernel_sharding.shard_kernel(
-        call, (q, k, v, beta, log_alpha, ip, mu0, prec0, seg),
-        in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
-        out_layouts=("b.h.", "b.h." if return_variance else None, "bh..", "bh.."),
-        batch_size=q.shape[0], num_heads=q.shape[2])
   except NotImplementedError as declined:
     if explicit:
       raise ValueError(
           f"implementation={implementation!r} cannot run this call: {declined}") from declined
     return None
-  return PalimpsaResult(out.astype(v.dtype), var, PalimpsaState(mu, prec))

@@ -1,9 +1,11 @@
 """Argument checks for `palimpsa`: clear errors naming the argument and what was expected."""
 
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
+from palimpsa_jax.ops.palimpsa import implementations
 from palimpsa_jax.ops.palimpsa.types import PalimpsaState
 
-IMPLEMENTATIONS = ("auto", "sequential", "associative", "chunked", "pallas_gpu", "pallas_tpu")
+# The names `palimpsa` accepts: "auto" and the table's.
+IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)
 
 
 def validate_palimpsa_args(

@@ -4,7 +4,7 @@
   quadratic dual form, written without any scan).
 - Mamba2 limit: for beta > 0 fixed, Ip * out -> SSD output as Ip grows, with error O(1/Ip).
 - Longhorn: Palimpsa with alpha = 1, Ip = 1 and value beta * v takes Longhorn's step with a
-  per-entry instead of a per-row normaliser (see palimpsa_jax/ops/longhorn.py).
+  per-entry instead of a per-row normaliser (see tests/ops/oracles/longhorn.py).
 - DeltaNet is the gated delta rule with log_alpha = 0.
 """
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from palimpsa_jax.ops import PalimpsaState, gated_delta_rule, palimpsa, simple_gla
-from palimpsa_jax.ops.longhorn import longhorn
-from palimpsa_jax.ops.ssd import ssd_quadratic
+from tests.ops.oracles.longhorn import longhorn
+from tests.ops.oracles.ssd import ssd_quadratic
 from tests.ops.numerics import FLOAT32_TOL, assert_close_to_reference, rel_error
 
 B, T, H, K, V = 2, 11, 2, 4, 3

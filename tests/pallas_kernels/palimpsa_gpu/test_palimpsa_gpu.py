@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.palimpsa_gpu import boundary, walk, walk_mosaic
-from pallas_kernels.palimpsa_gpu import op as gpu_op
-from pallas_kernels.palimpsa_gpu import palimpsa_gpu
-from tests.ops.palimpsa_suite import PalimpsaSuite
+from pallas_kernels.palimpsa_gpu import backward, boundary, forward, walk, walk_mosaic
+from pallas_kernels.palimpsa_gpu import config as gpu_config
+from pallas_kernels.palimpsa_gpu import make_config, palimpsa_gpu
+from tests.ops.palimpsa.palimpsa_suite import PalimpsaSuite
 
 
 class TestPallasGpuInterpret(PalimpsaSuite):
@@ -54,6 +54,12 @@ def test_declines_compiled_call_without_nvidia_gpu():
                  return_variance=False, chunk_size=64, interpret=False)
 
 
+def _run(cfg, *args):
+  """palimpsa_gpu with the config cfg on args (..., initial_precision), no segments."""
+  return palimpsa_gpu(*args, None, return_variance=cfg.return_variance, chunk_size=cfg.chunk,
+                      interpret=cfg.interpret, config=cfg)
+
+
 def _random_op_args(seed: int, shape: tuple[int, int, int, int, int]) -> tuple:
   """(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision) for
   shape (B, T, H, K, V): random inputs and a random initial state."""
@@ -77,22 +83,19 @@ def test_tile_variants_agree(k_dim):
   `triton` is the default with the Triton backward walk: at K=16 8-column parts over
   V-tiles of up to 32 rows, at K=48 three 16-column K-slices, one program each. The
   variants below use it.
-  `variant` walks all three stages in 16-column parts inside one program, one boundary
-  program walks both M and Ibar (the default splits them), and the forward kernels read
-  head-major copies (the default reads the caller's layout). `sliced` walks the
+  `variant` walks all three stages in 16-column parts inside one program. `sliced` walks the
   backward's K in slices of 8 columns, each as two 4-column parts. `padded` (K=48)
   pads the backward's K to 64, read past the saved states' 48 columns as zeros.
   """
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
-  base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=True,
-                            chunk_size=16, interpret=True)
+  base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
+                     chunk_size=16, interpret=True)
   assert base.walk_bwd == "mosaic" and not base.accumulate_bwd
   triton = dataclasses.replace(base, walk_bwd="triton")
-  variant = dataclasses.replace(triton, block_v=16, unroll=1, prefetch=3, block_v_bwd=16, sub=8,
-                                groups_bwd=3, k_part=8, k_part_boundary=16,
-                                split_boundary=False, k_part_bwd=16, k_split_bwd=1,
-                                caller_rows=False)
-  assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim) and base.split_boundary
+  variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
+                                groups_bwd=3, k_part=8, k_part_boundary=16, k_part_bwd=16,
+                                k_split_bwd=1)
+  assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim)
   sliced = dataclasses.replace(triton, k_part_bwd=4, k_split_bwd=k_dim // 8, groups_bwd=3,
                                block_v_bwd=16)
   assert sliced.k_bwd == k_dim
@@ -108,7 +111,7 @@ def test_tile_variants_agree(k_dim):
 
   def grads(cfg):
     def loss(*a):
-      out, var, mu, prec = gpu_op._palimpsa(cfg, *a, None)
+      out, var, mu, prec = _run(cfg, *a)
       return jnp.sum(out * out) + jnp.sum(var) + jnp.sum(mu) + jnp.sum(prec)
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))(*args)
 
@@ -124,13 +127,13 @@ def test_backward_walk_in_pieces_agrees():
   """The backward walk cut by batch*head (a temp-memory cap) gives the same gradients."""
   b, h = 2, 2
   args = _random_op_args(4, (b, 40, h, 32, 16))
-  base = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=False,
-                            chunk_size=16, interpret=True)
+  base = make_config(args[0], args[2], args[4], args[5], return_variance=False,
+                     chunk_size=16, interpret=True)
   pieces = dataclasses.replace(base, max_walk_temp_bytes=1)
   assert (base.walk_pieces, pieces.walk_pieces) == (1, b * h)
 
   def grads(cfg):
-    loss = lambda *a: jnp.sum(gpu_op._palimpsa(cfg, *a, None)[0] ** 2)
+    loss = lambda *a: jnp.sum(_run(cfg, *a)[0] ** 2)
     return jax.jit(jax.grad(loss, argnums=tuple(range(8))))(*args)
 
   for a, b_ in zip(grads(pieces), grads(base)):  # Sums over heads may reorder.
@@ -144,15 +147,15 @@ def test_saved_boundary_states_fit_the_residual_budget():
   v = jnp.ones((b, t, h, vd))
   log_alpha = jnp.full((b, t, h), -0.1)
   ip = jnp.ones((h,))
-  cfg = gpu_op.make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
-                           interpret=True)
+  cfg = make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
+                    interpret=True)
   assert (cfg.k_pad, cfg.v_pad) == (8, 8)
-  _, residuals = gpu_op._palimpsa_fwd(
+  _, residuals = forward.forward(
       cfg, q, q, v, v, log_alpha, ip, jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)),
       None)
   m_starts, b_starts = residuals[6], residuals[7]
   assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
-  padded = gpu_op._pad_state(cfg, m_starts, 64)
+  padded = forward.pad_state(cfg, m_starts, 64)
   assert padded.shape == (b * h, t // 64, vd + 8, 64)
   chex.assert_trees_all_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
@@ -162,7 +165,8 @@ def test_saved_boundary_states_fit_the_residual_budget():
 def test_bf16_chunk_writes_match_float32_products():
   """bfloat16 v, beta: chunk writes as exact bf16 products of a 3-term split of w * k^p.
 
-  The final state (float32) must agree with float32 products to float32 accuracy.
+  The final state (float32, from the boundary kernel) must agree to float32 accuracy with
+  the same values given as float32, whose chunk writes are float32 products.
   """
   b, t, h, kd, vd = 1, 256, 2, 48, 32
   keys = jax.random.split(jax.random.PRNGKey(3), 5)
@@ -174,17 +178,25 @@ def test_bf16_chunk_writes_match_float32_products():
   log_alpha = -jax.random.uniform(keys[4], (b, t, h)) * 0.1
   ip = jnp.ones((h,))
   state = (jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)))
-  base = gpu_op.make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
-                            interpret=True)
-  assert base.boundary_bf16
 
-  def final_state(cfg):
-    return gpu_op._palimpsa(cfg, q, k, v, beta, log_alpha, ip, *state, None)[2:]
+  def final_state(v, beta):
+    return palimpsa_gpu(q, k, v, beta, log_alpha, ip, *state, None, return_variance=False,
+                        chunk_size=64, interpret=True)[2:]
 
-  split = final_state(base)
-  full = final_state(dataclasses.replace(base, boundary_bf16=False))
+  split = final_state(v, beta)
+  full = final_state(v.astype(jnp.float32), beta.astype(jnp.float32))
   for a, b_ in zip(split, full):
     chex.assert_trees_all_close(a, b_, rtol=2e-6, atol=2e-6 * float(jnp.max(jnp.abs(b_))))
+
+
+def test_a_config_made_for_another_call_is_refused():
+  args = _random_op_args(0, (1, 40, 1, 16, 16))
+  cfg = make_config(args[0], args[2], args[4], args[5], return_variance=False, chunk_size=16,
+                    interpret=True)
+  with pytest.raises(ValueError, match="config.return_variance is False"):
+    palimpsa_gpu(*args, None, return_variance=True, chunk_size=16, interpret=True, config=cfg)
+  with pytest.raises(ValueError, match="config.chunk is 16, but this call has 32"):
+    palimpsa_gpu(*args, None, return_variance=False, chunk_size=32, interpret=True, config=cfg)
 
 
 @pytest.mark.parametrize("num_chunks, k_width", [(8, 48), (6, 16), (3, 32)])
@@ -216,7 +228,7 @@ def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
   x = rng.normal(size=(bh, chunk * nc)).astype(np.float32)
   reset = rng.random(x.shape) < restart_rate
   reset[0, chunk] = True  # a restart on a chunk boundary
-  got = np.asarray(gpu_op._segmented_reverse_cumsum(jnp.asarray(x), jnp.asarray(reset)))
+  got = np.asarray(backward.segmented_reverse_cumsum(jnp.asarray(x), jnp.asarray(reset)))
   want = np.zeros_like(x)
   for n in range(bh):
     total = 0.0
@@ -228,14 +240,13 @@ def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_forward_walk_rejects_a_prefetch_that_does_not_fit():
-  x = jnp.zeros((1, 16, 16))
-  with pytest.raises(ValueError, match="prefetch=0"):
+def test_forward_walk_rejects_an_unroll_longer_than_the_chunk():
+  x = jnp.zeros((1, 16, 1, 16))
+  with pytest.raises(ValueError, match="unroll=32 steps per body"):
     walk.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
                       jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), heads=1,
-                      caller_rows=False, chunk=16, block_v=16, unroll=2, prefetch=0,
-                      k_part=16, with_var=False, out_dtype=jnp.float32, num_warps=1,
-                      interpret=True)
+                      chunk=16, block_v=16, unroll=32, k_part=16, with_var=False,
+                      out_dtype=jnp.float32, num_warps=1, interpret=True)
 
 
 _WALK_ARGS = ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts", "b_starts")
@@ -304,11 +315,11 @@ def test_reduce_add_only_without_deterministic_ops(monkeypatch, flags, determini
   """Compiled calls add the walk's sums by TMA reduce-add unless XLA_FLAGS asks for
   deterministic ops; interpreted calls never do (interpret mode has no reduce-add)."""
   monkeypatch.setenv("XLA_FLAGS", flags)
-  assert gpu_op.deterministic_ops_requested() == deterministic
+  assert gpu_config.deterministic_ops_requested() == deterministic
   args = _random_op_args(0, (1, 64, 1, 16, 16))
   for interpret in (True, False):
-    cfg = gpu_op.make_config(args[0], args[2], args[4], args[5], return_variance=False,
-                             chunk_size=64, interpret=interpret)
+    cfg = make_config(args[0], args[2], args[4], args[5], return_variance=False,
+                      chunk_size=64, interpret=interpret)
     assert cfg.accumulate_bwd == (not interpret and not deterministic)
 
 
@@ -324,12 +335,12 @@ def test_backward_walk_kernel_choice(monkeypatch):
   assert walk_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
   assert not walk_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # Quarters of 4 steps.
   assert walk_mosaic.smem_bytes(64, 4, [bf16] * 5) <= walk_mosaic.SMEM_LIMIT // 2
-  assert gpu_op.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "mosaic"
-  assert gpu_op.backward_walk_kernel([f32] * 5, 16, 8, interpret=True) == "triton"
-  hopper = gpu_op._compute_capability() >= (9, 0)
+  assert gpu_config.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "mosaic"
+  assert gpu_config.backward_walk_kernel([f32] * 5, 16, 8, interpret=True) == "triton"
+  hopper = gpu_config.compute_capability() >= (9, 0)
   for dtypes in ([bf16] * 5, [f32] * 5):
-    compiled = gpu_op.backward_walk_kernel(dtypes, 64, 4, interpret=False)
+    compiled = gpu_config.backward_walk_kernel(dtypes, 64, 4, interpret=False)
     assert compiled == ("mosaic" if hopper else "triton")
-  assert gpu_op.backward_walk_kernel([f32] * 5, 128, 4, interpret=False) == "triton"
+  assert gpu_config.backward_walk_kernel([f32] * 5, 128, 4, interpret=False) == "triton"
   monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-  assert gpu_op.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "triton"
+  assert gpu_config.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "triton"

@@ -14,11 +14,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from palimpsa_jax.ops import PalimpsaState, palimpsa
-from pallas_kernels.palimpsa_tpu import op as tpu_op
+from palimpsa_jax.ops.common import segment_starts
 from pallas_kernels.palimpsa_tpu import palimpsa_tpu
 from pallas_kernels.palimpsa_tpu.layout import geometry
 from tests.ops.numerics import FLOAT32_TOL, assert_close_to_reference
-from tests.ops.palimpsa_suite import (DIFF_ARGS, GRADS, RESULTS, PalimpsaSuite, make_inputs,
+from tests.ops.palimpsa.palimpsa_suite import (DIFF_ARGS, GRADS, RESULTS, PalimpsaSuite, make_inputs,
                                      random_cotangents, reference_with_grads)
 
 HEAD_DIMS = (16, 32, 48, 64, 96, 128, 192, 256)
@@ -47,8 +47,9 @@ def _check_kernel(shape, lengths, interpret, return_variance=True):
   if not return_variance:
     cts = (cts[0], np.zeros_like(cts[1])) + cts[2:]
   seg = jnp.asarray(x["segment_ids"])
-  kernel = functools.partial(palimpsa_tpu, segment_ids=seg, return_variance=return_variance,
-                             chunk_size=64, interpret=interpret)
+  starts = segment_starts(seg, *seg.shape)
+  kernel = functools.partial(palimpsa_tpu, segment_starts=starts,
+                             return_variance=return_variance, chunk_size=64, interpret=interpret)
   res, vjp = jax.vjp(kernel, *(jnp.asarray(x[n]) for n in DIFF_ARGS))
   kernel_cts = tuple(None if r is None else jnp.asarray(c, jnp.float32) for c, r in zip(cts, res))
   grads = vjp(kernel_cts)
@@ -84,12 +85,14 @@ def _abstract_args(kd, vd, dtype, t):
   b, h = 1, 2
   return (s((b, t, h, kd), dtype), s((b, t, h, kd), dtype), s((b, t, h, vd), dtype),
           s((b, t, h, vd), dtype), s((b, t, h), jnp.float32), s((h,), jnp.float32),
-          s((b, h, vd, kd), jnp.float32), s((b, h, vd, kd), jnp.float32), s((b, t), jnp.int32))
+          s((b, h, vd, kd), jnp.float32), s((b, h, vd, kd), jnp.float32), s((b, t), jnp.bool_))
 
 
 def _compiled_kernel(*args, return_variance, chunk_size):
-  """The compiled kernels without palimpsa_tpu's device check, to lower them for TPU here."""
-  return tpu_op._palimpsa_tpu(*args, return_variance, chunk_size, False)
+  """The compiled kernels, traced (under a trace palimpsa_tpu leaves the device to the
+  lowering platform), to lower them for TPU here."""
+  return palimpsa_tpu(*args, return_variance=return_variance, chunk_size=chunk_size,
+                      interpret=False)
 
 
 def _lower_for_tpu(kd, vd, dtype, return_variance, t=16):
@@ -182,6 +185,6 @@ def test_op_dispatches_to_the_kernel():
   args = [jnp.zeros(a.shape, a.dtype) for a in _abstract_args(16, 16, jnp.float32, 8)]
   q, k, v, beta, la, ip, mu0, prec0, seg = args
   jaxpr = jax.make_jaxpr(lambda *a: palimpsa(
-      *a, initial_state=PalimpsaState(mu0, prec0 + 1.0), segment_ids=seg,
+      *a, initial_state=PalimpsaState(mu0, prec0 + 1.0), segment_ids=seg.astype(jnp.int32),
       implementation="pallas_tpu", interpret=True).out)(q, k, v, beta, la, ip + 1.0)
   assert "pallas_call" in str(jaxpr)

@@ -1,0 +1,147 @@
+"""The backward of palimpsa_gpu: the reverse chunk walks (Triton or Mosaic GPU), the
+adjoint carries across chunks, and the XLA parts that add the carries' contributions and
+turn the walks' sums into the input gradients (dlog_alpha by a scaling identity)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.palimpsa_gpu import boundary, layout, walk, walk_mosaic
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, largest_block_v
+from pallas_kernels.palimpsa_gpu.forward import ip_row, pad_state
+
+
+def backward_starts(cfg: GpuKernelConfig, saved: jax.Array) -> jax.Array:
+  """Saved boundary states [BH, NC, V, K] -> the backward walk's [BH, NC, Vp, Ks].
+
+  A walk in one K-part reads the columns past Ks = K + k_pad (a multiple of 16: usually
+  no copy) up to its own width as zeros; K-parts or K-slices need Ks = k_bwd.
+  """
+  one_part = cfg.k_part_bwd == cfg.k_bwd
+  return pad_state(cfg, saved, cfg.k + cfg.k_pad if one_part else cfg.k_bwd)
+
+
+def segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
+  """y_t = sum of x_u over u >= t up to (excluding) the next restart after t.
+
+  x, reset: [BH, Tp]; reset_u True starts a new segment at u.
+  """
+  # Reverse time; a restart at u ends the reversed segment after position u.
+  xr = jnp.flip(x, -1)
+  stop = jnp.flip(reset, -1)
+
+  def combine(left, right):
+    lv, ls = left
+    rv, rs = right
+    return jnp.where(rs, rv, lv + rv), ls | rs
+
+  # Segmented inclusive scan where a flag on an element starts a new segment at it:
+  # the reversed sequence starts a new segment right after each restart.
+  starts = jnp.concatenate([jnp.zeros_like(stop[:, :1]), stop[:, :-1]], axis=-1)
+  vals, _ = jax.lax.associative_scan(combine, (xr, starts), axis=-1)
+  return jnp.flip(vals, -1)
+
+
+def backward(cfg: GpuKernelConfig, residuals, cotangents):
+  """The gradients of palimpsa_gpu's float inputs from `forward`'s residuals and the
+  cotangents of (out, var, mu_final, precision_final)."""
+  (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var,
+   initial_mu, initial_precision) = residuals
+  d_out, d_var, d_mu_final, d_prec_final = cotangents
+  # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior):
+  # q and k come at that width, the boundary states are read as zero past theirs.
+  kw = cfg.k_bwd
+  m_starts, b_starts = backward_starts(cfg, m_starts), backward_starts(cfg, b_starts)
+  m_final, b_final = pad_state(cfg, m_final, kw), pad_state(cfg, b_final, kw)
+  f32 = jnp.float32
+  bh, tp, kp = qh.shape
+  vp = vh.shape[-1]
+  nc = tp // cfg.chunk
+  doh = layout.to_head_major(d_out, cfg.t_pad, cfg.v_pad)
+  dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
+           if cfg.return_variance else None)
+  walk_outs = []
+  ip_cols = ip_row(ip, kw)
+  size = bh // cfg.walk_pieces
+  for first in range(0, bh, size):
+    walk_args = (qh, kh, vh, betah, gates.step, ip_cols, doh, dvarh, m_starts, b_starts)
+    if cfg.walk_bwd == "mosaic":
+      outs = walk_mosaic.walk_backward(*walk_args, chunk=cfg.chunk, sub=cfg.sub,
+                                       interpret=cfg.interpret, bh_range=(first, size),
+                                       accumulate=cfg.accumulate_bwd)
+    else:
+      outs = walk.walk_backward(
+          *walk_args, chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
+          groups=cfg.groups_bwd, k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
+          num_warps=cfg.num_warps_bwd, interpret=cfg.interpret, prefetch=cfg.prefetch_bwd,
+          bh_range=(first, size))
+    dq, dk, dv, dbeta, s, adj_m, adj_b = outs
+    walk_outs.append((jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(dv, axis=0),
+                      jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_b))
+  dq, dk, dv, dbeta, s, adj_m, adj_b = (
+      xs[0] if len(xs) == 1 else jnp.concatenate(xs) for xs in zip(*walk_outs))
+
+  # Adjoint of the final linear state.
+  ipb = ip[:, None, None]
+  i_final = b_final + ipb
+  r_final = 1.0 / i_final
+  mu_final = m_final * r_final
+  dmu_f = layout.state_to_head_major(d_mu_final.astype(f32), cfg.v_pad, kw - cfg.k)
+  dprec_f = layout.state_to_head_major(d_prec_final.astype(f32), cfg.v_pad,
+                                       kw - cfg.k)
+  dm_end = dmu_f * r_final
+  db_end = dprec_f - dmu_f * mu_final * r_final
+  carry_m, carry_b, dm0, db0 = boundary.adjoint_carries(
+      dm_end, db_end, gates.chunk, adj_m, adj_b, block_v=largest_block_v(vp, kw, 1024),
+      interpret=cfg.interpret)
+
+  # Carries are constant inside a chunk: their contributions are matmuls.
+  c = cfg.chunk
+  kf = kh.astype(f32).reshape(bh, nc, c, kp)
+  vf = vh.astype(f32).reshape(bh, nc, c, vp)
+  betaf = betah.astype(f32).reshape(bh, nc, c, vp)
+  w = gates.to_end.reshape(bh, nc, c, 1)
+  ein = functools.partial(jnp.einsum, precision=boundary.dot_precision(cfg.interpret))
+  dv = dv + (w * ein("nctk,ncvk->nctv", kf, carry_m)).reshape(bh, tp, vp)
+  dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_b)).reshape(bh, tp, vp)
+  dk_carry = ein("nctv,ncvk->nctk", vf, carry_m) + 2.0 * kf * ein(
+      "nctv,ncvk->nctk", betaf, carry_b)
+  dk = dk + (w * dk_carry).reshape(bh, tp, kp)
+
+  # dlog_alpha via the scaling identity (segment-wise reverse sums).
+  # s [BH, Tp]: sum_{v,k} dL/dI_t (local).
+  m_term = -ip[:, None] * s - jnp.sum(vh.astype(f32) * dv, -1) - jnp.sum(
+      betah.astype(f32) * dbeta, -1)
+  if cfg.return_variance:
+    var_term = jnp.sum(d_var.astype(f32) * var, -1)  # [B, T, H]
+    var_term = jnp.transpose(var_term, (0, 2, 1)).reshape(bh, cfg.t)
+    m_term = m_term - jnp.pad(var_term, ((0, 0), (0, cfg.t_pad)))
+  final_term = jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2))
+  m_term = m_term.at[:, -1].add(final_term)
+  dla = segmented_reverse_cumsum(m_term, gates.reset)
+  dla = jnp.where(gates.reset, 0.0, dla)
+
+  # Prior precision: I_t = Ibar_t + Ip at every step, Ibar_0 = I_0 - Ip.
+  d_ip = jnp.sum(s, -1) + jnp.sum(db_end, (1, 2)) - jnp.sum(db0, (1, 2))
+  d_ip = d_ip.reshape(cfg.b, cfg.h).sum(0)
+
+  # Initial state: M_0 = mu_0 * I_0, Ibar_0 = I_0 - Ip.
+  b, h, v, k = cfg.b, cfg.h, cfg.v, cfg.k
+  dm0 = layout.state_from_head_major(dm0, b, h, v, k)
+  db0 = layout.state_from_head_major(db0, b, h, v, k)
+  mu0 = initial_mu.astype(f32)
+  i0 = initial_precision.astype(f32)
+  d_mu0 = dm0 * i0
+  d_i0 = dm0 * mu0 + db0
+
+  def back(x, d, dtype):
+    return layout.from_head_major(x, b, h, cfg.t, d).astype(dtype)
+
+  dla = jnp.transpose(dla[:, :cfg.t].reshape(b, h, cfg.t), (0, 2, 1))
+  return (back(dq, k, qh.dtype), back(dk, k, kh.dtype), back(dv, v, vh.dtype),
+          back(dbeta, v, betah.dtype), dla.astype(cfg.log_alpha_dtype),
+          d_ip.astype(cfg.prior_dtype), d_mu0.astype(initial_mu.dtype),
+          d_i0.astype(initial_precision.dtype))
+
+
