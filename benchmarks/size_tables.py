@@ -22,7 +22,6 @@ import pathlib
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -57,7 +56,7 @@ def run_stage(name: str, flags: list[str], seconds: float, out: pathlib.Path,
               records: str | None = None) -> dict:
   """One train_throughput.py process; its rows (as far as it got) and status. A stage that
   completes writes its record to `records` (None: no record)."""
-  output = pathlib.Path(tempfile.gettempdir()) / f"size_tables_{name}.json"
+  output = out / f"size_tables_{name}.json"  # In the run's own folder: runs never share it.
   output.unlink(missing_ok=True)
   command = [sys.executable, "benchmarks/train_throughput.py", *COMMON, *flags,
              "--output", str(output), *(["--records", records] if records else ["--no_record"])]
