@@ -17,6 +17,8 @@ import time
 _STARTED_AT = time.time()  # For perf/time_to_first_step_s; before the heavy imports.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -24,6 +26,7 @@ from flax import nnx
 import jax
 from ml_collections import config_flags
 
+from palimpsa_jax.configs import base
 from palimpsa_jax.models.summary import parameter_table
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import config_overrides
@@ -70,7 +73,10 @@ def main(argv):
     return
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (except with --dry_run).")
-  trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT)
+  try:
+    trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT)
+  except base.ConfigError as refused:  # One line naming the field, not a traceback.
+    sys.exit(f"train.py: {refused}")
 
 
 if __name__ == "__main__":

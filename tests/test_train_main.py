@@ -34,9 +34,19 @@ def test_dry_run_prints_parameter_table_and_count():
 
 def test_bad_config_argument_fails_clearly():
   result = _run("train.py", "--config=configs/mqar.py:kv=abc", "--dry_run", check=False)
-  assert result.returncode != 0 and "kv='abc' must be a int" in result.stderr
+  assert result.returncode == 1 and result.stderr.strip() == (
+      "--config=configs/mqar.py:kv=abc: config argument kv='abc' must be an int.")
   result = _run("train.py", "--config=configs/mqar.py:mixer=lstm", "--dry_run", check=False)
-  assert result.returncode != 0 and "mixer must be one of" in result.stderr
+  assert result.returncode == 1 and "mixer must be one of" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_refused_config_field_is_one_line(tmp_path):
+  result = _run("train.py", "--config=configs/mqar.py", "--config.optimizer.b2=1.5",
+                f"--workdir={tmp_path / 'run'}", "--compilation_cache_dir=", check=False)
+  assert result.returncode == 1 and result.stderr.strip() == (
+      "train.py: config.optimizer.b2 must be in [0, 1), got 1.5.")
+  assert not (tmp_path / "run").exists()  # Refused before anything is written.
 
 
 @pytest.mark.parametrize("arg, lr, steps, batch", [

@@ -3,7 +3,7 @@
 configs/mqar.py, configs/lm.py and configs/finetune.py start from `base_config(task)` and set
 only what differs. A field whose default is REQUIRED has none: the config file sets it (from
 its arguments). `validate` checks a config field by field, once, when a run starts
-(training/trainer.py's validate_config) and raises ValueError naming the first bad field and
+(training/trainer.py's validate_config) and raises ConfigError naming the first bad field and
 what it expects. The checks that need the devices (mesh, batch shards) stay in the trainer.
 
 The groups config.model (checked by the model builder), config.args and config.finetune (the
@@ -17,6 +17,10 @@ from typing import Any
 import ml_collections
 
 TASKS = ("mqar", "lm")
+class ConfigError(ValueError):
+  """A run config the trainer refuses; the message names the field and what it expects."""
+
+
 REQUIRED = object()  # A default that means "the config file sets this field".
 # Groups of fields the trainer does not read (see the module docstring).
 FREE_GROUPS = ("model", "args", "finetune")
@@ -165,18 +169,18 @@ def _check_group(group: ml_collections.ConfigDict, fields: dict[str, Field],
                  prefix: str) -> None:
   unknown = sorted(set(group) - set(fields))
   if unknown:
-    raise ValueError(f"{prefix}{unknown[0]} is not a config field; the fields of "
+    raise ConfigError(f"{prefix}{unknown[0]} is not a config field; the fields of "
                      f"{prefix.rstrip('.')} are {', '.join(fields)}.")
   for name, field in fields.items():
     if name not in group:
-      raise ValueError(f"{prefix}{name} is missing; expected {field.expected}.")
+      raise ConfigError(f"{prefix}{name} is missing; expected {field.expected}.")
     value = group[name]
     if not (_is_type(value, field.types) and field.check(value)):
-      raise ValueError(f"{prefix}{name} must be {field.expected}, got {value!r}.")
+      raise ConfigError(f"{prefix}{name} must be {field.expected}, got {value!r}.")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first field of `config` that is missing, unknown or bad.
+  """Raises ConfigError naming the first field of `config` that is missing, unknown or bad.
 
   Order: the top-level fields, the run length, then optimizer, mesh and data.
   """
@@ -184,23 +188,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
          if k not in FREE_GROUPS and k not in ("optimizer", "mesh", "data")}
   _check_group(top, FIELDS, "config.")
   if "model" not in config:
-    raise ValueError("config.model is missing; expected the model config "
+    raise ConfigError("config.model is missing; expected the model config "
                      "(models/config.py).")
   if config.total_steps <= 0 and config.num_epochs <= 0:
-    raise ValueError(
+    raise ConfigError(
         "set config.total_steps (> 0) or config.num_epochs (> 0); got "
         f"total_steps={config.total_steps}, num_epochs={config.num_epochs}.")
   if config.task == "lm" and config.total_steps <= 0:
-    raise ValueError(
+    raise ConfigError(
         "the lm task streams its data without epochs: config.total_steps must be "
         f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
   for name, fields in (("optimizer", OPTIMIZER_FIELDS), ("mesh", MESH_FIELDS),
                        ("data", DATA_FIELDS[config.task])):
     if not isinstance(config.get(name), ml_collections.ConfigDict):
-      raise ValueError(f"config.{name} must be a group of fields "
+      raise ConfigError(f"config.{name} must be a group of fields "
                        f"({', '.join(fields)}), got {config.get(name)!r}.")
     _check_group(config[name], fields, f"config.{name}.")
   if config.task == "mqar" and config.data.num_train_examples < config.batch_size:
-    raise ValueError(
+    raise ConfigError(
         f"config.data.num_train_examples={config.data.num_train_examples} is smaller "
         f"than config.batch_size={config.batch_size}.")

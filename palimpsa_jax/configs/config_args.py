@@ -19,7 +19,8 @@ def _convert(key: str, text: str, default: Any) -> Any:
       return float(text)
   except ValueError:
     raise ValueError(
-        f"config argument {key}={text!r} must be a {type(default).__name__}.") from None
+        f"config argument {key}={text!r} must be "
+        f"{'an int' if isinstance(default, int) else 'a float'}.") from None
   return text
 
 

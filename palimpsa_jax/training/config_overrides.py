@@ -7,8 +7,10 @@ the nearest known fields. An override of config.args (or config.finetune) is
 refused: those record the config file's arguments, from which the other fields
 were already derived, so changing them afterwards would change nothing but
 config.json; the message gives the config-argument form that does work.
-Wrong types are reported by absl's flag parser as before ("FATAL Flags parsing
-error: ..."), also in a couple of lines.
+A config file that refuses its arguments (`--config=configs/mqar.py:kv=abc`)
+stops with its one-line message, not the file's traceback. Wrong override types
+are reported by absl's flag parser ("FATAL Flags parsing error: ..."), also in
+a couple of lines.
 """
 
 import difflib
@@ -103,11 +105,24 @@ def unknown_field_message(config: ml_collections.ConfigDict, path: str,
           f"{'.'.join(['config', *walked])} are {', '.join(sorted(node))}.")
 
 
+def _error_line(error: Exception) -> str:
+  """The message of the error ml_collections re-raised with the config file's traceback."""
+  last = str(error).strip().splitlines()[-1].strip()
+  return re.sub(r"^\w+(Error|Exception): ", "", last)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser), with the checks above.
 
-  Exits with a one-line message for a refused or unknown override.
+  Exits with a one-line message for a refused or unknown override, or a config file's
+  refused argument.
   """
+  config_arg = config_argument(argv)
+  if config_arg:
+    try:
+      flags.FLAGS["config"].parser.parse(config_arg)
+    except ValueError as refused:
+      sys.exit(f"--config={config_arg}: {_error_line(refused)}")
   found = overrides(argv)
   for path, value in found.items():
     if path.split(".")[0] in ARGUMENT_FIELDS:
@@ -115,7 +130,6 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError):  # ml_collections' error for a missing field
-    config_arg = config_argument(argv)
     config = flags.FLAGS["config"].parser.parse(config_arg)
     for path, value in found.items():
       message = unknown_field_message(config, path, value, config_arg)

@@ -74,26 +74,29 @@ def initial_state(spec: state_lib.TrainStateSpec,
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad training field.
+  """Raises base.ConfigError naming the first bad training field.
 
   Every field against palimpsa_jax/configs/base.py, then what depends on the
   devices: the mesh, and the batch's split over hosts, microbatches and shards.
   """
   base.validate(config)
-  data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
-  sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
+  try:
+    data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
+    sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
+  except ValueError as bad:  # The mesh does not fit these devices.
+    raise base.ConfigError(str(bad)) from bad
   accum = grad_accum_steps(config, data * fsdp)
   if config.batch_size % (accum * jax.process_count()):
-    raise ValueError(
+    raise base.ConfigError(
         f"config.batch_size={config.batch_size} must be a multiple of "
         f"grad_accum_steps * hosts = {accum * jax.process_count()}.")
   microbatch = config.batch_size // accum
   if microbatch % (data * fsdp):
-    raise ValueError(
+    raise base.ConfigError(
         f"config.batch_size / grad_accum_steps = {microbatch} sequences must split evenly "
         f"over the mesh's data x fsdp = {data * fsdp} batch shards.")
   if config.eval_batch_size % (data * fsdp):
-    raise ValueError(
+    raise base.ConfigError(
         f"config.eval_batch_size={config.eval_batch_size} must split evenly over the "
         f"mesh's data x fsdp = {data * fsdp} batch shards.")
 
@@ -104,21 +107,21 @@ def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> in
   (data x fsdp) devices.
 
   Raises:
-    ValueError: auto without a positive config.device_batch, or no count of
+    base.ConfigError: auto without a positive config.device_batch, or no count of
       microbatches divides config.batch_size that way.
   """
   if config.grad_accum_steps:
     return config.grad_accum_steps
   limit = config.device_batch
   if limit <= 0:
-    raise ValueError(
+    raise base.ConfigError(
         "config.grad_accum_steps=0 (auto) needs config.device_batch, the most "
         f"sequences per device and microbatch, > 0; got {limit!r}.")
   for count in range(1, config.batch_size + 1):
     per_device, rest = divmod(config.batch_size, count * batch_shards)
     if not rest and per_device <= limit:
       return count
-  raise ValueError(
+  raise base.ConfigError(
       f"config.batch_size={config.batch_size} cannot be split into microbatches of at "
       f"most config.device_batch={limit} sequences on each of {batch_shards} batch "
       "shards; set config.grad_accum_steps explicitly.")
