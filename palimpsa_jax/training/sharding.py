@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from palimpsa_jax.configs import base
 from palimpsa_jax.ops import kernel_sharding
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
@@ -51,28 +52,28 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int
   """
   sizes = [int(config.get(axis, 1)) for axis in MESH_AXES]
   if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(
+    raise base.ConfigError(
         f"config.mesh sizes must be positive or -1, got "
         f"{dict(zip(MESH_AXES, sizes))}.")
   if sizes.count(-1) > 1:
-    raise ValueError(
+    raise base.ConfigError(
         f"at most one config.mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}.")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ValueError(
+      raise base.ConfigError(
           f"config.mesh {dict(zip(MESH_AXES, sizes))}: {num_devices} devices "
           f"are not a multiple of {known}.")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise ValueError(
+    raise base.ConfigError(
         f"config.mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} "
         f"devices, but {num_devices} are available.")
   return tuple(sizes)
 
 
 def validate_sequence_axis(config: ml_collections.ConfigDict, seq_len: int) -> None:
-  """Raises ValueError unless config's sequence axis can split seq_len-token sequences.
+  """Raises base.ConfigError unless config's sequence axis can split seq_len-token sequences.
 
   The axis must divide seq_len, and lie on one host (each host feeds whole sequences).
   """
@@ -80,10 +81,10 @@ def validate_sequence_axis(config: ml_collections.ConfigDict, seq_len: int) -> N
   if sizes["sequence"] == 1:
     return
   if seq_len % sizes["sequence"]:
-    raise ValueError(
+    raise base.ConfigError(
         f"config.mesh.sequence={sizes['sequence']} must divide config.seq_len={seq_len}.")
   if jax.process_count() > 1:
-    raise ValueError(
+    raise base.ConfigError(
         f"config.mesh.sequence={sizes['sequence']} needs a single process: every host "
         f"feeds whole sequences, but {jax.process_count()} processes are running.")
 
@@ -102,7 +103,7 @@ def rules_from_config(config: ml_collections.ConfigDict) -> tuple[tuple[str, Any
   rules = dict(DEFAULT_RULES)
   for name, axis in config.get("rules", ()) or ():
     if axis is not None and axis not in MESH_AXES:
-      raise ValueError(
+      raise base.ConfigError(
           f"config.mesh.rules maps {name!r} to {axis!r}; mesh axes are "
           f"{MESH_AXES} or None.")
     rules[name] = axis

@@ -80,11 +80,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   devices: the mesh, and the batch's split over hosts, microbatches and shards.
   """
   base.validate(config)
-  try:
-    data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
-    sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
-  except ValueError as bad:  # The mesh does not fit these devices.
-    raise base.ConfigError(str(bad)) from bad
+  data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
+  sharding_lib.validate_sequence_axis(config.mesh, config.seq_len)
   accum = grad_accum_steps(config, data * fsdp)
   if config.batch_size % (accum * jax.process_count()):
     raise base.ConfigError(
