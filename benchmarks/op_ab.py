@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 from benchmarks import op_bench
 from benchmarks import results as results_lib
 from benchmarks.train_throughput import non_negative_int, positive_int
+from palimpsa_jax.ops.palimpsa.api import auto_implementation
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("palimpsa_jax", "pallas_kernels")
@@ -73,11 +74,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.error(f"--only must name shapes of --shapes {args.shapes} "
                  f"({sorted(op_bench.SHAPES[args.shapes])}), got {unknown}")
   return args
-
-
-def default_implementation() -> str:
-  return {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(
-      jax.default_backend(), "chunked")
 
 
 def describe(ref: str) -> str:
@@ -128,7 +124,7 @@ def max_rel_difference(got, want) -> float:
 
 def compare(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[str, Any]]:
   """One row per (shape, mode, ref): round times, median, speed-up, difference."""
-  impl = args.impl or default_implementation()
+  impl = args.impl or auto_implementation()
   dtype = jnp.dtype(args.dtype)
   shapes = {n: s for n, s in op_bench.SHAPES[args.shapes].items()
             if not args.only or n in args.only}

@@ -39,6 +39,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 from benchmarks import results as results_lib
 from palimpsa_jax.ops import palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
+from palimpsa_jax.ops.palimpsa.api import auto_implementation
 
 # (B, T, H, K, V)
 SHAPES = {
@@ -62,13 +63,10 @@ INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
 
 
 def default_implementations() -> list[str]:
+  """The XLA forms, and the default backend's kernel where it has one."""
   impls = ["sequential", "associative", "chunked"]
-  platform = jax.default_backend()
-  if platform in ("gpu", "cuda", "rocm"):
-    impls.append("pallas_gpu")
-  if platform == "tpu":
-    impls.append("pallas_tpu")
-  return impls
+  kernel = auto_implementation()
+  return impls if kernel in impls else impls + [kernel]
 
 
 def make_inputs(seed, shape, dtype):
