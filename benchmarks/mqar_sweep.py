@@ -51,8 +51,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
 
 # pylint: disable=wrong-import-position
 from benchmarks import results as results_lib
-# collect: the sweep's per-run results, also reached as mqar_sweep.collect.
-from benchmarks.mqar_sweep_report import collect, read_run_metrics, report
+from benchmarks.mqar_sweep_report import read_run_metrics, report
 # pylint: enable=wrong-import-position
 
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet")

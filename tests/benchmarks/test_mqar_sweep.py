@@ -7,6 +7,7 @@ import signal
 import pytest
 
 from benchmarks import mqar_sweep as sweep
+from benchmarks import mqar_sweep_report
 from tests.training import tiny_lm
 
 
@@ -154,7 +155,7 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
   sweep.main(["run", *args])
   out = capsys.readouterr().out
   assert "2 runs (lr 0.01 s0, lr 0.03 s0) from step 5" in out
-  records = json.loads(json.dumps(sweep.collect(tmp_path)))
+  records = json.loads(json.dumps(mqar_sweep_report.collect(tmp_path)))
   assert sorted((r["lr"], r["seed"], r["finished"]) for r in records)[:2] == [
       (0.01, 0, True), (0.03, 0, True)]
   assert len(records) == 3 and all(r["finished"] for r in records)
