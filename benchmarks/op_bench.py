@@ -284,6 +284,10 @@ def main():
   args = parser.parse_args()
 
   impls = args.impls or default_implementations()
+  unknown = sorted(set(args.only or ()) - set(SHAPES[args.shapes]))
+  if unknown:
+    parser.error(f"--only {' '.join(unknown)}: not in --shapes {args.shapes} "
+                 f"(its shapes: {', '.join(SHAPES[args.shapes])})")
   shapes = {n: s for n, s in SHAPES[args.shapes].items() if not args.only or n in args.only}
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   device = jax.devices()[0]
