@@ -74,12 +74,16 @@ def format_runs(records: list[dict[str, object]]) -> str:
 
 
 def best_lr_statistics(records: list[dict[str, object]]) -> list[dict[str, object]]:
-  """Per (mixer, seq_len, kv): mean and std over seeds of the best-lr accuracy."""
+  """Per (mixer, seq_len, kv): mean and std over seeds of the best-lr accuracy.
+
+  Runs not evaluated yet are left out; a cell without an evaluated run has no row.
+  """
   best: dict[tuple, dict[int, dict]] = {}
   for r in records:
-    key = (r["mixer"], r["seq_len"], r["kv"])
-    per_seed = best.setdefault(key, {})
-    accuracy = r["best_accuracy"] if r["best_accuracy"] is not None else 0.0
+    if r["best_accuracy"] is None:
+      continue
+    per_seed = best.setdefault((r["mixer"], r["seq_len"], r["kv"]), {})
+    accuracy = r["best_accuracy"]
     if r["seed"] not in per_seed or accuracy > per_seed[r["seed"]]["accuracy"]:
       per_seed[r["seed"]] = {"accuracy": accuracy, "lr": r["lr"]}
   rows = []
@@ -208,5 +212,13 @@ def report(root: pathlib.Path, records_dir: pathlib.Path | str | None, command: 
   print(f"wrote {root / 'results.json'}, {root / 'accuracy.png'} and "
         f"{root / 'accuracy_vs_step.png'}")
   if records_dir is not None:
-    record = make_record(root.name, records, command)
+    # A run not evaluated yet measured nothing: it must not replace an older row of the run.
+    evaluated = [r for r in records if r["best_accuracy"] is not None]
+    waiting = [r["name"] for r in records if r["best_accuracy"] is None]
+    notes = [COLLECTED] + ([f"not evaluated yet, left out: {', '.join(waiting)}"]
+                           if waiting else [])
+    if not evaluated:
+      print("no run has been evaluated yet: no record")
+      return
+    record = make_record(root.name, evaluated, command, notes)
     print(f"wrote {results_lib.write_record(record, records_dir)}")

@@ -77,6 +77,21 @@ def test_collect_reports_unfinished_runs_from_metrics(tmp_path, capsys):
   assert (tmp_path / "accuracy_vs_step.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_collect_leaves_runs_without_an_evaluation_out_of_the_statistics(tmp_path):
+  evaluated, fresh = sweep.grid(mixers=("mamba2", "palimpsa_d"), settings=((512, 128),),
+                                lrs=(1e-3,), seeds=(0,))
+  _fake_run(tmp_path, evaluated, 0.3)
+  _fake_run(tmp_path, fresh, None)
+  workdir = tmp_path / fresh.name
+  (workdir / "summary.json").unlink()
+  (workdir / "metrics.jsonl").write_text(json.dumps({"step": 78, "train/loss": 9.0}) + "\n")
+  sweep.main(["collect", "--root", str(tmp_path), "--no_record"])
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert [r["mixer"] for r in results["best_lr"]] == ["mamba2"]
+  assert {r["mixer"]: r["best_accuracy"] for r in results["runs"]} == {
+      "mamba2": 0.3, "palimpsa_d": None}
+
+
 def _write_summary(root, run, accuracy, best_step, final_step=20):
   (root / run.name / "summary.json").write_text(json.dumps(
       {"best_accuracy": accuracy, "best_step": best_step, "final_step": final_step,

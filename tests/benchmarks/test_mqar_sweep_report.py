@@ -62,3 +62,18 @@ def test_no_record_writes_none(tmp_path):
   mqar_sweep.main(["collect", "--root", str(tmp_path / "sweep"), "--no_record",
                    "--records", str(tmp_path / "records")])
   assert not (tmp_path / "records").exists()
+
+
+def test_the_record_leaves_out_runs_not_evaluated_yet(tmp_path):
+  root = tmp_path / "sweep"
+  _fake_run(root, "a", "palimpsa_d", 1e-3, 0, 0.5, 100)
+  fresh = root / "b"
+  fresh.mkdir()
+  (fresh / "config.json").write_text(json.dumps({"args": {
+      "mixer": "mamba2", "seq_len": 512, "kv": 128, "lr": 1e-3, "seed": 0, "epochs": 60,
+      "examples": 100000}}))
+  (fresh / "metrics.jsonl").write_text(json.dumps({"step": 78, "train/loss": 9.0}) + "\n")
+  mqar_sweep.main(["collect", "--root", str(root), "--records", str(tmp_path / "records")])
+  (record,) = results_lib.load_records(tmp_path / "records")
+  assert [row[0] for row in record["table"]["rows"]] == ["palimpsa_d"]
+  assert record["notes"][-1] == "not evaluated yet, left out: b"
