@@ -34,3 +34,11 @@ def test_time_queued_counts_every_call():
   ms = op_bench.time_queued(fn, [(1,), (2,)], warmup=1, iters=4, batches=3)
   assert ms >= 0
   assert calls == [1] + [1, 2, 1, 2] * 3
+
+
+def test_only_names_a_shape_of_the_chosen_set(monkeypatch, capsys):
+  monkeypatch.setattr("sys.argv", ["op_bench.py", "--only", "MQAR", "--no_record"])
+  with pytest.raises(SystemExit):
+    op_bench.main()
+  assert "--only MQAR: not in --shapes small (its shapes: tiny, tail, wide)" in (
+      capsys.readouterr().err)
