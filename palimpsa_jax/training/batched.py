@@ -128,7 +128,7 @@ def _take(tree: Any, index) -> Any:
   return jax.tree.map(lambda x: x[index], tree)
 
 
-class _Model:
+class GroupModel:
   """The group's model, optimizer and vmapped steps (shapes: leading run axis R)."""
 
   def __init__(self, config: ml_collections.ConfigDict, total_steps: int):
@@ -206,7 +206,7 @@ def _stacked_eval_batches(tasks: dict[int, tasks_lib.MqarTask], seeds: list[int]
           for i in range(counts.pop())]
 
 
-def _evaluate(model: _Model, state: dict, eval_batches: list[dict]
+def _evaluate(model: GroupModel, state: dict, eval_batches: list[dict]
               ) -> list[dict[str, float]]:
   """Per run: eval/loss, eval/accuracy (and diagnostics), as trainer.evaluate."""
   total, diagnostics = None, {}
@@ -279,7 +279,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   device = jax.local_devices()[0]
   tasks = {run.seed: tasks_lib.MqarTask(run.config) for run in todo}
   total_steps = next(iter(tasks.values())).total_steps
-  model = _Model(config, total_steps)
+  model = GroupModel(config, total_steps)
   for run in todo:
     checkpoint_lib.save_config(run.config, run.workdir)
     run.checkpointer = checkpoint_lib.Checkpointer(
