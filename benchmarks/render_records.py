@@ -246,6 +246,7 @@ VIEWS: dict[str, Callable[[list[Record]], str]] = {
     "context_parallel_ab": _as_recorded("context_parallel_ab"),
     "decode_bench": _as_recorded("decode_bench"),
     "mqar_paper": mqar_paper,
+    "mqar_batched_throughput": _as_recorded("mqar_batched_throughput"),
     "torch_interop": torch_interop,
 }
 
