@@ -75,7 +75,7 @@ def _random_op_args(seed: int, shape: tuple[int, int, int, int, int]) -> tuple:
           1.0 + jax.random.uniform(keys[6], (b, h, vd, kd)))
 
 
-@pytest.mark.parametrize("k_dim", [16, 48])
+@pytest.mark.parametrize("k_dim", [16, pytest.param(48, marks=pytest.mark.slow)])
 def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) and both
   backward walks agree with the default (interpreted: the Mosaic GPU walk).
@@ -269,11 +269,15 @@ def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
       b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
-@pytest.mark.parametrize("interpret, accumulate", [
-    (True, False), pytest.param(False, False, marks=pytest.mark.gpu),
-    pytest.param(False, True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("with_var, t, bh_range, every", [
-    (True, 192, None, None), (False, 256, (1, 2), 4)])
+_VAR_192 = (True, 192, None, None)  # with the variance; 3 chunks, not a multiple of 4
+_PIECES_256 = (False, 256, (1, 2), 4)  # a range of batch-heads; checkpoints every 4
+
+
+@pytest.mark.parametrize("interpret, accumulate, with_var, t, bh_range, every", [
+    pytest.param(True, False, *_VAR_192, marks=pytest.mark.slow),
+    (True, False, *_PIECES_256)] + [
+        pytest.param(False, accumulate, *case, marks=pytest.mark.gpu)
+        for accumulate in (False, True) for case in (_VAR_192, _PIECES_256)])
 def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_var, t,
                                                   bh_range, every):
   """walk_mosaic.walk_backward gives walk.walk_backward's partial sums (or, with
