@@ -34,9 +34,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # Run as a script: the repository's packages.
   sys.path.insert(0, str(REPO))
 
-from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+from benchmarks import mqar_sweep
+from benchmarks import results as results_lib
+# pylint: enable=wrong-import-position
 
-LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
+LEARNING_RATES = mqar_sweep.LEARNING_RATES
 # Retries of a failed batched measurement: (extra XLA flag, implementation).
 FALLBACKS = (("", "auto"), ("--xla_gpu_deterministic_ops=true", "auto"), ("", "chunked"))
 
@@ -44,12 +47,8 @@ FALLBACKS = (("", "auto"), ("--xla_gpu_deterministic_ops=true", "auto"), ("", "c
 def measurement_config(mixer: str, seq_len: int, kv: int, lr: float, seed: int,
                        impl: str, steps: int, log_every: int):
   """The paper's config, cut to `steps` steps, logged every `log_every`."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   # Fewer examples than the paper's 100k: only data generation time changes.
-  config = module.get_config(
+  config = mqar_sweep.mqar_config(
       f"preset=paper,mixer={mixer},seq_len={seq_len},kv={kv},lr={lr},seed={seed},"
       f"impl={impl},examples=20000,test_examples=256")
   config.total_steps = steps

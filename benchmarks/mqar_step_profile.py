@@ -19,7 +19,6 @@ the table goes as a record to --records (benchmarks/records/).
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import sys
@@ -34,6 +33,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
   sys.path.insert(0, str(REPO))
 
 # pylint: disable=wrong-import-position
+from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
 from benchmarks import step_profile
 from benchmarks.train_throughput import positive_int
@@ -41,17 +41,14 @@ from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import batched
 # pylint: enable=wrong-import-position
 
-LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
+LEARNING_RATES = mqar_sweep.LEARNING_RATES
 
 
 def group_configs(config_arg: str, runs: int) -> list[Any]:
   """The configs of the group: `config_arg` (preset=paper unless given) per run."""
-  spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   base = config_arg if "preset=" in config_arg else ",".join(
       filter(None, ["preset=paper", config_arg]))
-  return [module.get_config(f"{base},lr={LEARNING_RATES[i % 4]},seed={i // 4}")
+  return [mqar_sweep.mqar_config(f"{base},lr={LEARNING_RATES[i % 4]},seed={i // 4}")
           for i in range(runs)]
 
 

@@ -99,16 +99,17 @@ def is_finished(root: pathlib.Path, run: Run) -> bool:
   return (root / run.name / "summary.json").exists()
 
 
-def _mqar_config_module():
+def mqar_config(arg: str):
+  """train.py's config for --config=configs/mqar.py:ARG."""
   spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module
+  return module.get_config(arg)
 
 
 def run_config(run: Run, extra: dict[str, object]):
   """The run's train.py config (configs/mqar.py:preset=paper,...)."""
-  return _mqar_config_module().get_config(run.config_arg(extra))
+  return mqar_config(run.config_arg(extra))
 
 
 def planned_steps(config) -> int:
