@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -41,14 +42,12 @@ from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import batched
 # pylint: enable=wrong-import-position
 
-LEARNING_RATES = mqar_sweep.LEARNING_RATES
-
-
 def group_configs(config_arg: str, runs: int) -> list[Any]:
   """The configs of the group: `config_arg` (preset=paper unless given) per run."""
   base = config_arg if "preset=" in config_arg else ",".join(
       filter(None, ["preset=paper", config_arg]))
-  return [mqar_sweep.mqar_config(f"{base},lr={LEARNING_RATES[i % 4]},seed={i // 4}")
+  rates = mqar_sweep.LEARNING_RATES
+  return [mqar_sweep.mqar_config(f"{base},lr={rates[i % len(rates)]},seed={i // len(rates)}")
           for i in range(runs)]
 
 
@@ -89,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   data_s = time.perf_counter() - start
   model = batched.GroupModel(config, next(iter(tasks.values())).total_steps)
   state = model.init(seeds, device)
-  lrs = jax.numpy.asarray([c.optimizer.learning_rate for c in configs], jax.numpy.float32)
-  active = jax.numpy.ones((len(configs),), bool)
+  lrs = jnp.asarray([c.optimizer.learning_rate for c in configs], jnp.float32)
+  active = jnp.ones((len(configs),), bool)
   on_device = jax.device_put(host_batch(tasks, seeds), device)
   start = time.perf_counter()
   compiled = model.train_step.lower(state, on_device, lrs, active).compile()
