@@ -51,12 +51,6 @@ def group_configs(config_arg: str, runs: int) -> list[Any]:
           for i in range(runs)]
 
 
-def host_batch(tasks: dict[int, tasks_lib.MqarTask], seeds: list[int]) -> dict[str, np.ndarray]:
-  """One step's stacked batch [R, B, ...], as the batched trainer draws it."""
-  batches = {seed: next(tasks[seed].train_iterator) for seed in dict.fromkeys(seeds)}
-  return {key: np.stack([batches[s][key] for s in seeds]) for key in batches[seeds[0]]}
-
-
 def per_step_ms(fn, steps: int) -> float:
   start = time.perf_counter()
   out = None
@@ -90,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   state = model.init(seeds, device)
   lrs = jnp.asarray([c.optimizer.learning_rate for c in configs], jnp.float32)
   active = jnp.ones((len(configs),), bool)
-  on_device = jax.device_put(host_batch(tasks, seeds), device)
+  on_device = jax.device_put(batched.next_batch(tasks, seeds), device)
   start = time.perf_counter()
   compiled = model.train_step.lower(state, on_device, lrs, active).compile()
   compile_s = time.perf_counter() - start
@@ -102,12 +96,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
   def loop_step():
     nonlocal state
-    state, metrics = compiled(state, host_batch(tasks, seeds), lrs, active)
+    state, metrics = compiled(state, batched.next_batch(tasks, seeds), lrs, active)
     return state, metrics
 
   for _ in range(3):
     device_step()
-  host_ms = per_step_ms(lambda: host_batch(tasks, seeds), args.steps)
+  host_ms = per_step_ms(lambda: batched.next_batch(tasks, seeds), args.steps)
   device_ms = per_step_ms(device_step, args.steps)
   loop_ms = per_step_ms(loop_step, args.steps)
   rows, traced_ms, (_, metrics) = step_profile.trace_calls(

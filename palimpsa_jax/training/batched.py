@@ -190,6 +190,14 @@ class GroupModel:
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes)
 
 
+def next_batch(tasks: dict[int, tasks_lib.MqarTask], seeds: list[int]
+               ) -> dict[str, np.ndarray]:
+  """The group's next training batch {name: [R, B, ...]}: run i's from seeds[i]'s task
+  (runs sharing a seed share its batch)."""
+  batches = {seed: next(tasks[seed].train_iterator) for seed in dict.fromkeys(seeds)}
+  return {key: np.stack([batches[s][key] for s in seeds]) for key in batches[seeds[0]]}
+
+
 def _summary_path(workdir: str) -> pathlib.Path:
   return pathlib.Path(workdir) / run_summary.SUMMARY_FILE
 
@@ -341,9 +349,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
         seeds = [r.seed for r in stack]
         rows = (jnp.asarray([r.config.optimizer.learning_rate for r in stack],
                             jnp.float32), jnp.asarray(active))
-      batches = {seed: next(tasks[seed].train_iterator) for seed in dict.fromkeys(seeds)}
-      batch = {key: np.stack([batches[s][key] for s in seeds]) for key in batches[seeds[0]]}
-      state, step_metrics = model.train_step(state, batch, *rows)
+      state, step_metrics = model.train_step(state, next_batch(tasks, seeds), *rows)
       finite = finite & step_metrics["train/finite"]
       step += 1
       last = step == total_steps
