@@ -30,7 +30,8 @@ from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, mak
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import (backward, boundary, forward, make_config,
-                                         palimpsa_gpu, walk, walk_mosaic)
+                                         palimpsa_gpu, walk, walk_forward_mosaic,
+                                         walk_mosaic)
 from pallas_kernels.palimpsa_gpu.config import forward_block_v, largest_block_v
 
 REFERENCE_MS = {  # docs/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
@@ -88,6 +89,10 @@ def _boundary_fn(cfg):
 
 
 def _forward_walk_fn(cfg, dtype):
+  if cfg.walk_fwd == "mosaic":  # Takes the prior precision per batch*head, not per column.
+    fn = functools.partial(walk_forward_mosaic.walk_forward, heads=cfg.h, chunk=cfg.chunk,
+                           with_var=False, out_dtype=dtype, interpret=False)
+    return jax.jit(lambda *a: fn(*a[:5], a[5][:, 0], *a[6:]))
   return jax.jit(functools.partial(
       walk.walk_forward, heads=cfg.h, chunk=cfg.chunk,
       block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
@@ -143,8 +148,8 @@ def _variants(base):
     for warps in (1, 2):
       for unroll in (2, 4):
         bv = forward_block_v(base.v + base.v_pad, k_part, warps)
-        cfg = dataclasses.replace(base, block_v=bv, num_warps=warps, unroll=unroll,
-                                  k_part=k_part)
+        cfg = dataclasses.replace(base, walk_fwd="triton", block_v=bv, num_warps=warps,
+                                  unroll=unroll, k_part=k_part)
         out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
   vp = base.v + base.v_pad
   # Backward walk (Triton): K in one program (padded to a power of two, or the default's
@@ -184,7 +189,8 @@ def sweep(base, base_times, args, log):
       base, block_v_boundary=b_cfg.block_v_boundary,
       num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
       block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
-      k_part=f_cfg.k_part, walk_bwd=w_cfg.walk_bwd, block_v_bwd=w_cfg.block_v_bwd,
+      k_part=f_cfg.k_part, walk_fwd=f_cfg.walk_fwd, walk_bwd=w_cfg.walk_bwd,
+      block_v_bwd=w_cfg.block_v_bwd,
       num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,
       k_part_bwd=w_cfg.k_part_bwd, k_split_bwd=w_cfg.k_split_bwd,
       prefetch_bwd=w_cfg.prefetch_bwd)

@@ -36,6 +36,7 @@ import numpy as np
 if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks import fla_reference
 from benchmarks import results as results_lib
 from palimpsa_jax.ops import palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
@@ -237,24 +238,37 @@ def bench_shape(name, shape, impls, args, log):
 
 
 def format_table(rows, with_memory) -> str:
+  """The markdown table of bench_shape's (and fla_reference's) rows. "speed-up vs best
+  other" compares the Palimpsa implementations; with FLA's rows, "x FLA Gated DeltaNet" is
+  FLA's time over this row's (>1: this one is faster)."""
+  with_fla = any(r[2] == "fla_gated_deltanet" and r[4] is not None for r in rows)
   header = ("| shape | (B, T, H, K, V) | implementation | mode | ms | ms synced | "
             "elem-steps/s | speed-up vs best other | fraction of floor | rel. error |")
   sep = "|---|---|---|---|---|---|---|---|---|---|"
+  if with_fla:
+    header += " x FLA Gated DeltaNet |"
+    sep += "---|"
   if with_memory:
     header += " temp MiB |"
     sep += "---|"
   lines = [header, sep]
   for name, shape, impl, mode, ms, ms_synced, err, mem in rows:
     steps = float(np.prod(shape))
+    fla = impl in fla_reference.IMPLS
     if ms is None:
       cells = ["-", "-", "-", "-", "-", err]
     else:
       others = [r[4] for r in rows if r[0] == name and r[3] == mode and r[2] != impl
-                and r[4] is not None]
-      ratio = f"{min(others) / ms:.2f}x" if others else "-"
+                and r[2] not in fla_reference.IMPLS and r[4] is not None]
+      ratio = f"{min(others) / ms:.2f}x" if others and not fla else "-"
       floor_ms = 1e3 * steps / (FWD_FLOOR_RATE if mode == "fwd" else FWD_BWD_FLOOR_RATE)
-      cells = [f"{ms:.3f}", f"{ms_synced:.3f}", f"{steps / (ms * 1e-3):.2e}", ratio,
-               f"{floor_ms / ms:.3g}", err]
+      synced = "-" if ms_synced is None else f"{ms_synced:.3f}"
+      cells = [f"{ms:.3f}", synced, f"{steps / (ms * 1e-3):.2e}", ratio,
+               "-" if fla else f"{floor_ms / ms:.3g}", err]
+    if with_fla:
+      gdn = [r[4] for r in rows if r[0] == name and r[3] == mode
+             and r[2] == "fla_gated_deltanet" and r[4] is not None]
+      cells.append(f"{gdn[0] / ms:.2f}x" if gdn and ms is not None and not fla else "-")
     line = f"| {name} | {shape} | {impl} | {mode} | " + " | ".join(cells) + " |"
     if with_memory:
       line += f" {'-' if mem is None else f'{mem:.1f}'} |"
@@ -280,6 +294,8 @@ def main():
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="memory for the float64 reference backward (fewer steps if needed)")
   results_lib.add_record_flags(parser)
+  parser.add_argument("--fla", action="store_true",
+                      help="also time FLA's chunk Gated DeltaNet and SimpleGLA (torch, CUDA)")
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
@@ -292,10 +308,14 @@ def main():
   log = lambda msg: print(msg, file=sys.stderr, flush=True)
   device = jax.devices()[0]
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-  rows = []
+  rows, fla_notes = [], set()
   for i, (name, shape) in enumerate(shapes.items()):
     log(f"shape {i + 1}/{len(shapes)}: {name} {shape}")
     rows += bench_shape(name, shape, impls, args, log)
+    if args.fla:
+      fla_rows, notes = fla_reference.rows(name, shape, log)
+      rows += fla_rows
+      fla_notes.update(notes)
   table = format_table(rows, args.memory)
   print(table)
   if not args.no_record:
@@ -309,7 +329,7 @@ def main():
                f"ms: per call with {args.iters} calls queued and one block at the end (median "
                f"of 3 batches; device time per call, as triton's do_bench measures); ms synced: "
                f"median of {args.iters} single calls, each blocked on"]
-        + ([args.note] if args.note else []))
+        + sorted(fla_notes) + ([args.note] if args.note else []))
     log(f"wrote {results_lib.write_record(record, args.records)}")
 
 

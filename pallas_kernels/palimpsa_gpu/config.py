@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
                                    round_up)
-from pallas_kernels.palimpsa_gpu import walk_mosaic
+from pallas_kernels.palimpsa_gpu import walk_forward_mosaic, walk_mosaic
 
 MAX_DIM = 256
 DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
@@ -56,6 +56,8 @@ class GpuKernelConfig:
     prefetch_bwd: each Triton reverse body loads the next sub-chunk's rows first.
     max_walk_temp_bytes: the backward walk is called on slices of batch*head so that
       each call's scratch and partial sums take at most this many bytes.
+    walk_fwd: "mosaic" (walk_forward_mosaic: Hopper and newer, K <= 128) or "triton"
+      (walk.walk_forward, with the tiles above).
     walk_bwd: "mosaic" (walk_mosaic: Hopper and newer, rows that fit shared memory) or
       "triton" (walk.walk_backward, with the tiles above).
     accumulate_bwd: the Mosaic walk adds its tiles' sums by TMA reduce-add into one array
@@ -88,6 +90,7 @@ class GpuKernelConfig:
   k_split_bwd: int = 1
   prefetch_bwd: bool = False
   max_walk_temp_bytes: int = 2 << 30
+  walk_fwd: str = "triton"
   walk_bwd: str = "triton"
   accumulate_bwd: bool = False
 
@@ -158,16 +161,16 @@ def deterministic_ops_requested() -> bool:
   return re.search(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)", flags) is not None
 
 
-def backward_walk_kernel(row_dtypes, chunk: int, sub: int, interpret: bool) -> str:
-  """"mosaic" where walk_mosaic runs: compiled on Hopper or newer with rows that fit its
-  shared memory, or interpreted on a single device; else "triton".
+def walk_kernel(mosaic_supported: bool, interpret: bool) -> str:
+  """"mosaic" where a Mosaic GPU walk runs (`mosaic_supported`: it takes this call's
+  sizes and dtypes): compiled on Hopper or newer, or interpreted on a single device;
+  else "triton".
 
   Mosaic GPU's interpret mode keeps one shared-memory state per process and checks at
   the end of each kernel that no barrier is left in it, so kernels interpreted by
   several devices at once (a CPU mesh under kernel_sharding) fail that check.
-  row_dtypes: of the backward walk's rows q, k, v, beta, dO (and dvar).
   """
-  if not walk_mosaic.supported(chunk, sub, row_dtypes, interpret=interpret):
+  if not mosaic_supported:
     return "triton"
   if interpret:
     return "mosaic" if jax.local_device_count() == 1 else "triton"
@@ -209,11 +212,15 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
     k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 8, 1, largest_block_v(vp, kp, 512), 1
   else:
     k_part_bwd, k_split_bwd, block_v_bwd, groups_bwd = 16, kp // 16, 16, vp // 16
-  row_dtypes = [q.dtype, k_dtype or q.dtype, v.dtype, beta_dtype or v.dtype,
-                v.dtype]  # dO has the output's dtype.
+  k_dtype, beta_dtype = k_dtype or q.dtype, beta_dtype or v.dtype
+  bwd_row_dtypes = [q.dtype, k_dtype, v.dtype, beta_dtype, v.dtype]  # dO: out's dtype.
   if return_variance:
-    row_dtypes.append(jnp.float32)
+    bwd_row_dtypes.append(jnp.float32)
   sub = 4
+  fwd_mosaic = walk_forward_mosaic.supported(
+      chunk, kp, [k_dtype, q.dtype, v.dtype, beta_dtype], v.dtype, return_variance,
+      interpret=interpret)
+  bwd_mosaic = walk_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
   return GpuKernelConfig(
       b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
       block_v=forward_block_v(vp, k_part, num_warps),
@@ -228,7 +235,8 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
       prior_dtype=jnp.dtype(prior_precision.dtype).name,
       interpret=interpret,
-      walk_bwd=backward_walk_kernel(row_dtypes, chunk, sub, interpret),
+      walk_fwd=walk_kernel(fwd_mosaic, interpret),
+      walk_bwd=walk_kernel(bwd_mosaic, interpret),
       accumulate_bwd=not interpret and not deterministic_ops_requested())
 
 

@@ -4,7 +4,7 @@ between them (padding, layouts, the linear state), with the residuals of the bac
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import boundary, layout, walk
+from pallas_kernels.palimpsa_gpu import boundary, layout, walk, walk_forward_mosaic
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
 
 
@@ -64,11 +64,17 @@ def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, ini
       k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0, heads=cfg.h,
       chunk=cfg.chunk, block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
       num_warps=cfg.num_warps_boundary, interpret=cfg.interpret)
-  outs = walk.walk_forward(
-      q_rows, k_rows, v_rows, beta_rows, gates.step, ip_row(ip, cfg.k + cfg.k_pad), m_starts,
-      b_starts, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-      k_part=cfg.k_part, with_var=cfg.return_variance, out_dtype=v.dtype,
-      num_warps=cfg.num_warps, interpret=cfg.interpret)
+  if cfg.walk_fwd == "mosaic":
+    outs = walk_forward_mosaic.walk_forward(
+        q_rows, k_rows, v_rows, beta_rows, gates.step, ip, m_starts, b_starts,
+        heads=cfg.h, chunk=cfg.chunk, with_var=cfg.return_variance, out_dtype=v.dtype,
+        interpret=cfg.interpret)
+  else:
+    outs = walk.walk_forward(
+        q_rows, k_rows, v_rows, beta_rows, gates.step, ip_row(ip, cfg.k + cfg.k_pad),
+        m_starts, b_starts, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v,
+        unroll=cfg.unroll, k_part=cfg.k_part, with_var=cfg.return_variance,
+        out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
   # The walk writes [B, Tp, H, Vp]: the caller's layout, padded.
   out = outs[0][:, :cfg.t, :, :cfg.v]
   var = outs[1][:, :cfg.t, :, :cfg.v] if cfg.return_variance else None

@@ -42,3 +42,24 @@ def test_only_names_a_shape_of_the_chosen_set(monkeypatch, capsys):
     op_bench.main()
   assert "--only MQAR: not in --shapes small (its shapes: tiny, tail, wide)" in (
       capsys.readouterr().err)
+
+
+def test_fla_rows_say_why_they_are_skipped_and_fill_their_column():
+  """Without torch/FLA (CI) the FLA rows say why; with timings, the table gives each
+  Palimpsa row's ratio to FLA's Gated DeltaNet and no floor fraction or speed-up for FLA."""
+  shape = (1, 64, 2, 16, 16)
+  rows, notes = op_bench.fla_reference.rows("tiny", shape, lambda _: None)
+  assert [(r[2], r[3]) for r in rows] == [(i, m) for i in op_bench.fla_reference.IMPLS
+                                          for m in ("fwd", "fwd+bwd")]
+  assert all(r[4] is None and r[6].startswith("skipped: ") for r in rows) and not notes
+  assert "x FLA Gated DeltaNet" not in op_bench.format_table(rows, False)
+  timed = [("D", shape, "pallas_gpu", "fwd", 2.0, 2.5, "1e-06 (ref)", None),
+           ("D", shape, "chunked", "fwd", 8.0, 8.5, "1e-06 (ref)", None),
+           ("D", shape, "fla_gated_deltanet", "fwd", 1.0, None, "n/a", None),
+           ("D", shape, "fla_simple_gla", "fwd", 0.5, None, "n/a", None)]
+  lines = op_bench.format_table(timed, False).splitlines()
+  assert lines[0].endswith("| x FLA Gated DeltaNet |")
+  cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+  assert cells[0][7] == "4.00x" and cells[0][-1] == "0.50x"  # pallas_gpu vs chunked, FLA
+  assert cells[1][-1] == "0.12x"
+  assert cells[2][5] == "-" and cells[2][7:9] == ["-", "-"] and cells[2][-1] == "-"

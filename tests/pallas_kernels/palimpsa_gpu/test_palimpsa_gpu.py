@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.palimpsa_gpu import backward, boundary, forward, walk, walk_mosaic
+from pallas_kernels.palimpsa_gpu import (backward, boundary, forward, walk,
+                                         walk_forward_mosaic, walk_mosaic)
 from pallas_kernels.palimpsa_gpu import config as gpu_config
 from pallas_kernels.palimpsa_gpu import make_config, palimpsa_gpu
 from tests.ops.palimpsa.palimpsa_suite import PalimpsaSuite
@@ -78,9 +79,9 @@ def _random_op_args(seed: int, shape: tuple[int, int, int, int, int]) -> tuple:
 @pytest.mark.parametrize("k_dim", [16, pytest.param(48, marks=pytest.mark.slow)])
 def test_tile_variants_agree(k_dim):
   """Other tilings (V-tile groups, sub-chunks, unrolling, prefetch, K-parts) and both
-  backward walks agree with the default (interpreted: the Mosaic GPU walk).
+  kinds of walks agree with the default (interpreted: the Mosaic GPU walks).
 
-  `triton` is the default with the Triton backward walk: at K=16 8-column parts over
+  `triton` is the default with the Triton walks: at K=16 8-column parts over
   V-tiles of up to 32 rows, at K=48 three 16-column K-slices, one program each. The
   variants below use it.
   `variant` walks all three stages in 16-column parts inside one program. `sliced` walks the
@@ -90,8 +91,8 @@ def test_tile_variants_agree(k_dim):
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
                      chunk_size=16, interpret=True)
-  assert base.walk_bwd == "mosaic" and not base.accumulate_bwd
-  triton = dataclasses.replace(base, walk_bwd="triton")
+  assert base.walk_fwd == base.walk_bwd == "mosaic" and not base.accumulate_bwd
+  triton = dataclasses.replace(base, walk_fwd="triton", walk_bwd="triton")
   variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16, k_part_bwd=16,
                                 k_split_bwd=1)
@@ -327,9 +328,10 @@ def test_reduce_add_only_without_deterministic_ops(monkeypatch, flags, determini
     assert cfg.accumulate_bwd == (not interpret and not deterministic)
 
 
-def test_backward_walk_kernel_choice(monkeypatch):
-  """Mosaic where it runs: interpreted on one device, or compiled on Hopper+ with rows
-  that fit its shared memory (16-bit rows up to chunk 128; float32 rows up to chunk 64)."""
+def test_walk_kernel_choice(monkeypatch):
+  """Mosaic where it runs: interpreted on one device, or compiled on Hopper+ with sizes and
+  rows that fit it (backward: 16-bit rows up to chunk 128, float32 rows up to chunk 64;
+  forward: K up to 128)."""
   bf16, f32 = jnp.bfloat16, jnp.float32
   assert walk_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
   assert walk_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
@@ -339,12 +341,54 @@ def test_backward_walk_kernel_choice(monkeypatch):
   assert walk_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
   assert not walk_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # Quarters of 4 steps.
   assert walk_mosaic.smem_bytes(64, 4, [bf16] * 5) <= walk_mosaic.SMEM_LIMIT // 2
-  assert gpu_config.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "mosaic"
-  assert gpu_config.backward_walk_kernel([f32] * 5, 16, 8, interpret=True) == "triton"
+  for kp in (16, 96, 128):
+    for dtype in (bf16, f32):
+      assert walk_forward_mosaic.supported(128, kp, [dtype] * 4, dtype, True, interpret=False)
+  assert walk_forward_mosaic.smem_bytes(96, [bf16] * 4, bf16, False) <= (
+      walk_mosaic.SMEM_LIMIT // 2)  # Two CTAs per SM at D760's heads.
+  assert not walk_forward_mosaic.supported(64, 144, [bf16] * 4, bf16, False, interpret=True)
+  assert gpu_config.walk_kernel(True, interpret=True) == "mosaic"
+  assert gpu_config.walk_kernel(False, interpret=True) == "triton"
   hopper = gpu_config.compute_capability() >= (9, 0)
-  for dtypes in ([bf16] * 5, [f32] * 5):
-    compiled = gpu_config.backward_walk_kernel(dtypes, 64, 4, interpret=False)
-    assert compiled == ("mosaic" if hopper else "triton")
-  assert gpu_config.backward_walk_kernel([f32] * 5, 128, 4, interpret=False) == "triton"
+  assert gpu_config.walk_kernel(True, interpret=False) == ("mosaic" if hopper else "triton")
+  assert gpu_config.walk_kernel(False, interpret=False) == "triton"
+  args = _random_op_args(0, (1, 64, 1, 144, 16))
+  cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=False,
+                    chunk_size=64, interpret=True)
+  assert (cfg.walk_fwd, cfg.walk_bwd) == ("triton", "mosaic")
   monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-  assert gpu_config.backward_walk_kernel([f32] * 5, 64, 4, interpret=True) == "triton"
+  assert gpu_config.walk_kernel(True, interpret=True) == "triton"
+
+
+@pytest.mark.parametrize("interpret, chunk, k_dim, v_dim, k_state, with_var", [
+    (True, 16, 32, 16, 48, True),  # Saved states wider than K; 4 chunks of 16.
+    (True, 16, 16, 32, 16, False),  # 3 chunks: a group of 4 padded.
+    pytest.param(False, 64, 96, 192, 96, False, marks=pytest.mark.gpu),
+    pytest.param(False, 128, 48, 96, 48, True, marks=pytest.mark.gpu)])
+def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim, k_state,
+                                                 with_var):
+  """walk_forward_mosaic.walk_forward gives walk.walk_forward's readouts and variances
+  (float32 rows interpreted, bfloat16 rows compiled)."""
+  dtype = jnp.float32 if interpret else jnp.bfloat16
+  b, h, nc = 2, 2, 3 if k_dim == 16 else 4
+  t = nc * chunk
+  x = _walk_inputs(1, b * h, t, k_dim, v_dim, chunk, dtype)
+  caller = lambda y: jnp.transpose(y.reshape(b, h, t, -1), (0, 2, 1, 3))  # [B, T, H, D]
+  q, k, v, beta = (caller(x[n]) for n in ("q", "k", "v", "beta"))
+  pad = lambda s: jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, k_state - k_dim)))
+  m_starts, b_starts = pad(x["m_starts"]), pad(x["b_starts"])
+  ip = x["ip_row"][:, 0]
+  want = walk.walk_forward(q, k, v, beta, x["a"], jnp.broadcast_to(ip[:, None], (b * h, k_dim)),
+                           m_starts, b_starts, heads=h, chunk=chunk, block_v=16, unroll=2,
+                           k_part=16, with_var=with_var, out_dtype=dtype, num_warps=1,
+                           interpret=interpret)
+  got = walk_forward_mosaic.walk_forward(q, k, v, beta, x["a"], ip, m_starts, b_starts,
+                                         heads=h, chunk=chunk, with_var=with_var,
+                                         out_dtype=dtype, interpret=interpret)
+  assert len(got) == len(want) == 1 + with_var
+  for name, g, w in zip(("out", "var"), got, want):
+    chex.assert_equal_shape([g, w], custom_message=name)
+    g, w = g.astype(jnp.float32), w.astype(jnp.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bfloat16 outputs: one rounding each.
+    chex.assert_trees_all_close(g, w, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w))),
+                                custom_message=name)
