@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import boundary, layout, walk, walk_mosaic
+from pallas_kernels.palimpsa_gpu import boundary, carries_mosaic, layout, walk, walk_mosaic
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, largest_block_v
 from pallas_kernels.palimpsa_gpu.forward import ip_row, pad_state
 
@@ -92,9 +92,13 @@ def backward(cfg: GpuKernelConfig, residuals, cotangents):
                                        kw - cfg.k)
   dm_end = dmu_f * r_final
   db_end = dprec_f - dmu_f * mu_final * r_final
-  carry_m, carry_b, dm0, db0 = boundary.adjoint_carries(
-      dm_end, db_end, gates.chunk, adj_m, adj_b, block_v=largest_block_v(vp, kw, 1024),
-      interpret=cfg.interpret)
+  if cfg.carries_bwd == "mosaic":
+    carry_m, carry_b, dm0, db0 = carries_mosaic.adjoint_carries(
+        dm_end, db_end, gates.chunk, adj_m, adj_b, interpret=cfg.interpret)
+  else:
+    carry_m, carry_b, dm0, db0 = boundary.adjoint_carries(
+        dm_end, db_end, gates.chunk, adj_m, adj_b, block_v=largest_block_v(vp, kw, 1024),
+        interpret=cfg.interpret)
 
   # Carries are constant inside a chunk: their contributions are matmuls.
   c = cfg.chunk

@@ -60,6 +60,8 @@ class GpuKernelConfig:
       (walk.walk_forward, with the tiles above).
     walk_bwd: "mosaic" (walk_mosaic: Hopper and newer, rows that fit shared memory) or
       "triton" (walk.walk_backward, with the tiles above).
+    carries_bwd: "mosaic" (carries_mosaic: Hopper and newer) or "triton"
+      (boundary.adjoint_carries).
     accumulate_bwd: the Mosaic walk adds its tiles' sums by TMA reduce-add into one array
       each instead of partial sums that XLA adds (compiled only; the order of the
       additions, so the float32 rounding, varies run to run).
@@ -92,6 +94,7 @@ class GpuKernelConfig:
   max_walk_temp_bytes: int = 2 << 30
   walk_fwd: str = "triton"
   walk_bwd: str = "triton"
+  carries_bwd: str = "triton"
   accumulate_bwd: bool = False
 
   @property
@@ -162,7 +165,7 @@ def deterministic_ops_requested() -> bool:
 
 
 def walk_kernel(mosaic_supported: bool, interpret: bool) -> str:
-  """"mosaic" where a Mosaic GPU walk runs (`mosaic_supported`: it takes this call's
+  """"mosaic" where a Mosaic GPU kernel runs (`mosaic_supported`: it takes this call's
   sizes and dtypes): compiled on Hopper or newer, or interpreted on a single device;
   else "triton".
 
@@ -237,6 +240,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       interpret=interpret,
       walk_fwd=walk_kernel(fwd_mosaic, interpret),
       walk_bwd=walk_kernel(bwd_mosaic, interpret),
+      carries_bwd=walk_kernel(True, interpret),
       accumulate_bwd=not interpret and not deterministic_ops_requested())
 
 

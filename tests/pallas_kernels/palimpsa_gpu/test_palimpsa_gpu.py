@@ -91,8 +91,10 @@ def test_tile_variants_agree(k_dim):
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
                      chunk_size=16, interpret=True)
-  assert base.walk_fwd == base.walk_bwd == "mosaic" and not base.accumulate_bwd
-  triton = dataclasses.replace(base, walk_fwd="triton", walk_bwd="triton")
+  assert base.walk_fwd == base.walk_bwd == base.carries_bwd == "mosaic"
+  assert not base.accumulate_bwd
+  triton = dataclasses.replace(base, walk_fwd="triton", walk_bwd="triton",
+                               carries_bwd="triton")
   variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16, k_part_bwd=16,
                                 k_split_bwd=1)
