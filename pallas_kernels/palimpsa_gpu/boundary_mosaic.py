@@ -1,0 +1,243 @@
+"""Chunk-boundary states (`boundary.boundary_states`) as Pallas Mosaic GPU kernels (Hopper).
+
+One CTA (a warpgroup) walks the chunks of one (batch*head, V-tile of 64 rows, K-part) for
+one state, M (writes v (x) k) or Ibar (writes beta (x) k^2); the two states are two
+kernels. The state lives in the WGMMA accumulator:
+
+- Rows come by TMA in blocks of R = max(chunk, 64) steps (one or more whole chunks) into
+  a ring of two slots: k [R, K-part], v or beta [R, 64] and the block's gates (the steps'
+  decays to their chunk's end, then the chunks' decays), the next block issued while this
+  one is used.
+- Per block, y = w k^p [R, K-part] (float32, registers) is split into three bfloat16
+  terms in shared memory (`common.bf16_terms`). Per chunk, the state is stored (staging
+  slot, TMA to the chunk's start), decayed (acc = g acc) and the chunk's write added on
+  tensor cores: acc += x^T y_i (wgmma, x [chunk, 64] the transposed A operand), products
+  of bfloat16 terms, exact, with float32 accumulation. float32 v or beta rows are split
+  into three bfloat16 terms as well (six products, those of term pairs i + j <= 2).
+- A V-tile past Vp reads zeros and its rows beyond Vp are not stored (TMA bounds).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import bf16_terms
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+BLOCK_V = 64  # V-rows per CTA: the M of one wgmma.
+MIN_ROWS = 64  # Rows per block at least (the WGMMA register layout's 64-row tiles).
+SLOTS = 3  # Row blocks in flight (the ring's slots), by default.
+TERMS = 3  # bfloat16 terms of a float32 operand.
+GATE_PAD = 32  # Chunk-gate entries per block (at most 4 used): copies of whole 128 bytes.
+# Dynamic shared memory per CTA on sm_90, and what Pallas reserves besides our scratch.
+SMEM_LIMIT = 227 * 1024
+_SMEM_RESERVED = 3 * 1024
+
+
+def block_rows(chunk: int) -> int:
+  """Steps per row block: whole chunks, at least MIN_ROWS."""
+  return max(chunk, MIN_ROWS)
+
+
+def _tiled(dtype, minor: int):
+  """Swizzled tiling of a [rows, minor] operand (the largest swizzle dividing it)."""
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _operand_transforms(k_part: int, rows: int):
+  """The bfloat16 wgmma operands' transforms: one swizzle for A [rows, 64] and B
+  [rows, k_part], whose tile (8, S) must divide k_part, 64 and the contraction."""
+  swizzle = min(plgpu.find_swizzle(k_part * 16), plgpu.find_swizzle(rows * 16), 128)
+  if swizzle < 32:
+    raise ValueError(f"k_part={k_part} must be a multiple of 16")
+  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _scratch(rows: int, k_part: int, slots: int, k_dtype, x_dtype) -> list:
+  """Shared memory in `_kernel`'s order: ring slots of k, x and gates; y's bfloat16 terms;
+  two staging slots of the state; with float32 x, x's bfloat16 terms."""
+  ops = _operand_transforms(k_part, rows)
+  exact = jnp.dtype(x_dtype) == bf16
+  smem = plgpu.SMEM
+  return [
+      smem((slots, rows, k_part), k_dtype, transforms=_tiled(k_dtype, k_part)),
+      smem((slots, rows, BLOCK_V), x_dtype,
+           transforms=ops if exact else _tiled(x_dtype, BLOCK_V)),
+      smem((slots, rows + GATE_PAD), f32),
+      smem((TERMS, rows, k_part), bf16, transforms=ops),
+      smem((2, BLOCK_V, k_part), f32, transforms=_tiled(f32, k_part)),
+  ] + ([] if exact else [smem((TERMS, rows, BLOCK_V), bf16, transforms=ops)])
+
+
+def smem_bytes(chunk: int, k_part: int, k_dtype, x_dtype, slots: int = SLOTS) -> int:
+  """Shared memory of one CTA."""
+  refs = _scratch(block_rows(chunk), k_part, slots, k_dtype, x_dtype)
+  return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in refs) + _SMEM_RESERVED
+
+
+def _kernel(k_g, x_g, gates_g, init_g, starts_g, final_g, k_s, x_s, gate_s, y_s, out_s,
+            *rest, heads, chunk, num_blocks, num_chunks, num_v,
+            power):
+  """One CTA: the walk of one state over all chunks of one (n, V-tile, K-part).
+
+  k_g [B, Tp, H, Kp], x_g [B, Tp, H, Vp] (v or beta), gates_g [BH, NB, R + GATE_PAD],
+  init_g [BH, Vp, Kp]; outputs starts_g [BH, NC, Vp, Kp], final_g [BH, Vp, Kp]; then
+  the scratch of `_scratch` (x's terms last, float32 x only) and the ring and init
+  barriers.
+  """
+  xt_s, ring_bars, init_bar = rest if len(rest) == 3 else (None, *rest)
+  slots, rows, k_part = k_s.shape
+  per_block = rows // chunk
+  p, n = jax.lax.axis_index("p"), jax.lax.axis_index("n")
+  vrows = pl.ds((p % num_v) * BLOCK_V, BLOCK_V)
+  kcols = pl.ds((p // num_v) * k_part, k_part)
+  batch, head = n // heads, n % heads
+
+  def fetch(blk):
+    slot, steps = blk % slots, pl.ds(blk * rows, rows)
+    plgpu.copy_gmem_to_smem(k_g.at[batch, steps, head, kcols], k_s.at[slot],
+                            ring_bars.at[slot])
+    plgpu.copy_gmem_to_smem(x_g.at[batch, steps, head, vrows], x_s.at[slot],
+                            ring_bars.at[slot])
+    plgpu.copy_gmem_to_smem(gates_g.at[n, blk], gate_s.at[slot], ring_bars.at[slot])
+
+  plgpu.copy_gmem_to_smem(init_g.at[n, vrows, kcols], out_s.at[0], init_bar)
+  for blk in range(min(slots, num_blocks)):
+    fetch(blk)
+
+  if xt_s is None:  # bfloat16 x: one exact term.
+    pairs = [(0, i) for i in reversed(range(TERMS))]
+  else:
+    pairs = sorted(((i, j) for i in range(TERMS) for j in range(TERMS) if i + j < TERMS),
+                   key=lambda ij: -sum(ij))
+
+  plgpu.barrier_wait(init_bar)
+  initial = plgpu.load(out_s.at[0], layout=plgpu.Layout.WGMMA)
+
+  def block(blk, state):
+    slot = blk % slots
+    plgpu.barrier_wait(ring_bars.at[slot])
+    k = plgpu.load(k_s.at[slot], layout=plgpu.Layout.WGMMA).astype(f32)
+    w = plgpu.load(gate_s.at[slot, pl.ds(0, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
+    y = jax.lax.broadcast_in_dim(w, (rows, k_part), (0,)) * k
+    if power == 2:
+      y = y * k
+    for i, term in enumerate(bf16_terms(y, TERMS)):
+      y_s[i] = term
+    if xt_s is not None:
+      x = plgpu.load(x_s.at[slot], layout=plgpu.Layout.WGMMA)
+      for i, term in enumerate(bf16_terms(x, TERMS)):
+        xt_s[i] = term
+    x_terms = [x_s.at[slot]] if xt_s is None else [xt_s.at[i] for i in range(TERMS)]
+    plgpu.commit_smem()
+    for j in range(per_block):
+      c = blk * per_block + j
+      steps = pl.ds(j * chunk, chunk)
+
+      def chunk_write(acc):
+        for i, t in pairs:  # Issued first: the start state's store overlaps them.
+          plgpu.wgmma(acc, x_terms[i].at[steps].transpose((1, 0)), y_s.at[t, steps])
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # The slot's copy 2 chunks ago.
+        out_s[c % 2] = state
+        plgpu.commit_smem()
+
+        @pl.when(c < num_chunks)
+        def _():
+          plgpu.copy_smem_to_gmem(out_s.at[c % 2], starts_g.at[n, c, vrows, kcols])
+        return acc[...]
+
+      write = pl.run_scoped(chunk_write, plgpu.ACC((BLOCK_V, k_part), f32))
+      state = gate_s[slot, rows + j] * state + write
+    plgpu.commit_smem()  # Every thread is done with the slot before it is refilled.
+    if num_blocks > slots:
+      @pl.when(blk + slots < num_blocks)
+      def _():
+        fetch(blk + slots)
+    return state
+
+  state = jax.lax.fori_loop(0, num_blocks, block, initial)
+  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+  last = num_blocks * per_block % 2
+  out_s[last] = state
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_s.at[last], final_g.at[n, vrows, kcols])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _block_gates(to_end, chunk_gate, rows: int, chunk: int):
+  """[BH, NB, rows + GATE_PAD]: each block's to_end rows, then its chunks' gates (1 past
+  the last chunk: the state is carried unchanged to the end)."""
+  bh, tp = to_end.shape
+  nb = -(-tp // rows)
+  per_block = rows // chunk
+  w = jnp.pad(to_end.astype(f32), ((0, 0), (0, nb * rows - tp)))
+  g = jnp.pad(chunk_gate.astype(f32), ((0, 0), (0, nb * per_block - chunk_gate.shape[1])),
+              constant_values=1.0)
+  g = jnp.pad(g.reshape(bh, nb, per_block), ((0, 0), (0, 0), (0, GATE_PAD - per_block)))
+  return jnp.concatenate([w.reshape(bh, nb, rows), g], axis=-1)
+
+
+def _walk_state(k, x, gates, init, *, heads, chunk, num_chunks, k_part, slots, power,
+                interpret):
+  """One state's starts [BH, NC, Vp, Kp] and final [BH, Vp, Kp] (see boundary_states)."""
+  bh, num_blocks = gates.shape[:2]
+  vp, kp = x.shape[-1], k.shape[-1]
+  num_v = -(-vp // BLOCK_V)
+  rows = block_rows(chunk)
+  sds = jax.ShapeDtypeStruct
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, heads=heads, chunk=chunk, num_blocks=num_blocks,
+                        num_chunks=num_chunks, num_v=num_v, power=power),
+      out_type=[sds((bh, num_chunks, vp, kp), f32), sds((bh, vp, kp), f32)],
+      scratch_types=_scratch(rows, k_part, slots, k.dtype, x.dtype) + [
+          plgpu.Barrier(num_arrivals=3, num_barriers=slots), plgpu.Barrier(num_arrivals=1)],
+      grid=(num_v * (kp // k_part), bh), grid_names=("p", "n"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Lane,
+          # Every thread reads back from shared memory only what it wrote itself (the
+          # same layout), or what a TMA copy brought in after a barrier; the tensor
+          # cores read after commit_smem; slots are refilled after commit_smem.
+          unsafe_no_auto_barriers=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name=f"palimpsa_boundary_mosaic_{'m' if power == 1 else 'ibar'}")
+  return kernel(k, x, gates, init)
+
+
+def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk: int,
+                    k_part: int, interpret: bool, slots: int = SLOTS):
+  """States (M, Ibar) before every chunk and after the last: `boundary.boundary_states`
+  on tensor cores, two Mosaic GPU kernels (one per state).
+
+  Args:
+    k: [B, Tp, H, Kp]; v, beta: [B, Tp, H, Vp] (the caller's layout, padded; bfloat16
+      or float32); to_end: [BH, Tp]; chunk_gate: [BH, NC]; m0, b0: [BH, Vp, Kp].
+    heads: H (batch*head n is batch n // H, head n % H).
+    chunk: steps per chunk, a power of two; Tp a multiple of it.
+    k_part: K-columns per CTA, a multiple of 16 dividing Kp.
+    slots: row blocks in flight per CTA (at least 1).
+
+  Returns:
+    m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
+  """
+  tp, kp = k.shape[1], k.shape[-1]
+  if kp % k_part or k_part % 16:
+    raise ValueError(f"k_part={k_part} must be a multiple of 16 dividing K={kp}")
+  rows = block_rows(chunk)
+  if rows % chunk or tp % chunk:
+    raise ValueError(f"chunk={chunk} must be a power of two dividing Tp={tp}")
+  num_chunks = tp // chunk
+  if tp % rows:  # Whole blocks of rows (zero writes past Tp).
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - tp % rows), (0, 0), (0, 0)))
+    k, v, beta = pad(k), pad(v), pad(beta)
+  gates = _block_gates(to_end, chunk_gate, rows, chunk)
+  walk = functools.partial(_walk_state, heads=heads, chunk=chunk, num_chunks=num_chunks,
+                           k_part=k_part, slots=slots, interpret=interpret)
+  m_starts, m_final = walk(k, v, gates, m0.astype(f32), power=1)
+  b_starts, b_final = walk(k, beta, gates, b0.astype(f32), power=2)
+  return m_starts, b_starts, m_final, b_final
