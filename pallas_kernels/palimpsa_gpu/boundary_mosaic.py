@@ -45,42 +45,50 @@ def block_rows(chunk: int) -> int:
   return max(chunk, MIN_ROWS)
 
 
-def _tiled(dtype, minor: int):
-  """Swizzled tiling of a [rows, minor] operand (the largest swizzle dividing it)."""
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
+def _tiled(dtype, *widths: int):
+  """Transforms of a [rows, width] tile in shared memory: the largest swizzle whose tile
+  (8, S) divides every width (a TMA copy's global minor dimension among them)."""
+  size = jnp.dtype(dtype).itemsize
+  swizzle = min(plgpu.find_swizzle(w * size * 8) for w in widths)
+  return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
 
 
-def _operand_transforms(k_part: int, rows: int):
-  """The bfloat16 wgmma operands' transforms: one swizzle for A [rows, 64] and B
-  [rows, k_part], whose tile (8, S) must divide k_part, 64 and the contraction."""
-  swizzle = min(plgpu.find_swizzle(k_part * 16), plgpu.find_swizzle(rows * 16), 128)
-  if swizzle < 32:
-    raise ValueError(f"k_part={k_part} must be a multiple of 16")
-  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-
-
-def _scratch(rows: int, k_part: int, slots: int, k_dtype, x_dtype) -> list:
+def _scratch(chunk: int, k_part: int, vp: int, slots: int, k_dtype, x_dtype) -> list:
   """Shared memory in `_kernel`'s order: ring slots of k, x and gates; y's bfloat16 terms;
-  two staging slots of the state; with float32 x, x's bfloat16 terms."""
-  ops = _operand_transforms(k_part, rows)
+  two staging slots of the state; with float32 x, x's bfloat16 terms.
+
+  The wgmma operands (bfloat16 x or its terms [rows, 64], y's terms [rows, k_part]) share
+  one swizzle, whose S divides the chunk (the contraction) and, for x copied from global
+  memory, Vp.
+  """
+  rows = block_rows(chunk)
   exact = jnp.dtype(x_dtype) == bf16
+  ops = _tiled(bf16, k_part, chunk, BLOCK_V, *([vp] if exact else []))
   smem = plgpu.SMEM
   return [
       smem((slots, rows, k_part), k_dtype, transforms=_tiled(k_dtype, k_part)),
       smem((slots, rows, BLOCK_V), x_dtype,
-           transforms=ops if exact else _tiled(x_dtype, BLOCK_V)),
+           transforms=ops if exact else _tiled(x_dtype, BLOCK_V, vp)),
       smem((slots, rows + GATE_PAD), f32),
       smem((TERMS, rows, k_part), bf16, transforms=ops),
       smem((2, BLOCK_V, k_part), f32, transforms=_tiled(f32, k_part)),
   ] + ([] if exact else [smem((TERMS, rows, BLOCK_V), bf16, transforms=ops)])
 
 
-def smem_bytes(chunk: int, k_part: int, k_dtype, x_dtype, slots: int = SLOTS) -> int:
-  """Shared memory of one CTA."""
-  refs = _scratch(block_rows(chunk), k_part, slots, k_dtype, x_dtype)
+def smem_bytes(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, slots: int = SLOTS) -> int:
+  """Shared memory of one CTA (x_dtype: of v and beta)."""
+  refs = _scratch(chunk, k_part, vp, slots, k_dtype, x_dtype)
   return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in refs) + _SMEM_RESERVED
+
+
+def supported(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, *, interpret: bool,
+              slots: int = SLOTS) -> bool:
+  """Whether the kernel takes these tiles: a chunk of 16-128 steps (a power of two), a
+  K-part of a multiple of 16 columns and, compiled, a CTA that fits in shared memory
+  (x_dtype: of v and beta)."""
+  return (chunk in (16, 32, 64, 128) and k_part % 16 == 0 and 0 < k_part <= 256
+          and slots >= 1 and (interpret or smem_bytes(chunk, k_part, vp, k_dtype, x_dtype,
+                                                      slots) <= SMEM_LIMIT))
 
 
 def _kernel(k_g, v_g, beta_g, gates_g, m0_g, b0_g, ms_g, bs_g, mf_g, bf_g, k_s, x_s, gate_s,
@@ -206,22 +214,24 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
       or float32, taken as float32 both where they differ); to_end: [BH, Tp];
       chunk_gate: [BH, NC]; m0, b0: [BH, Vp, Kp].
     heads: H (batch*head n is batch n // H, head n % H).
-    chunk: steps per chunk, a power of two; Tp a multiple of it.
+    chunk: steps per chunk (16, 32, 64 or 128); Tp a multiple of it.
     k_part: K-columns per CTA, a multiple of 16 dividing Kp.
     slots: row blocks in flight per CTA (at least 1).
+    `supported(chunk, k_part, Vp, k.dtype, v.dtype, ...)` must hold.
 
   Returns:
     m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
   """
   tp, kp, vp = k.shape[1], k.shape[-1], v.shape[-1]
-  if kp % k_part or k_part % 16:
-    raise ValueError(f"k_part={k_part} must be a multiple of 16 dividing K={kp}")
-  rows = block_rows(chunk)
-  if rows % chunk or tp % chunk:
-    raise ValueError(f"chunk={chunk} must be a power of two dividing Tp={tp}")
-  num_chunks = tp // chunk
   if v.dtype != beta.dtype:
     v, beta = v.astype(f32), beta.astype(f32)
+  if kp % k_part or tp % chunk or not supported(chunk, k_part, vp, k.dtype, v.dtype,
+                                                interpret=interpret, slots=slots):
+    raise ValueError(
+        f"chunk={chunk}, k_part={k_part}, slots={slots} with K={kp}, V={vp}, Tp={tp} and "
+        f"{jnp.dtype(k.dtype).name} k, {jnp.dtype(v.dtype).name} v do not fit the kernel")
+  rows = block_rows(chunk)
+  num_chunks = tp // chunk
   if tp % rows:  # Whole blocks of rows (zero writes past Tp).
     pad = lambda x: jnp.pad(x, ((0, 0), (0, rows - tp % rows), (0, 0), (0, 0)))
     k, v, beta = pad(k), pad(v), pad(beta)
@@ -233,7 +243,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
       functools.partial(_kernel, heads=heads, chunk=chunk, num_blocks=num_blocks,
                         num_chunks=num_chunks, num_v=num_v, num_k=num_k),
       out_type=[sds((bh, num_chunks, vp, kp), f32)] * 2 + [sds((bh, vp, kp), f32)] * 2,
-      scratch_types=_scratch(rows, k_part, slots, k.dtype, v.dtype) + [
+      scratch_types=_scratch(chunk, k_part, vp, slots, k.dtype, v.dtype) + [
           plgpu.Barrier(num_arrivals=3, num_barriers=slots), plgpu.Barrier(num_arrivals=1)],
       grid=(2 * num_v * num_k, bh), grid_names=("p", "n"),
       compiler_params=plgpu.CompilerParams(

@@ -73,14 +73,18 @@ def test_compiled_matches_triton_kernel(b, t, h, k_dim, v_dim, chunk, k_part, dt
   _assert_close(got, want)
 
 
-@pytest.mark.parametrize("b, t, h, k_dim, v_dim, k_part", [
-    (4, 4096, 16, 96, 192, 32),  # D760
-    (64, 1024, 8, 16, 32, 16),  # MQAR
+@pytest.mark.parametrize("b, t, h, k_dim, v_dim, chunk, k_part, dtype", [
+    (4, 4096, 16, 96, 192, 64, 32, jnp.bfloat16),  # D760
+    (64, 1024, 8, 16, 32, 64, 16, jnp.bfloat16),  # MQAR
+    (4, 4096, 16, 48, 48, 64, 48, jnp.bfloat16),  # D170, one K-part
+    (1, 256, 2, 32, 48, 16, 32, jnp.bfloat16),  # 4 chunks a block, a V-tile past V
+    (1, 256, 2, 96, 192, 128, 32, jnp.bfloat16),
+    (1, 256, 2, 48, 48, 32, 48, jnp.float32),
 ])
-def test_lowers_for_cuda(b, t, h, k_dim, v_dim, k_part):
-  chunk, bh = 64, b * h
+def test_lowers_for_cuda(b, t, h, k_dim, v_dim, chunk, k_part, dtype):
+  bh = b * h
   sds = jax.ShapeDtypeStruct
-  rows = lambda d: sds((b, t, h, d), jnp.bfloat16)
+  rows = lambda d: sds((b, t, h, d), dtype)
   f32 = lambda *shape: sds(shape, jnp.float32)
   args = (rows(k_dim), rows(v_dim), rows(v_dim), f32(bh, t), f32(bh, t // chunk),
           f32(bh, v_dim, k_dim), f32(bh, v_dim, k_dim))
@@ -88,11 +92,13 @@ def test_lowers_for_cuda(b, t, h, k_dim, v_dim, k_part):
                          k_part=k_part, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "palimpsa_boundary_mosaic" in text
-  assert boundary_mosaic.smem_bytes(chunk, k_part, jnp.bfloat16, jnp.bfloat16) \
-      <= boundary_mosaic.SMEM_LIMIT
 
 
-def test_rejects_a_k_part_that_does_not_divide_k():
+def test_rejects_tiles_it_does_not_take():
   args = _inputs(0, 1, 64, 1, 48, 16, 64, jnp.bfloat16)
-  with pytest.raises(ValueError, match="k_part=32"):
-    boundary_mosaic.boundary_states(*args, heads=1, chunk=64, k_part=32, interpret=True)
+  for chunk, k_part in ((64, 32), (64, 8), (8, 16)):
+    with pytest.raises(ValueError, match=f"chunk={chunk}, k_part={k_part}"):
+      boundary_mosaic.boundary_states(*args, heads=1, chunk=chunk, k_part=k_part,
+                                      interpret=True)
+  assert not boundary_mosaic.supported(128, 256, 256, jnp.float32, jnp.float32,
+                                       interpret=False)
