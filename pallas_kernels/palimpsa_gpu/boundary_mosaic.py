@@ -162,12 +162,12 @@ def _kernel(k_g, v_g, beta_g, gates_g, m0_g, b0_g, ms_g, bs_g, mf_g, bf_g, k_s, 
       def chunk_write(acc):
         for i, t in pairs:  # Issued first: the start state's store overlaps them.
           plgpu.wgmma(acc, x_terms[i].at[steps].transpose((1, 0)), y_s.at[t, steps])
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # The slot's copy 2 chunks ago.
-        out_s[c % 2] = state
-        plgpu.commit_smem()
 
-        @pl.when(c < num_chunks)
+        @pl.when(c < num_chunks)  # Not the chunks that pad the last block.
         def _():
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # The slot's copy 2 chunks ago.
+          out_s[c % 2] = state
+          plgpu.commit_smem()
           per_state(lambda starts_g: plgpu.copy_smem_to_gmem(
               out_s.at[c % 2], starts_g.at[n, c, vrows, kcols]), ms_g, bs_g)
         return acc[...]
@@ -183,7 +183,7 @@ def _kernel(k_g, v_g, beta_g, gates_g, m0_g, b0_g, ms_g, bs_g, mf_g, bf_g, k_s, 
 
   state = jax.lax.fori_loop(0, num_blocks, block, initial)
   plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-  last = num_blocks * per_block % 2
+  last = num_chunks % 2
   out_s[last] = state
   plgpu.commit_smem()
   per_state(lambda final_g: plgpu.copy_smem_to_gmem(
@@ -205,7 +205,7 @@ def _block_gates(to_end, chunk_gate, rows: int, chunk: int):
 
 
 def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk: int,
-                    k_part: int, interpret: bool, slots: int = SLOTS):
+                    k_part: int, interpret, slots: int = SLOTS):
   """States (M, Ibar) before every chunk and after the last: `boundary.boundary_states`
   on tensor cores, one Mosaic GPU kernel.
 
@@ -216,6 +216,8 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
     heads: H (batch*head n is batch n // H, head n % H).
     chunk: steps per chunk (16, 32, 64 or 128); Tp a multiple of it.
     k_part: K-columns per CTA, a multiple of 16 dividing Kp.
+    interpret: False (compiled), True, or the interpreter's parameters
+      (`plgpu.InterpretGPUParams`, e.g. with detect_races).
     slots: row blocks in flight per CTA (at least 1).
     `supported(chunk, k_part, Vp, k.dtype, v.dtype, ...)` must hold.
 
@@ -226,7 +228,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   if v.dtype != beta.dtype:
     v, beta = v.astype(f32), beta.astype(f32)
   if kp % k_part or tp % chunk or not supported(chunk, k_part, vp, k.dtype, v.dtype,
-                                                interpret=interpret, slots=slots):
+                                                interpret=bool(interpret), slots=slots):
     raise ValueError(
         f"chunk={chunk}, k_part={k_part}, slots={slots} with K={kp}, V={vp}, Tp={tp} and "
         f"{jnp.dtype(k.dtype).name} k, {jnp.dtype(v.dtype).name} v do not fit the kernel")
@@ -252,6 +254,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
           # same layout), or what a TMA copy brought in after a barrier; the tensor
           # cores read after commit_smem; slots are refilled after commit_smem.
           unsafe_no_auto_barriers=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
+      interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                 else plgpu.InterpretGPUParams() if interpret else None),
       kernel_name="palimpsa_boundary_mosaic")
   return tuple(kernel(k, v, beta, gates, m0.astype(f32), b0.astype(f32)))

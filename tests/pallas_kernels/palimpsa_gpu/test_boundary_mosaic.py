@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.palimpsa_gpu import boundary, boundary_mosaic
 
 
@@ -35,8 +37,9 @@ def _assert_close(got, want):
 
 
 # (B, T, H, K, V, chunk, k_part, dtype, slots): 3 chunks of 16 in one 64-row block (T
-# padded), a V-tile past V=48; 5 chunks of 16 over two blocks, f32 rows split in terms;
-# one 64-step chunk over three V-tiles and K-parts; 5 blocks through a ring of 3 and of 1.
+# padded), a V-tile past V=48; 5 chunks of 16 over two blocks (the second padded), f32
+# rows split in terms; one 64-step chunk over three V-tiles and K-parts; 5 blocks through
+# a ring of 3 and of 1.
 _CASES = [
     (1, 48, 2, 16, 48, 16, 16, jnp.bfloat16, 3),
     (1, 80, 1, 48, 16, 16, 48, jnp.float32, 3),
@@ -48,12 +51,15 @@ _CASES = [
 
 @pytest.mark.parametrize("b, t, h, k_dim, v_dim, chunk, k_part, dtype, slots", _CASES)
 def test_interpreted_matches_triton_kernel(b, t, h, k_dim, v_dim, chunk, k_part, dtype, slots):
+  """Also with the interpreter's race detector (TMA copies against the CTA's accesses)."""
   args = _inputs(0, b, t, h, k_dim, v_dim, chunk, dtype)
   want = boundary.boundary_states(*args, heads=h, chunk=chunk, block_v=16, k_part=16,
                                   num_warps=1, interpret=True)
-  got = boundary_mosaic.boundary_states(*args, heads=h, chunk=chunk, k_part=k_part,
-                                        slots=slots, interpret=True)
+  got = boundary_mosaic.boundary_states(
+      *args, heads=h, chunk=chunk, k_part=k_part, slots=slots,
+      interpret=plgpu.InterpretGPUParams(detect_races=True))
   _assert_close(got, want)
+  assert not interpret_pallas_call.get_races().races_found
 
 
 @pytest.mark.gpu
