@@ -1,5 +1,5 @@
 """Chunk-boundary states (`boundary.boundary_states`) as one Pallas Mosaic GPU kernel
-(Hopper: TMA and wgmma).
+(TMA and wgmma: Hopper, sm_90, only; Blackwell's tensor cores take tcgen05 instead).
 
 One CTA (a warpgroup) walks the chunks of one (batch*head, V-tile of 64 rows, K-part) for
 one state: M (writes v (x) k) in the first half of the CTAs, Ibar (writes beta (x) k^2)
