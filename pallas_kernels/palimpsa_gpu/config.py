@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
                                    round_up)
-from pallas_kernels.palimpsa_gpu import walk_forward_mosaic, walk_mosaic
+from pallas_kernels.palimpsa_gpu import boundary_mosaic, walk_forward_mosaic, walk_mosaic
 
 MAX_DIM = 256
 DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
@@ -56,6 +56,8 @@ class GpuKernelConfig:
     prefetch_bwd: each Triton reverse body loads the next sub-chunk's rows first.
     max_walk_temp_bytes: the backward walk is called on slices of batch*head so that
       each call's scratch and partial sums take at most this many bytes.
+    boundary_fwd: "mosaic" (boundary_mosaic: tensor cores through wgmma, Hopper sm_90
+      only) or "triton" (boundary.boundary_states, with the tiles above).
     walk_fwd: "mosaic" (walk_forward_mosaic: Hopper and newer, K <= 128) or "triton"
       (walk.walk_forward, with the tiles above).
     walk_bwd: "mosaic" (walk_mosaic: Hopper and newer, rows that fit shared memory) or
@@ -92,6 +94,7 @@ class GpuKernelConfig:
   k_split_bwd: int = 1
   prefetch_bwd: bool = False
   max_walk_temp_bytes: int = 2 << 30
+  boundary_fwd: str = "triton"
   walk_fwd: str = "triton"
   walk_bwd: str = "triton"
   carries_bwd: str = "triton"
@@ -164,10 +167,10 @@ def deterministic_ops_requested() -> bool:
   return re.search(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)", flags) is not None
 
 
-def walk_kernel(mosaic_supported: bool, interpret: bool) -> str:
+def walk_kernel(mosaic_supported: bool, interpret: bool, hopper_only: bool = False) -> str:
   """"mosaic" where a Mosaic GPU kernel runs (`mosaic_supported`: it takes this call's
-  sizes and dtypes): compiled on Hopper or newer, or interpreted on a single device;
-  else "triton".
+  sizes and dtypes): compiled on Hopper or newer (`hopper_only`: on Hopper, sm_90, alone),
+  or interpreted on a single device; else "triton".
 
   Mosaic GPU's interpret mode keeps one shared-memory state per process and checks at
   the end of each kernel that no barrier is left in it, so kernels interpreted by
@@ -177,7 +180,8 @@ def walk_kernel(mosaic_supported: bool, interpret: bool) -> str:
     return "triton"
   if interpret:
     return "mosaic" if jax.local_device_count() == 1 else "triton"
-  return "mosaic" if compute_capability() >= (9, 0) else "triton"
+  major = compute_capability()[0]
+  return "mosaic" if major == 9 or (major > 9 and not hopper_only) else "triton"
 
 
 def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,
@@ -224,6 +228,9 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       chunk, kp, [k_dtype, q.dtype, v.dtype, beta_dtype], v.dtype, return_variance,
       interpret=interpret)
   bwd_mosaic = walk_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
+  boundary_rows = jnp.float32 if v.dtype != beta_dtype else v.dtype
+  boundary_mosaic_ok = boundary_mosaic.supported(
+      chunk, k_part_boundary, vp, k_dtype, boundary_rows, interpret=interpret)
   return GpuKernelConfig(
       b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
       block_v=forward_block_v(vp, k_part, num_warps),
@@ -238,6 +245,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
       prior_dtype=jnp.dtype(prior_precision.dtype).name,
       interpret=interpret,
+      boundary_fwd=walk_kernel(boundary_mosaic_ok, interpret, hopper_only=True),
       walk_fwd=walk_kernel(fwd_mosaic, interpret),
       walk_bwd=walk_kernel(bwd_mosaic, interpret),
       carries_bwd=walk_kernel(True, interpret),

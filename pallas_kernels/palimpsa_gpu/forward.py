@@ -4,7 +4,8 @@ between them (padding, layouts, the linear state), with the residuals of the bac
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import boundary, layout, walk, walk_forward_mosaic
+from pallas_kernels.palimpsa_gpu import (boundary, boundary_mosaic, layout, walk,
+                                         walk_forward_mosaic)
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
 
 
@@ -60,10 +61,16 @@ def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, ini
       cfg, q, k, v, beta, log_alpha, prior_precision, starts)
   m0, b0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   q_rows, k_rows, v_rows, beta_rows, k_bound = forward_rows(cfg, q, k, v, beta)
-  m_starts, b_starts, m_final, b_final = boundary.boundary_states(
-      k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0, heads=cfg.h,
-      chunk=cfg.chunk, block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
-      num_warps=cfg.num_warps_boundary, interpret=cfg.interpret)
+  boundary_args = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
+  if cfg.boundary_fwd == "mosaic":
+    m_starts, b_starts, m_final, b_final = boundary_mosaic.boundary_states(
+        *boundary_args, heads=cfg.h, chunk=cfg.chunk, k_part=cfg.k_part_boundary,
+        interpret=cfg.interpret)
+  else:
+    m_starts, b_starts, m_final, b_final = boundary.boundary_states(
+        *boundary_args, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
+        k_part=cfg.k_part_boundary, num_warps=cfg.num_warps_boundary,
+        interpret=cfg.interpret)
   if cfg.walk_fwd == "mosaic":
     outs = walk_forward_mosaic.walk_forward(
         q_rows, k_rows, v_rows, beta_rows, gates.step, ip, m_starts, b_starts,

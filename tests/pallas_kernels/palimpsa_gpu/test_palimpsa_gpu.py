@@ -91,10 +91,10 @@ def test_tile_variants_agree(k_dim):
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
                      chunk_size=16, interpret=True)
-  assert base.walk_fwd == base.walk_bwd == base.carries_bwd == "mosaic"
+  assert base.boundary_fwd == base.walk_fwd == base.walk_bwd == base.carries_bwd == "mosaic"
   assert not base.accumulate_bwd
-  triton = dataclasses.replace(base, walk_fwd="triton", walk_bwd="triton",
-                               carries_bwd="triton")
+  triton = dataclasses.replace(base, boundary_fwd="triton", walk_fwd="triton",
+                               walk_bwd="triton", carries_bwd="triton")
   variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16, k_part_bwd=16,
                                 k_split_bwd=1)
@@ -354,6 +354,10 @@ def test_walk_kernel_choice(monkeypatch):
   hopper = gpu_config.compute_capability() >= (9, 0)
   assert gpu_config.walk_kernel(True, interpret=False) == ("mosaic" if hopper else "triton")
   assert gpu_config.walk_kernel(False, interpret=False) == "triton"
+  sm90 = gpu_config.compute_capability()[0] == 9
+  assert gpu_config.walk_kernel(True, interpret=False, hopper_only=True) == (
+      "mosaic" if sm90 else "triton")
+  assert gpu_config.walk_kernel(True, interpret=True, hopper_only=True) == "mosaic"
   args = _random_op_args(0, (1, 64, 1, 144, 16))
   cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=False,
                     chunk_size=64, interpret=True)
