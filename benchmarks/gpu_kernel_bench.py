@@ -29,9 +29,9 @@ from benchmarks import results as results_lib
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
-from pallas_kernels.palimpsa_gpu import (backward, boundary, forward, make_config,
-                                         palimpsa_gpu, walk, walk_forward_mosaic,
-                                         walk_mosaic)
+from pallas_kernels.palimpsa_gpu import (backward, boundary, boundary_mosaic, forward,
+                                         make_config, palimpsa_gpu, walk,
+                                         walk_forward_mosaic, walk_mosaic)
 from pallas_kernels.palimpsa_gpu.config import forward_block_v, largest_block_v
 
 REFERENCE_MS = {  # docs/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
@@ -82,6 +82,10 @@ def _stage_args(cfg, args):
 
 
 def _boundary_fn(cfg):
+  if cfg.boundary_fwd == "mosaic":
+    return jax.jit(functools.partial(
+        boundary_mosaic.boundary_states, heads=cfg.h, chunk=cfg.chunk,
+        k_part=cfg.k_part_boundary, interpret=False))
   return jax.jit(functools.partial(
       boundary.boundary_states, heads=cfg.h, chunk=cfg.chunk,
       block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
@@ -139,7 +143,8 @@ def _variants(base):
   out = []
   for k_part, (elems, warps) in itertools.product(
       sorted({16, min(largest, 32), min(kp2, 64)}), ((512, 1), (2048, 4))):
-    cfg = dataclasses.replace(base, k_part_boundary=k_part, num_warps_boundary=warps)
+    cfg = dataclasses.replace(base, boundary_fwd="triton", k_part_boundary=k_part,
+                              num_warps_boundary=warps)
     cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, k_part, 16))
     out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
   for k_part in sorted({8, 16, min(largest, 32)}):
@@ -186,7 +191,7 @@ def sweep(base, base_times, args, log):
       best[stage] = (t, cfg)
   b_cfg, f_cfg, w_cfg = (best[s][1] for s in STAGES)
   return dataclasses.replace(
-      base, block_v_boundary=b_cfg.block_v_boundary,
+      base, boundary_fwd=b_cfg.boundary_fwd, block_v_boundary=b_cfg.block_v_boundary,
       num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
       block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
       k_part=f_cfg.k_part, walk_fwd=f_cfg.walk_fwd, walk_bwd=w_cfg.walk_bwd,

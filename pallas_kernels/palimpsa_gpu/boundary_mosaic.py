@@ -32,12 +32,25 @@ from pallas_kernels.common import bf16_terms
 f32, bf16 = jnp.float32, jnp.bfloat16
 BLOCK_V = 64  # V-rows per CTA: the M of one wgmma.
 MIN_ROWS = 64  # Rows per block at least (the WGMMA register layout's 64-row tiles).
-SLOTS = 3  # Row blocks in flight (the ring's slots), by default.
+# Row blocks in flight (the ring's slots), by default: on an H200 (2026-12-02, bf16) 2 slots
+# were as fast as 3 or faster at every K-part and shape but D760's widest part (0.402 vs
+# 0.393 ms).
+SLOTS = 2
+# The widest K-part a CTA takes by default. H200 sweep (2026-12-02, bf16, ms; Triton's
+# kernel in brackets): D760 K-part 16/32/48/96 0.85/0.43/0.42/0.40 (0.43), D760p2
+# 16/32/64/128 1.56/0.75/0.59/0.67 (0.77), D170 16/48 0.103/0.095 (0.164), M170 16/48
+# 0.210/0.153 (0.199), MQAR 16 0.086 (0.076).
+MAX_DEFAULT_K_PART = 96
 TERMS = 3  # bfloat16 terms of a float32 operand.
 GATE_PAD = 32  # Chunk-gate entries per block (at most 4 used): copies of whole 128 bytes.
 # Dynamic shared memory per CTA on sm_90, and what Pallas reserves besides our scratch.
 SMEM_LIMIT = 227 * 1024
 _SMEM_RESERVED = 3 * 1024
+
+
+def default_k_part(kp: int) -> int:
+  """The widest multiple of 16 dividing Kp, up to MAX_DEFAULT_K_PART."""
+  return max(p for p in range(16, min(kp, MAX_DEFAULT_K_PART) + 1, 16) if kp % p == 0)
 
 
 def block_rows(chunk: int) -> int:

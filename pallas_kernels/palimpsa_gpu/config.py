@@ -229,8 +229,12 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       interpret=interpret)
   bwd_mosaic = walk_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
   boundary_rows = jnp.float32 if v.dtype != beta_dtype else v.dtype
-  boundary_mosaic_ok = boundary_mosaic.supported(
-      chunk, k_part_boundary, vp, k_dtype, boundary_rows, interpret=interpret)
+  boundary_fwd = walk_kernel(
+      boundary_mosaic.supported(chunk, boundary_mosaic.default_k_part(kp), vp, k_dtype,
+                                boundary_rows, interpret=interpret),
+      interpret, hopper_only=True)
+  if boundary_fwd == "mosaic":  # One wide K-part (the Triton kernel's rule is above).
+    k_part_boundary = boundary_mosaic.default_k_part(kp)
   return GpuKernelConfig(
       b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
       block_v=forward_block_v(vp, k_part, num_warps),
@@ -245,7 +249,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       log_alpha_dtype=jnp.dtype(log_alpha.dtype).name,
       prior_dtype=jnp.dtype(prior_precision.dtype).name,
       interpret=interpret,
-      boundary_fwd=walk_kernel(boundary_mosaic_ok, interpret, hopper_only=True),
+      boundary_fwd=boundary_fwd,
       walk_fwd=walk_kernel(fwd_mosaic, interpret),
       walk_bwd=walk_kernel(bwd_mosaic, interpret),
       carries_bwd=walk_kernel(True, interpret),

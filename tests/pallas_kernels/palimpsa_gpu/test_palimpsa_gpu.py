@@ -93,8 +93,9 @@ def test_tile_variants_agree(k_dim):
                      chunk_size=16, interpret=True)
   assert base.boundary_fwd == base.walk_fwd == base.walk_bwd == base.carries_bwd == "mosaic"
   assert not base.accumulate_bwd
-  triton = dataclasses.replace(base, boundary_fwd="triton", walk_fwd="triton",
-                               walk_bwd="triton", carries_bwd="triton")
+  # The Triton boundary kernel walks K in power-of-two parts.
+  triton = dataclasses.replace(base, boundary_fwd="triton", k_part_boundary=16,
+                               walk_fwd="triton", walk_bwd="triton", carries_bwd="triton")
   variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
                                 groups_bwd=3, k_part=8, k_part_boundary=16, k_part_bwd=16,
                                 k_split_bwd=1)
