@@ -147,6 +147,11 @@ def _variants(base):
                               num_warps_boundary=warps)
     cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, k_part, 16))
     out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
+  if base.boundary_fwd == "mosaic":
+    for k_part in range(16, kp + 1, 16):
+      if kp % k_part == 0:
+        cfg = dataclasses.replace(base, k_part_boundary=k_part)
+        out.append(("boundary", f"mosaic kpart={k_part}", cfg))
   for k_part in sorted({8, 16, min(largest, 32)}):
     if k_part > largest:
       continue
