@@ -3,6 +3,7 @@ tile per warp): the tile layout, FMA and reciprocal as single PTX instructions, 
 per-step sums as warp-shuffle reduce-scatters. Interpreted, plain jnp stands in for each.
 """
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -21,6 +22,18 @@ TILE_PER_WARP = plgpu.Layout.TILED(
     vector_dim=-1)
 K_ROWS = TILE_PER_WARP.reduce(1)  # [4, 16] (walk, k): a k-indexed row per warp.
 V_ROWS = TILE_PER_WARP.reduce(2)  # [4, 16] (walk, v): a v-indexed row per warp.
+
+
+def over_k(x):
+  """A [4, 16] k-row per walk, broadcast over the tile's V-rows."""
+  return plgpu.layout_cast(
+      jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 2)), TILE_PER_WARP)
+
+
+def over_v(x):
+  """A [4, 16] v-row per walk, broadcast over the tile's K-columns."""
+  return plgpu.layout_cast(
+      jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 1)), TILE_PER_WARP)
 
 
 # Lane-level helpers of the inline_mgpu bodies below (they build MLIR, so they run only

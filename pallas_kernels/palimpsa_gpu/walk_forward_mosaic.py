@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
-    K_ROWS, TILE, TILE_PER_WARP, V_ROWS, WALKS, pointwise_ops, readout_stores)
+    K_ROWS, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
+    readout_stores)
 from pallas_kernels.palimpsa_gpu.walk_mosaic import SMEM_LIMIT
 
 f32 = jnp.float32
@@ -61,18 +62,6 @@ def supported(chunk: int, kp: int, row_dtypes, out_dtype, with_var: bool, *,
   fits in shared memory (row_dtypes: k, q, v, beta)."""
   return (chunk % SLOT_STEPS == 0 and kp % TILE == 0 and kp <= MAX_K
           and (interpret or smem_bytes(kp, row_dtypes, out_dtype, with_var) <= SMEM_LIMIT))
-
-
-def _over_k(x):
-  """A [4, 16] k-row per walk, broadcast over the tile's V-rows."""
-  return plgpu.layout_cast(
-      jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 2)), TILE_PER_WARP)
-
-
-def _over_v(x):
-  """A [4, 16] v-row per walk, broadcast over the tile's K-columns."""
-  return plgpu.layout_cast(
-      jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 1)), TILE_PER_WARP)
 
 
 def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
@@ -120,7 +109,7 @@ def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
 
   plgpu.barrier_wait(start_bar)
   ip = row(ip_s, V_ROWS)
-  ip_tile = _over_v(ip)
+  ip_tile = over_v(ip)
   ms = [plgpu.load(m0_s.at[j], layout=TILE_PER_WARP) for j in range(nk)]
   bs = [plgpu.load(b0_s.at[j], layout=TILE_PER_WARP) + ip_tile for j in range(nk)]
 
@@ -131,19 +120,19 @@ def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # This staging slot's copy of 2 slots ago.
     for s in range(SLOT_STEPS):
       a_row = row(a_s.at[slot, :, s], V_ROWS)
-      a, prior = _over_v(a_row), _over_v((1.0 - a_row) * ip)
-      v, beta = _over_v(row(v_s.at[slot, :, s], V_ROWS)), _over_v(row(beta_s.at[slot, :, s], V_ROWS))
+      a, prior = over_v(a_row), over_v((1.0 - a_row) * ip)
+      v, beta = over_v(row(v_s.at[slot, :, s], V_ROWS)), over_v(row(beta_s.at[slot, :, s], V_ROWS))
       rqs, rs, q2s = [], [], []
       for j in range(nk):
         k_row, q_row = row(k_s.at[slot, j, :, s], K_ROWS), row(q_s.at[slot, j, :, s], K_ROWS)
-        k, k2, q = _over_k(k_row), _over_k(k_row * k_row), _over_k(q_row)
+        k, k2, q = over_k(k_row), over_k(k_row * k_row), over_k(q_row)
         ms[j] = fma(a, ms[j], v * k)
         bs[j] = fma(a, bs[j], fma(beta, k2, prior))
         r = reciprocal(bs[j])
         rqs.append(r * q)
         if with_var:
           rs.append(r)
-          q2s.append(_over_k(q_row * q_row))
+          q2s.append(over_k(q_row * q_row))
       readout(ms, rqs, staged[0].at[slot, :, s])
       if with_var:
         readout(rs, q2s, staged[1].at[slot, :, s])

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
-    K_ROWS, TILE, TILE_PER_WARP, V_ROWS, WALKS, pointwise_ops, sum_stores)
+    K_ROWS, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops, sum_stores)
 
 f32 = jnp.float32
 SLOTS = 2  # Quarter-chunk slots of the row ring.
@@ -80,18 +80,6 @@ def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
   quarter, every = chunk // 4, every or checkpoint_every(chunk)
   return (chunk % 4 == 0 and every > 0 and every % sub == 0 and quarter % every == 0
           and (interpret or smem_bytes(chunk, sub, row_dtypes, every) <= SMEM_LIMIT))
-
-
-def _over_k(x):
-  """A [4, 16] k-row per walk, broadcast over the tile's V-rows."""
-  return plgpu.layout_cast(
-      jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 2)), TILE_PER_WARP)
-
-
-def _over_v(x):
-  """A [4, 16] v-row per walk, broadcast over the tile's K-columns."""
-  return plgpu.layout_cast(
-      jax.lax.broadcast_in_dim(x, (WALKS, TILE, TILE), (0, 1)), TILE_PER_WARP)
 
 
 def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
@@ -142,8 +130,8 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
     return plgpu.load(ring[i].at[slot, :, lt, :], layout=layout).astype(f32)
 
   def write_rows(slot, lt):  # What the state update at local step lt needs.
-    return (_over_k(row(0, slot, lt, K_ROWS)), _over_v(row(2, slot, lt, V_ROWS)),
-            _over_v(row(3, slot, lt, V_ROWS)), _over_v(row(n_rows, slot, lt, V_ROWS)))
+    return (over_k(row(0, slot, lt, K_ROWS)), over_v(row(2, slot, lt, V_ROWS)),
+            over_v(row(3, slot, lt, V_ROWS)), over_v(row(n_rows, slot, lt, V_ROWS)))
 
   def advance(m, b, rows):
     k, v, beta, a = rows
@@ -152,7 +140,7 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
   plgpu.barrier_wait(start_bar)
   m = plgpu.load(ckpt_m.at[0], layout=TILE_PER_WARP)
   b = plgpu.load(ckpt_b.at[0], layout=TILE_PER_WARP)
-  ip = _over_k(plgpu.load(ip_s, layout=K_ROWS))
+  ip = over_k(plgpu.load(ip_s, layout=K_ROWS))
 
   def forward_quarter(qi, carry):  # The checkpoint pass over quarter qi.
     slot = qi % SLOTS
@@ -200,8 +188,8 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
       lt = lt0 + s
       k, v, beta, a = rows[s]
       m, b = states[s]
-      q = _over_k(row(1, slot, lt, K_ROWS))
-      do = _over_v(row(4, slot, lt, V_ROWS))
+      q = over_k(row(1, slot, lt, K_ROWS))
+      do = over_v(row(4, slot, lt, V_ROWS))
       # out = sum_k mu q with mu = m r, r = 1 / (b + Ip): dL/dm = do q r and
       # dL/db = -(do q r) mu (+ the variance's -dvar (q r)^2).
       r = reciprocal(b + ip)
@@ -209,7 +197,7 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
       dm = (do * q) * r
       di = -(dm * mu)
       if with_var:
-        dvar = _over_v(row(5, slot, lt, V_ROWS))
+        dvar = over_v(row(5, slot, lt, V_ROWS))
         qr = q * r
         sum_v(fma(2.0 * dvar, qr, do * mu), dq_o.at[out_slot, :, s])
         di = fma(-dvar, qr * qr, di)

@@ -12,6 +12,7 @@ from pallas_kernels.palimpsa_gpu import (backward, boundary, forward, walk,
                                          walk_forward_mosaic, walk_mosaic)
 from pallas_kernels.palimpsa_gpu import config as gpu_config
 from pallas_kernels.palimpsa_gpu import make_config, palimpsa_gpu
+from pallas_kernels.palimpsa_gpu import op as op_module
 from tests.ops.palimpsa.palimpsa_suite import PalimpsaSuite
 
 
@@ -399,3 +400,29 @@ def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim,
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bfloat16 outputs: one rounding each.
     chex.assert_trees_all_close(g, w, rtol=tol, atol=tol * float(jnp.max(jnp.abs(w))),
                                 custom_message=name)
+
+
+@pytest.mark.parametrize("shape, with_var", [
+    ((4, 4096, 16, 96, 192), False), ((2, 1024, 8, 16, 32), True),
+    ((1, 4096, 20, 128, 256), False), ((2, 300, 3, 48, 96), True)])
+def test_hopper_path_lowers_to_mosaic_gpu_only(monkeypatch, shape, with_var):
+  """On Hopper (sm_90) a compiled forward+backward at D760, MQAR, 2.7B and D170-like heads
+  (with the variance, and T not a multiple of the chunk) lowers on a CPU host to Mosaic GPU
+  kernels alone: none through Pallas' deprecated Triton lowering."""
+  monkeypatch.setattr(gpu_config, "compute_capability", lambda: (9, 0))
+  b, t, h, kd, vd = shape
+  sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+  args = [sds((b, t, h, kd), bf16)] * 2 + [sds((b, t, h, vd), bf16)] * 2 + [
+      sds((b, t, h), f32), sds((h,), f32)] + [sds((b, h, vd, kd), f32)] * 2
+  cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=with_var,
+                    chunk_size=64, interpret=False)
+  assert (cfg.boundary_fwd, cfg.walk_fwd, cfg.walk_bwd, cfg.carries_bwd) == ("mosaic",) * 4
+
+  def loss(*a):
+    out, var, mu, prec = op_module._palimpsa(cfg, *a, None)
+    total = jnp.sum(out.astype(f32)) + jnp.sum(mu) + jnp.sum(prec)
+    return total + jnp.sum(var) if with_var else total
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))
+  text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 4 and "triton" not in text.lower()
