@@ -307,7 +307,9 @@ def main():
     parser.error(f"--only {' '.join(unknown)}: not in --shapes {args.shapes} "
                  f"(its shapes: {', '.join(SHAPES[args.shapes])})")
   shapes = {n: s for n, s in SHAPES[args.shapes].items() if not args.only or n in args.only}
-  log = lambda msg: print(msg, file=sys.stderr, flush=True)
+  start = time.perf_counter()  # Each line says when it came: where a long run spends its time.
+  log = lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,
+                          flush=True)
   device = jax.devices()[0]
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   rows, fla_notes = [], set()
