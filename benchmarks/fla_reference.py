@@ -13,6 +13,8 @@ log-decay g in log((0.8, 1)) float32 [B, T, H]; Gated DeltaNet's write strength 
 200 ms of repetitions).
 """
 
+import importlib.util
+
 IMPLS = ("fla_gated_deltanet", "fla_simple_gla")
 # FLA 0.6.0's kernels faulted with an illegal address at K = 16 on an H200 (MQAR's heads).
 MIN_K = 32
@@ -20,12 +22,10 @@ MIN_K = 32
 
 def unavailable_reason() -> str | None:
   """Why FLA cannot be timed here, or None."""
-  try:
-    import torch  # pylint: disable=import-outside-toplevel
-    import triton  # pylint: disable=import-outside-toplevel,unused-import
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pylint: disable=import-outside-toplevel,unused-import
-  except ImportError as error:
-    return f"skipped: {error}"
+  for package in ("torch", "triton", "fla"):
+    if importlib.util.find_spec(package) is None:
+      return f"skipped: {package} is not installed"
+  import torch  # pylint: disable=import-outside-toplevel
   if not torch.cuda.is_available():
     return "skipped: torch sees no CUDA GPU"
   return None
@@ -60,12 +60,11 @@ def _inputs(shape, seed):
 
 def _callables(impl, q, k, v, g, beta):
   """The op of `impl` as f(*inputs) -> output [B, T, H, V], and its inputs."""
+  from fla.ops import chunk_gated_delta_rule, chunk_simple_gla  # pylint: disable=import-outside-toplevel
   if impl == "fla_gated_deltanet":
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # pylint: disable=import-outside-toplevel
     return (lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, scale=1.0)[0],
             [q, k, v, g, beta])
-  from fla.ops.simple_gla import chunk_simple_gla  # pylint: disable=import-outside-toplevel
-  return (lambda q, k, v, g: chunk_simple_gla(q, k, v, g, scale=1.0)[0], [q, k, v, g])
+  return lambda q, k, v, g: chunk_simple_gla(q, k, v, g, scale=1.0)[0], [q, k, v, g]
 
 
 def time_ms(impl: str, mode: str, shape, seed: int = 0) -> float:

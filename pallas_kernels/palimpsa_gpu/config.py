@@ -167,7 +167,8 @@ def deterministic_ops_requested() -> bool:
   return re.search(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)", flags) is not None
 
 
-def walk_kernel(mosaic_supported: bool, interpret: bool, hopper_only: bool = False) -> str:
+def mosaic_or_triton(mosaic_supported: bool, interpret: bool,
+                     hopper_only: bool = False) -> str:
   """"mosaic" where a Mosaic GPU kernel runs (`mosaic_supported`: it takes this call's
   sizes and dtypes): compiled on Hopper or newer (`hopper_only`: on Hopper, sm_90, alone),
   or interpreted on a single device; else "triton".
@@ -229,7 +230,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       interpret=interpret)
   bwd_mosaic = walk_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
   boundary_rows = jnp.float32 if v.dtype != beta_dtype else v.dtype
-  boundary_fwd = walk_kernel(
+  boundary_fwd = mosaic_or_triton(
       boundary_mosaic.supported(chunk, boundary_mosaic.default_k_part(kp), vp, k_dtype,
                                 boundary_rows, interpret=interpret),
       interpret, hopper_only=True)
@@ -250,9 +251,9 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       prior_dtype=jnp.dtype(prior_precision.dtype).name,
       interpret=interpret,
       boundary_fwd=boundary_fwd,
-      walk_fwd=walk_kernel(fwd_mosaic, interpret),
-      walk_bwd=walk_kernel(bwd_mosaic, interpret),
-      carries_bwd=walk_kernel(True, interpret),
+      walk_fwd=mosaic_or_triton(fwd_mosaic, interpret),
+      walk_bwd=mosaic_or_triton(bwd_mosaic, interpret),
+      carries_bwd=mosaic_or_triton(True, interpret),
       accumulate_bwd=not interpret and not deterministic_ops_requested())
 
 

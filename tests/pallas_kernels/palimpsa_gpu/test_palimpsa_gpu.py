@@ -332,7 +332,7 @@ def test_reduce_add_only_without_deterministic_ops(monkeypatch, flags, determini
     assert cfg.accumulate_bwd == (not interpret and not deterministic)
 
 
-def test_walk_kernel_choice(monkeypatch):
+def test_kernel_choice(monkeypatch):
   """Mosaic where it runs: interpreted on one device, or compiled on Hopper+ with sizes and
   rows that fit it (backward: 16-bit rows up to chunk 128, float32 rows up to chunk 64;
   forward: K up to 128)."""
@@ -351,21 +351,22 @@ def test_walk_kernel_choice(monkeypatch):
   assert walk_forward_mosaic.smem_bytes(96, [bf16] * 4, bf16, False) <= (
       walk_mosaic.SMEM_LIMIT // 2)  # Two CTAs per SM at D760's heads.
   assert not walk_forward_mosaic.supported(64, 144, [bf16] * 4, bf16, False, interpret=True)
-  assert gpu_config.walk_kernel(True, interpret=True) == "mosaic"
-  assert gpu_config.walk_kernel(False, interpret=True) == "triton"
+  assert gpu_config.mosaic_or_triton(True, interpret=True) == "mosaic"
+  assert gpu_config.mosaic_or_triton(False, interpret=True) == "triton"
   hopper = gpu_config.compute_capability() >= (9, 0)
-  assert gpu_config.walk_kernel(True, interpret=False) == ("mosaic" if hopper else "triton")
-  assert gpu_config.walk_kernel(False, interpret=False) == "triton"
+  assert gpu_config.mosaic_or_triton(True, interpret=False) == (
+      "mosaic" if hopper else "triton")
+  assert gpu_config.mosaic_or_triton(False, interpret=False) == "triton"
   sm90 = gpu_config.compute_capability()[0] == 9
-  assert gpu_config.walk_kernel(True, interpret=False, hopper_only=True) == (
+  assert gpu_config.mosaic_or_triton(True, interpret=False, hopper_only=True) == (
       "mosaic" if sm90 else "triton")
-  assert gpu_config.walk_kernel(True, interpret=True, hopper_only=True) == "mosaic"
+  assert gpu_config.mosaic_or_triton(True, interpret=True, hopper_only=True) == "mosaic"
   args = _random_op_args(0, (1, 64, 1, 144, 16))
   cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=False,
                     chunk_size=64, interpret=True)
   assert (cfg.walk_fwd, cfg.walk_bwd) == ("triton", "mosaic")
   monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-  assert gpu_config.walk_kernel(True, interpret=True) == "triton"
+  assert gpu_config.mosaic_or_triton(True, interpret=True) == "triton"
 
 
 @pytest.mark.parametrize("interpret, chunk, k_dim, v_dim, k_state, with_var", [
