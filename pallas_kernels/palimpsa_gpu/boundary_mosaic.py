@@ -20,7 +20,6 @@ in the second. The state is a float32 register tile [64, K-part] in the WGMMA la
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,24 +27,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import bf16_terms
+from pallas_kernels.palimpsa_gpu.mosaic_tiles import SMEM_LIMIT, smem_bytes_of
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BLOCK_V = 64  # V-rows per CTA: the M of one wgmma.
 MIN_ROWS = 64  # Rows per block at least (the WGMMA register layout's 64-row tiles).
 # Row blocks in flight (the ring's slots), by default: on an H200 (2026-12-02, bf16) 2 slots
 # were as fast as 3 or faster at every K-part and shape but D760's widest part (0.402 vs
-# 0.393 ms).
+# 0.393 ms) and MQAR (0.091 vs 0.086).
 SLOTS = 2
 # The widest K-part a CTA takes by default. H200 sweep (2026-12-02, bf16, ms; Triton's
 # kernel in brackets): D760 K-part 16/32/48/96 0.85/0.43/0.42/0.40 (0.43), D760p2
 # 16/32/64/128 1.56/0.75/0.59/0.67 (0.77), D170 16/48 0.103/0.095 (0.164), M170 16/48
-# 0.210/0.153 (0.199), MQAR 16 0.086 (0.076).
+# 0.210/0.153 (0.199), MQAR 16 0.091 (0.076); 2 slots each (benchmarks/records/
+# boundary_sweep_2026-12-02T0554.json).
 MAX_DEFAULT_K_PART = 96
 TERMS = 3  # bfloat16 terms of a float32 operand.
 GATE_PAD = 32  # Chunk-gate entries per block (at most 4 used): copies of whole 128 bytes.
-# Dynamic shared memory per CTA on sm_90, and what Pallas reserves besides our scratch.
-SMEM_LIMIT = 227 * 1024
-_SMEM_RESERVED = 3 * 1024
 
 
 def default_k_part(kp: int) -> int:
@@ -90,8 +88,7 @@ def _scratch(chunk: int, k_part: int, vp: int, slots: int, k_dtype, x_dtype) -> 
 
 def smem_bytes(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, slots: int = SLOTS) -> int:
   """Shared memory of one CTA (x_dtype: of v and beta)."""
-  refs = _scratch(chunk, k_part, vp, slots, k_dtype, x_dtype)
-  return sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in refs) + _SMEM_RESERVED
+  return smem_bytes_of(_scratch(chunk, k_part, vp, slots, k_dtype, x_dtype))
 
 
 def supported(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, *, interpret: bool,

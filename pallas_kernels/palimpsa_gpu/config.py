@@ -230,12 +230,13 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       interpret=interpret)
   bwd_mosaic = walk_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
   boundary_rows = jnp.float32 if v.dtype != beta_dtype else v.dtype
+  mosaic_k_part = boundary_mosaic.default_k_part(kp)
   boundary_fwd = mosaic_or_triton(
-      boundary_mosaic.supported(chunk, boundary_mosaic.default_k_part(kp), vp, k_dtype,
-                                boundary_rows, interpret=interpret),
+      boundary_mosaic.supported(chunk, mosaic_k_part, vp, k_dtype, boundary_rows,
+                                interpret=interpret),
       interpret, hopper_only=True)
   if boundary_fwd == "mosaic":  # One wide K-part (the Triton kernel's rule is above).
-    k_part_boundary = boundary_mosaic.default_k_part(kp)
+    k_part_boundary = mosaic_k_part
   return GpuKernelConfig(
       b=b, t=t, h=h, k=k, v=vdim, chunk=chunk,
       block_v=forward_block_v(vp, k_part, num_warps),

@@ -1,7 +1,10 @@
-"""Register-level operations on the Mosaic walk's [4, 16, 16] state tiles (one [16, 16]
+"""Register-level operations on the Mosaic walks' [4, 16, 16] state tiles (one [16, 16]
 tile per warp): the tile layout, FMA and reciprocal as single PTX instructions, and the
 per-step sums as warp-shuffle reduce-scatters. Interpreted, plain jnp stands in for each.
+Also the shared-memory budget every Mosaic kernel of the op checks its scratch against.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,18 @@ from jaxlib.mlir.dialects import arith, memref, vector
 from pallas_kernels.palimpsa_gpu.mosaic_internals import fast_instr, pointwise
 
 f32 = jnp.float32
+
+# Dynamic shared memory per CTA on sm_90, and what Pallas reserves besides a kernel's
+# scratch (reduction scratch, barriers, alignment).
+SMEM_LIMIT = 227 * 1024
+_SMEM_RESERVED = 3 * 1024
+
+
+def smem_bytes_of(scratch) -> int:
+  """Shared memory of a CTA with these scratch refs (plgpu.SMEM), Pallas' share included."""
+  return sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+             for ref in scratch) + _SMEM_RESERVED
+
 
 TILE = 16  # V-rows and K-columns of one walk's state tile.
 WALKS = 4  # Walks per warpgroup: one per warp.

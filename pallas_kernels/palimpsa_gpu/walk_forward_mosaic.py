@@ -16,7 +16,6 @@ No register waits on global memory inside the walk.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +23,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
-    K_ROWS, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
-    readout_stores)
-from pallas_kernels.palimpsa_gpu.walk_mosaic import SMEM_LIMIT
+    K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
+    readout_stores, smem_bytes_of)
 
 f32 = jnp.float32
 SLOTS = 2  # Slots of the row ring.
 SLOT_STEPS = 8  # Steps per ring slot (and per staged block of readouts).
 # The widest K held in registers: 8 tiles of M and I take 128 of a thread's registers.
 MAX_K = 128
-_SMEM_RESERVED = 3 * 1024  # Barriers and alignment besides the scratch.
 
 
 def _smem_scratch(kp: int, row_dtypes, out_dtype, with_var: bool) -> list:
@@ -52,8 +49,7 @@ def _smem_scratch(kp: int, row_dtypes, out_dtype, with_var: bool) -> list:
 
 def smem_bytes(kp: int, row_dtypes, out_dtype, with_var: bool) -> int:
   """Shared memory of one CTA (row_dtypes: k, q, v, beta)."""
-  return sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-             for ref in _smem_scratch(kp, row_dtypes, out_dtype, with_var)) + _SMEM_RESERVED
+  return smem_bytes_of(_smem_scratch(kp, row_dtypes, out_dtype, with_var))
 
 
 def supported(chunk: int, kp: int, row_dtypes, out_dtype, with_var: bool, *,
@@ -117,14 +113,16 @@ def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
     ms, bs = carry
     slot = i % SLOTS
     plgpu.barrier_wait(ring_bars.at[slot])
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # This staging slot's copy of 2 slots ago.
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # This staging slot's last copy.
     for s in range(SLOT_STEPS):
       a_row = row(a_s.at[slot, :, s], V_ROWS)
       a, prior = over_v(a_row), over_v((1.0 - a_row) * ip)
-      v, beta = over_v(row(v_s.at[slot, :, s], V_ROWS)), over_v(row(beta_s.at[slot, :, s], V_ROWS))
+      v = over_v(row(v_s.at[slot, :, s], V_ROWS))
+      beta = over_v(row(beta_s.at[slot, :, s], V_ROWS))
       rqs, rs, q2s = [], [], []
       for j in range(nk):
-        k_row, q_row = row(k_s.at[slot, j, :, s], K_ROWS), row(q_s.at[slot, j, :, s], K_ROWS)
+        k_row = row(k_s.at[slot, j, :, s], K_ROWS)
+        q_row = row(q_s.at[slot, j, :, s], K_ROWS)
         k, k2, q = over_k(k_row), over_k(k_row * k_row), over_k(q_row)
         ms[j] = fma(a, ms[j], v * k)
         bs[j] = fma(a, bs[j], fma(beta, k2, prior))

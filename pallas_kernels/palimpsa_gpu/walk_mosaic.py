@@ -26,7 +26,6 @@ the data lives:
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +33,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
-    K_ROWS, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops, sum_stores)
+    K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
+    smem_bytes_of, sum_stores)
 
 f32 = jnp.float32
 SLOTS = 2  # Quarter-chunk slots of the row ring.
-# Dynamic shared memory per CTA on sm_90, and what Pallas reserves besides our scratch
-# (reduction scratch, barriers, alignment).
-SMEM_LIMIT = 227 * 1024
-_SMEM_RESERVED = 3 * 1024
 # Checkpoint spacing: with the row ring, 8 steps (two sub-chunks of 4) fit two CTAs per SM
 # with 16-bit rows (run 19: fwd+bwd 1.07-1.15x over run 18's walk, which checkpointed every
 # 4 steps at one CTA per SM; every 16 steps: 0.86x, 188 registers).
@@ -69,8 +65,7 @@ def _smem_scratch(chunk: int, sub: int, every: int, row_dtypes) -> list:
 def smem_bytes(chunk: int, sub: int, row_dtypes, every: int | None = None) -> int:
   """Shared memory of one CTA (row_dtypes as in `_smem_scratch`)."""
   every = every or checkpoint_every(chunk)
-  return sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-             for ref in _smem_scratch(chunk, sub, every, row_dtypes)) + _SMEM_RESERVED
+  return smem_bytes_of(_smem_scratch(chunk, sub, every, row_dtypes))
 
 
 def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
