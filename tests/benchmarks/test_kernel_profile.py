@@ -1,0 +1,99 @@
+"""benchmarks/kernel_profile.py: parsing ncu's exported pages, the summary, arguments."""
+
+import json
+
+import pytest
+
+from benchmarks import kernel_profile
+
+# A piece of an ncu details page, as `ncu --import R --page details` prints it.
+DETAILS = """\
+  palimpsa_walk_backward_mosaic_mosaic_gpu_kernel (72, 4, 64)x(128, 1, 1), Context 1, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    Duration                         ms         9.92
+    Elapsed Cycles                cycle    4,775,576
+    ----------------------- ----------- ------------
+    Section: Compute Workload Analysis
+    Executed Ipc Active   inst/cycle         2.76
+    Issue Slots Busy               %        68.96
+    Avg. Active Threads Per Warp                                32.00
+    Registers Per Thread             register/thread             185
+    Executed Instructions                           inst 7,143,364,753
+    Duration                         ms         1.00
+"""
+
+HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+          '"stall_long_sb","stall_wait","stall_selected","stall_wait (Not Issued)"')
+
+
+def source_page(rows):
+  """A source page CSV: (sass, executions, long_sb, wait, selected) per instruction."""
+  lines = ['"Kernel Name","palimpsa_walk_backward_mosaic_mosaic_gpu_kernel",', HEADER]
+  for i, (sass, runs, long_sb, wait, selected) in enumerate(rows):
+    lines.append(f'"0x{i * 16:x}","      {sass}","0","{runs}","{long_sb}","{wait}",'
+                 f'"{selected}","99"')
+  return "\n".join(lines) + "\n"
+
+
+# MQAR: 64 * 1024 * 8 * 16 * 32 elements = 8,388,608 warp-wide entry-steps.
+MQAR_ENTRY_STEPS = 64 * 1024 * 8 * 16 * 32 // 32
+ROWS = [("FFMA R1, R2, R3, R4", 2 * MQAR_ENTRY_STEPS, 0, 3, 5),
+        ("@!P0 FMUL R1, R2, R3", 2 * MQAR_ENTRY_STEPS, 2, 0, 4),
+        ("MUFU.RCP R5, R6", 2 * MQAR_ENTRY_STEPS, 0, 1, 1),
+        ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR6], R12", 1000, 4, 0, 0),
+        ("", 0, 0, 0, 0)]
+
+
+def test_details_page_values_units_and_first_of_repeats():
+  metrics = kernel_profile.parse_details(DETAILS)
+  assert metrics["Duration"] == (9.92, "ms")
+  assert metrics["Elapsed Cycles"] == (4775576.0, "cycle")
+  assert metrics["Executed Instructions"] == (7143364753.0, "inst")
+  assert metrics["Avg. Active Threads Per Warp"] == (32.0, "")
+  assert metrics["Registers Per Thread"] == (185.0, "register/thread")
+
+
+def test_source_page_counts_opcodes_stalls_and_the_hottest_block():
+  counts = kernel_profile.parse_source(source_page(ROWS))
+  assert counts.opcodes == {"FFMA": 2 * MQAR_ENTRY_STEPS, "FMUL": 2 * MQAR_ENTRY_STEPS,
+                            "MUFU": 2 * MQAR_ENTRY_STEPS, "SYNCS": 1000}
+  assert counts.stalls == {"long_sb": 6, "wait": 4, "selected": 10}  # Not the "Not Issued"
+  assert (counts.hot_block_size, counts.hot_block_runs) == (3, 2 * MQAR_ENTRY_STEPS)
+
+
+def test_source_page_without_a_header_is_refused():
+  with pytest.raises(ValueError, match="not an ncu source page"):
+    kernel_profile.parse_source("Kernel Name,x\n1,2\n")
+
+
+def test_summary_of_exported_pages_per_entry_and_step(tmp_path):
+  (tmp_path / "details.txt").write_text(DETAILS)
+  (tmp_path / "source.csv").write_text(source_page(ROWS))
+  kernel_profile.main(["--shape", "MQAR", "--stage", "walk_bwd", "--from_report",
+                       str(tmp_path / "details.txt"), str(tmp_path / "source.csv"),
+                       "--device", "NVIDIA H200", "--note", "from a test",
+                       "--records", str(tmp_path / "records")])
+  [path] = (tmp_path / "records").glob("kernel_profile_*.json")
+  record = json.loads(path.read_text())
+  assert record["device"] == "NVIDIA H200" and record["settings"]["shape"] == "MQAR"
+  rows = {row[0]: row[1:] for row in record["table"]["rows"]}
+  assert rows["FFMA"] == ["2.00", "33.3%"] and rows["MUFU"] == ["2.00", "33.3%"]
+  assert rows["all"][0] == "6.00"
+  assert any("registers per thread | 185 register/thread" in n for n in record["notes"])
+  assert any("long_sb | 30.0%" in n for n in record["notes"]) and "from a test" in record["notes"]
+
+
+def test_without_ncu_it_says_what_is_needed(monkeypatch, tmp_path):
+  monkeypatch.setattr(kernel_profile.shutil, "which", lambda name: None)
+  with pytest.raises(SystemExit, match="needs Nsight Compute"):
+    kernel_profile.main(["--shape", "D170", "--stage", "walk_fwd", "--keep", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv", [["--shape", "D999"], ["--stage", "carries"],
+                                  ["--from_report", "a", "b"]])
+def test_bad_arguments_exit(argv):
+  with pytest.raises(SystemExit):
+    kernel_profile.main(argv)
