@@ -108,8 +108,8 @@ def parse_source(text: str) -> SourceCounts:
   return SourceCounts(opcodes, stalls, by_runs[runs], runs)
 
 
-def summary_tables(details: dict, source: SourceCounts, shape) -> str:
-  """The launch, instructions-per-entry-step and stall tables as markdown."""
+def summary_tables(details: dict, source: SourceCounts, shape) -> tuple[str, str, str]:
+  """The launch, instructions-per-entry-step and stall tables (markdown)."""
   entry_steps = math.prod(shape) / 32  # Warp-wide entry-steps: per thread, x 32 / elements.
   launch = ["| launch | value |", "|---|---|"]
   for name, label in LAUNCH_METRICS:
@@ -119,20 +119,20 @@ def summary_tables(details: dict, source: SourceCounts, shape) -> str:
       launch.append(f"| {label} | {shown}{' ' + unit if unit else ''} |")
   total = sum(source.opcodes.values())
   ops = ["| opcode | per entry and step | share |", "|---|---|---|"]
-  for opcode, n in source.opcodes.most_common(TOP_OPCODES):
-    ops.append(f"| {opcode} | {n / entry_steps:.2f} | {n / total:.1%} |")
-  rest = total - sum(n for _, n in source.opcodes.most_common(TOP_OPCODES))
+  top = source.opcodes.most_common(TOP_OPCODES)
+  ops += [f"| {opcode} | {n / entry_steps:.2f} | {n / total:.1%} |" for opcode, n in top]
+  rest = total - sum(n for _, n in top)
   ops += [f"| other | {rest / entry_steps:.2f} | {rest / total:.1%} |",
           f"| all | {total / entry_steps:.2f} | 100% |",
           f"| hottest block: {source.hot_block_size} instructions, each run "
           f"{source.hot_block_runs:,} times | "
           f"{source.hot_block_size * source.hot_block_runs / entry_steps:.2f} | "
-          f"{source.hot_block_size * source.hot_block_runs / max(total, 1):.1%} |"]
+          f"{source.hot_block_size * source.hot_block_runs / total:.1%} |"]
   samples = sum(source.stalls.values())
   stalls = ["| warp state | share of samples |", "|---|---|"]
   stalls += [f"| {reason} | {n / samples:.1%} |"
              for reason, n in source.stalls.most_common() if n]
-  return "\n\n".join("\n".join(t) for t in (launch, ops, stalls))
+  return tuple("\n".join(t) for t in (launch, ops, stalls))
 
 
 def run_stage(stage: str, shape, calls: int) -> None:
@@ -206,11 +206,10 @@ def main(argv: list[str] | None = None) -> None:
       folder = pathlib.Path(args.keep or tmp)
       folder.mkdir(parents=True, exist_ok=True)
       details, source = profile(args.stage, args.shape, folder)
-  tables = summary_tables(parse_details(details), parse_source(source), shape)
+  launch, opcodes, stalls = summary_tables(parse_details(details), parse_source(source), shape)
   title = f"{KERNELS[args.stage]} at {args.shape} {shape}, bf16 rows"
-  print(f"### {title}\n\n{tables}")
+  print(f"### {title}\n\n{launch}\n\n{opcodes}\n\n{stalls}")
   if not args.no_record:
-    launch, opcodes, stalls = tables.split("\n\n")
     record = results_lib.make_record(
         "kernel_profile", f"kernel_profile: {title}",
         "python " + shlex.join(["benchmarks/kernel_profile.py"] + (argv or sys.argv[1:])),
