@@ -18,7 +18,8 @@ The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over 
 implementation in the same run (>1: this one is faster) and the fraction of the floor
 (docs/gpu_performance.md) reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
 A record with the date, device, versions, git ref and the exact command is written to
-benchmarks/records/.
+benchmarks/records/, and rewritten after every shape: a run stopped early keeps the shapes it
+measured (its record says which it had not reached).
 """
 
 import argparse
@@ -311,8 +312,10 @@ def main():
   log = lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,
                           flush=True)
   device = jax.devices()[0]
+  record_date = results_lib.utc_now()  # One record per run, dated when it began.
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-  rows, fla_notes = [], set()
+  rows, fla_notes, record_path = [], set(), None
+  command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
   for i, (name, shape) in enumerate(shapes.items()):
     log(f"shape {i + 1}/{len(shapes)}: {name} {shape}")
     rows += bench_shape(name, shape, impls, args, log)
@@ -320,22 +323,26 @@ def main():
       fla_rows, notes = fla_reference.rows(name, shape, log)
       rows += fla_rows
       fla_notes.update(notes)
-  table = format_table(rows, args.memory)
-  print(table)
-  if not args.no_record:
-    command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
-    record = results_lib.make_record(
-        "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
-        device=device.device_kind, table=table,
-        settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
-        notes=[f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
-               f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
-               f"ms: per call with {args.iters} calls queued and one block at the end (median "
-               f"of 3 batches; device time per call, as triton's do_bench measures); ms synced: "
-               f"median of {args.iters} single calls, each blocked on"]
-        + sorted(fla_notes) + ([args.note] if args.note else []))
-    log(f"wrote {results_lib.write_record(record, args.records)}")
-
+    if not args.no_record:  # After every shape, so a run stopped early keeps its rows.
+      left = list(shapes)[i + 1:]
+      partial = [f"partial: the run had not reached {', '.join(left)} when this was "
+                 "written"] if left else []
+      record = results_lib.make_record(
+          "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
+          device=device.device_kind, table=format_table(rows, args.memory),
+          settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
+          date=record_date,
+          notes=[f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
+                 f"rotating input sets, forward {'with' if args.variance else 'without'} "
+                 f"variance",
+                 f"ms: per call with {args.iters} calls queued and one block at the end "
+                 f"(median of 3 batches; device time per call, as triton's do_bench "
+                 f"measures); ms synced: median of {args.iters} single calls, each blocked on"]
+          + sorted(fla_notes) + ([args.note] if args.note else []) + partial)
+      record_path = results_lib.write_record(record, args.records, replace=record_path)
+  print(format_table(rows, args.memory))
+  if record_path is not None:
+    log(f"wrote {record_path}")
 
 if __name__ == "__main__":
   main()

@@ -92,9 +92,14 @@ def make_record(benchmark: str, title: str, command: str, *, settings: dict[str,
           "table": None if table is None else parse_table(table), "figures": figures}
 
 
-def write_record(record: dict[str, Any], directory: pathlib.Path | str = RECORDS) -> pathlib.Path:
+def write_record(record: dict[str, Any], directory: pathlib.Path | str = RECORDS,
+                 replace: pathlib.Path | None = None) -> pathlib.Path:
   """Writes the record as DIRECTORY/BENCHMARK_YYYY-MM-DDTHHMM[_N].json (a new file, never
-  over an older one); returns its path."""
+  over an older one); returns its path. `replace`: the path this run's earlier, partial
+  record was written to, rewritten in place instead (a long run keeps what it measured)."""
+  if replace is not None:
+    replace.write_text(_dumps(record))
+    return replace
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   stamp = record["date"].removesuffix(" UTC").replace(" ", "T").replace(":", "")

@@ -1,6 +1,7 @@
 """benchmarks/op_bench.py on CPU: correctness gate and timing rows of one small shape."""
 
 import argparse
+import json
 
 import pytest
 
@@ -63,3 +64,34 @@ def test_fla_rows_say_why_they_are_skipped_and_fill_their_column():
   assert cells[0][7] == "4.00x" and cells[0][-1] == "0.50x"  # pallas_gpu vs chunked, FLA
   assert cells[1][-1] == "0.12x"
   assert cells[2][5] == "-" and cells[2][7:9] == ["-", "-"] and cells[2][-1] == "-"
+
+
+def test_record_is_rewritten_after_every_shape(monkeypatch, tmp_path):
+  """A run stopped during its second shape keeps the first one's rows in a record marked
+  partial; a finished run leaves one record, not marked."""
+  shapes = {"first": (1, 64, 1, 16, 16), "second": (1, 64, 1, 16, 16)}
+  monkeypatch.setitem(op_bench.SHAPES, "small", shapes)
+  argv = ["op_bench.py", "--impls", "chunked", "--iters", "1", "--warmup", "0",
+          "--rotate", "1", "--records", str(tmp_path)]
+  monkeypatch.setattr("sys.argv", argv)
+  real_bench = op_bench.bench_shape
+
+  def stop_at_second(name, *args):
+    if name == "second":
+      raise KeyboardInterrupt
+    return real_bench(name, *args)
+
+  monkeypatch.setattr(op_bench, "bench_shape", stop_at_second)
+  with pytest.raises(KeyboardInterrupt):
+    op_bench.main()
+  (path,) = tmp_path.glob("op_bench_*.json")
+  record = json.loads(path.read_text())
+  assert [row[0] for row in record["table"]["rows"]] == ["first", "first"]
+  assert any(n.startswith("partial: the run had not reached second") for n in record["notes"])
+  path.unlink()
+  monkeypatch.setattr(op_bench, "bench_shape", real_bench)
+  op_bench.main()
+  (path,) = tmp_path.glob("op_bench_*.json")
+  record = json.loads(path.read_text())
+  assert [row[0] for row in record["table"]["rows"]] == ["first"] * 2 + ["second"] * 2
+  assert not any(n.startswith("partial") for n in record["notes"])
