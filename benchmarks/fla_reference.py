@@ -85,18 +85,18 @@ def time_ms(impl: str, mode: str, shape, seed: int = 0) -> float:
   return triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
 
 
-def rows(name, shape, log) -> tuple[list[tuple], list[str]]:
+def rows(name, shape, log, impls=IMPLS) -> tuple[list[tuple], list[str]]:
   """op_bench rows (shape name, shape, impl, mode, ms, ms_synced, note, mem) of FLA's
-  kernels at `shape`, and notes for the record."""
+  kernels `impls` (of IMPLS) at `shape`, and notes for the record."""
   reason = unavailable_reason()
   if reason is None and shape[3] < MIN_K:
     reason = f"skipped: FLA 0.6.0's kernels faulted at K = 16 on an H200 (K < {MIN_K})"
   if reason is not None:
     return [(name, shape, impl, mode, None, None, reason, None)
-            for impl in IMPLS for mode in ("fwd", "fwd+bwd")], []
+            for impl in impls for mode in ("fwd", "fwd+bwd")], []
   note = _allow_hopper_backward()
   out = []
-  for impl in IMPLS:
+  for impl in impls:
     for mode in ("fwd", "fwd+bwd"):
       ms = time_ms(impl, mode, shape)
       log(f"[{name}] {impl} {mode}: {ms:.3f} ms (another recurrence: no error)")

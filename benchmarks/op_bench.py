@@ -297,8 +297,10 @@ def main():
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="memory for the float64 reference backward (fewer steps if needed)")
   results_lib.add_record_flags(parser)
-  parser.add_argument("--fla", action="store_true",
-                      help="also time FLA's chunk Gated DeltaNet and SimpleGLA (torch, CUDA)")
+  parser.add_argument("--fla", nargs="*", choices=fla_reference.IMPLS,
+                      help="also time FLA's chunk Gated DeltaNet and SimpleGLA (torch, CUDA); "
+                      "names choose among them (each costs minutes of Triton autotuning "
+                      "per shape)")
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
@@ -319,14 +321,19 @@ def main():
   for i, (name, shape) in enumerate(shapes.items()):
     log(f"shape {i + 1}/{len(shapes)}: {name} {shape}")
     rows += bench_shape(name, shape, impls, args, log)
-    if args.fla:
-      fla_rows, notes = fla_reference.rows(name, shape, log)
-      rows += fla_rows
-      fla_notes.update(notes)
-    if not args.no_record:  # After every shape, so a run stopped early keeps its rows.
+    for part in ("op", "fla") if args.fla is not None else ("op",):
+      if part == "fla":
+        fla_rows, notes = fla_reference.rows(name, shape, log, args.fla or fla_reference.IMPLS)
+        rows += fla_rows
+        fla_notes.update(notes)
+      if args.no_record:
+        continue
+      # After every shape's own rows and FLA's, so a run stopped early keeps what it timed.
       left = list(shapes)[i + 1:]
-      partial = [f"partial: the run had not reached {', '.join(left)} when this was "
-                 "written"] if left else []
+      partial = ([f"partial: FLA's rows of {name} were not reached"]
+                 if part == "op" and args.fla is not None else [])
+      partial += [f"partial: the run had not reached {', '.join(left)} when this was "
+                  "written"] if left else []
       record = results_lib.make_record(
           "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
           device=device.device_kind, table=format_table(rows, args.memory),
