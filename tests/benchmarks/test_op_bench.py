@@ -54,6 +54,9 @@ def test_fla_rows_say_why_they_are_skipped_and_fill_their_column():
                                           for m in ("fwd", "fwd+bwd")]
   assert all(r[4] is None and r[6].startswith("skipped: ") for r in rows) and not notes
   assert "x FLA Gated DeltaNet" not in op_bench.format_table(rows, False)
+  gdn_only, _ = op_bench.fla_reference.rows("tiny", shape, lambda _: None,
+                                            ("fla_gated_deltanet",))
+  assert {r[2] for r in gdn_only} == {"fla_gated_deltanet"} and len(gdn_only) == 2
   timed = [("D", shape, "pallas_gpu", "fwd", 2.0, 2.5, "1e-06 (ref)", None),
            ("D", shape, "chunked", "fwd", 8.0, 8.5, "1e-06 (ref)", None),
            ("D", shape, "fla_gated_deltanet", "fwd", 1.0, None, "n/a", None),
