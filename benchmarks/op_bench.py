@@ -318,35 +318,37 @@ def main():
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   rows, fla_notes, record_path = [], set(), None
   command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
+  notes = [f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
+           f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
+           f"ms: per call with {args.iters} calls queued and one block at the end (median "
+           f"of 3 batches; device time per call, as triton's do_bench measures); ms synced: "
+           f"median of {args.iters} single calls, each blocked on"]
+
+  def save(not_reached: list[str]) -> None:
+    """(Re)writes the run's one record with the rows so far; not_reached: what is left."""
+    nonlocal record_path
+    if args.no_record:
+      return
+    partial = ([f"partial: the run had not reached {', '.join(not_reached)} when this was "
+                "written"] if not_reached else [])
+    record = results_lib.make_record(
+        "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
+        device=device.device_kind, table=format_table(rows, args.memory), date=record_date,
+        settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
+        notes=notes + sorted(fla_notes) + ([args.note] if args.note else []) + partial)
+    record_path = results_lib.write_record(record, args.records, replace=record_path)
+
   for i, (name, shape) in enumerate(shapes.items()):
     log(f"shape {i + 1}/{len(shapes)}: {name} {shape}")
     rows += bench_shape(name, shape, impls, args, log)
-    for part in ("op", "fla") if args.fla is not None else ("op",):
-      if part == "fla":
-        fla_rows, notes = fla_reference.rows(name, shape, log, args.fla or fla_reference.IMPLS)
-        rows += fla_rows
-        fla_notes.update(notes)
-      if args.no_record:
-        continue
-      # After every shape's own rows and FLA's, so a run stopped early keeps what it timed.
-      left = list(shapes)[i + 1:]
-      partial = ([f"partial: FLA's rows of {name} were not reached"]
-                 if part == "op" and args.fla is not None else [])
-      partial += [f"partial: the run had not reached {', '.join(left)} when this was "
-                  "written"] if left else []
-      record = results_lib.make_record(
-          "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
-          device=device.device_kind, table=format_table(rows, args.memory),
-          settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
-          date=record_date,
-          notes=[f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
-                 f"rotating input sets, forward {'with' if args.variance else 'without'} "
-                 f"variance",
-                 f"ms: per call with {args.iters} calls queued and one block at the end "
-                 f"(median of 3 batches; device time per call, as triton's do_bench "
-                 f"measures); ms synced: median of {args.iters} single calls, each blocked on"]
-          + sorted(fla_notes) + ([args.note] if args.note else []) + partial)
-      record_path = results_lib.write_record(record, args.records, replace=record_path)
+    later = list(shapes)[i + 1:]
+    if args.fla is not None:  # Saved before FLA's rows too: they take minutes per shape.
+      save([f"FLA's rows of {name}"] + later)
+      fla_rows, new_notes = fla_reference.rows(name, shape, log,
+                                               args.fla or fla_reference.IMPLS)
+      rows += fla_rows
+      fla_notes.update(new_notes)
+    save(later)
   print(format_table(rows, args.memory))
   if record_path is not None:
     log(f"wrote {record_path}")
