@@ -136,12 +136,13 @@ def _throughput(records: list[Record], sizes: tuple[str, ...]) -> str:
       chosen.items(), key=lambda item: item[0][:5]):
     out.append([record["settings"]["size"], model, implementation,
                 "scanned" if scanned == "yes" else "unrolled", "yes" if remat else "no",
-                f"{batch} x {seq_len}", cell(row, "step ms (median)", "step ms"),
+                f"{batch} x {seq_len}", cell(row, "step ms (queued)", "step ms (median)", "step ms"),
+                "queued" if "step ms (queued)" in row else "synced",
                 cell(row, "tokens/s"), cell(row, "x Mamba2 step time", "x Mamba2 step"),
                 cell(row, "compile s"), cell(row, "temp GiB"), cell(row, "peak GiB"),
                 day(record)])
   return markdown(["size", "model", "implementation", "layers", "remat", "tokens per step",
-                   "step ms", "tokens/s", "x Mamba2 step (same call)", "compile s",
+                   "step ms", "steps timed", "tokens/s", "x Mamba2 step (same call)", "compile s",
                    "temp GiB", "peak GiB", "measured"], out)
 
 

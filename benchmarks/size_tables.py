@@ -106,7 +106,7 @@ def render(result: dict) -> str:
           f"| {r['model']} | {r['params'] / 1e6:.0f} | {'yes' if r['scan_layers'] else 'no'} "
           f"| {'yes' if remat else 'no'} | {stage.get('tokens_per_step')} "
           f"| {r.get('grad_accum_steps')} "
-          f"| {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} "
+          f"| {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} "
           f"| {_fmt(r.get('peak_gib'), '.1f')} | {_fmt(r.get('batch_that_fits'), 'd')} "
           f"| {r['compile_s']:.1f} | {_fmt(r.get('x_mamba2'), '.2f')} |")
     parts.append("")

@@ -10,8 +10,11 @@ and trained with the real LM recipe (configs/lm.py: AdamW, schedule, clipping,
 weight-decay mask) through the jitted, state-donating train step of
 palimpsa_jax/training, on one fixed batch of random tokens. Per model: the
 train step is compiled ahead of time (compile seconds), run for --warmup_steps,
-then --steps timed steps (block_until_ready after each). The table gives the
-median step time, tokens/s, MFU (6 * params * tokens/s over the devices' peak),
+then timed twice over --steps steps: queued back to back with one block_until_ready
+at the end, as the trainer runs them (it syncs only to log), which gives the step
+time, tokens/s and MFU (6 * params * tokens/s over the devices' peak); and synced,
+each step waited for, whose median, min and max show the host time a step spends
+before the device is busy (synced minus queued). The table also gives
 the compiled step's memory (temporaries; peak = arguments + outputs + temporaries
 - donated buffers, per device) with the largest batch that memory suggests would
 fit, and the step time relative to Mamba2's in the same run. A non-finite loss or
@@ -271,16 +274,22 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   """Builds, compiles and times one model; returns its result row."""
   built = build_train_step(model, implementation, scan_layers, args, mesh, label)
   log(f"{label} compiled in {built.compile_s:.1f} s; {args.warmup_steps} warm-up + "
-      f"{args.steps} timed steps ...")
+      f"{args.steps} synced + {args.steps} queued steps ...")
 
-  state, all_metrics, times = built.state, [], []
+  state, all_metrics, synced = built.state, [], []
   for index in range(args.warmup_steps + args.steps):
     start = time.perf_counter()
     state, step_metrics = built.compiled(state, built.batch)
     jax.block_until_ready((state, step_metrics))
     if index >= args.warmup_steps:
-      times.append(time.perf_counter() - start)
+      synced.append(time.perf_counter() - start)
     all_metrics.append(step_metrics)
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, step_metrics = built.compiled(state, built.batch)
+    all_metrics.append(step_metrics)
+  jax.block_until_ready((state, step_metrics))
+  step_s = (time.perf_counter() - start) / args.steps
   all_metrics = jax.device_get(all_metrics)
   del state
   for index, step_metrics in enumerate(all_metrics):
@@ -289,7 +298,6 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
           f"{label}: non-finite loss or gradient at step {index + 1} (loss "
           f"{step_metrics['train/loss']}, grad norm {step_metrics['train/grad_norm']}).")
 
-  step_s = statistics.median(times)
   tokens_per_s = args.batch_size * args.seq_len / step_s
   peak = metrics_lib.peak_flops_per_device()
   mfu = (6 * built.num_params * tokens_per_s / (peak * mesh.size)) if peak else None
@@ -300,11 +308,12 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
          "compile_s": built.compile_s, "temp_gib": built.temp_gib,
          "peak_gib": built.peak_gib,
          "batch_that_fits": batch_that_fits(built, args.batch_size),
-         "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
-         "step_ms_max": 1e3 * max(times), "tokens_per_s": tokens_per_s,
+         "step_ms": 1e3 * step_s, "synced_ms_median": 1e3 * statistics.median(synced),
+         "synced_ms_min": 1e3 * min(synced), "synced_ms_max": 1e3 * max(synced),
+         "tokens_per_s": tokens_per_s,
          "mfu": mfu, "final_loss": float(all_metrics[-1]["train/loss"]),
          "paper_run_hours": PAPER_TOKENS / tokens_per_s / 3600}
-  log(f"{label} median step {row['step_ms_median']:.1f} ms, "
+  log(f"{label} step {row['step_ms']:.1f} ms queued ({row['synced_ms_median']:.1f} synced), "
       f"{tokens_per_s:,.0f} tokens/s, loss {row['final_loss']:.3f}")
   return row
 
@@ -315,7 +324,7 @@ def add_baseline_ratios(rows: list[dict[str, Any]]) -> None:
   for row in rows:
     baseline = next((r for r in rows if r["model"] == BASELINE
                      and r["scan_layers"] == row["scan_layers"]), None)
-    row["x_mamba2"] = (row["step_ms_median"] / baseline["step_ms_median"]
+    row["x_mamba2"] = (row["step_ms"] / baseline["step_ms"]
                        if baseline else None)
 
 
@@ -325,9 +334,9 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
   header = ("| model | implementation | scanned | params (M) | layers | compile s "
-            "| temp GiB | peak GiB | batch that fits (est.) | step ms (median) "
-            "| min / max ms | tokens/s | MFU | x Mamba2 step time | final loss |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| temp GiB | peak GiB | batch that fits (est.) | step ms (queued) | tokens/s | MFU "
+            "| x Mamba2 step time | synced step ms (median) | synced min / max ms "
+            "| final loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   lines = [header]
   for r in rows:
     lines.append(
@@ -335,9 +344,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         f"| {r['params'] / 1e6:.1f} "
         f"| {r['layers']} | {r['compile_s']:.1f} | {_fmt(r['temp_gib'], '.2f')} "
         f"| {_fmt(r['peak_gib'], '.2f')} | {_fmt(r['batch_that_fits'], 'd')} "
-        f"| {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f} / {r['step_ms_max']:.1f} "
-        f"| {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
-        f"| {_fmt(r['x_mamba2'], '.2f')} | {r['final_loss']:.3f} |")
+        f"| {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
+        f"| {_fmt(r['x_mamba2'], '.2f')} | {r['synced_ms_median']:.1f} "
+        f"| {r['synced_ms_min']:.1f} / {r['synced_ms_max']:.1f} | {r['final_loss']:.3f} |")
   return "\n".join(lines)
 
 
@@ -410,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                f"{'on' if args.remat else 'off'}, kernels "
                f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"
                f"{', context-parallel path' if args.context_parallel else ''}; "
-               f"median of {args.steps} steps after {args.warmup_steps} warm-up, random tokens",
+               f"{args.warmup_steps} warm-up steps, then {args.steps} steps queued (step ms, "
+               f"tokens/s) and {args.steps} synced one by one; random tokens",
                *(line.removeprefix("- ") for line in projections)])
     log(f"wrote {results_lib.write_record(record, args.records)}")
   if args.output:

@@ -49,6 +49,17 @@ def test_each_row_comes_from_the_newest_record_that_has_it(tmp_path):
   assert "2026-11-30 09:25" in lines["not_palimpsa"]
 
 
+def test_a_queued_step_time_is_shown_over_the_synced_one_and_says_so(tmp_path):
+  record = _record("2026-12-02 18:42 UTC", [])
+  record["table"] = results_lib.parse_table(
+      "| model | implementation | scanned | step ms (queued) | tokens/s | synced step ms (median) |"
+      "\n|---|---|---|---|---|---|\n| palimpsa_d | auto | no | 109.1 | 150,153 | 142.8 |")
+  results_lib.write_record(record, tmp_path)
+  (line,) = render_records.train_throughput_170m(
+      results_lib.load_records(tmp_path)).splitlines()[2:]
+  assert "| 109.1 | queued | 150,153 |" in line and "142.8" not in line
+
+
 def test_render_text_replaces_only_the_block_and_rejects_unknown_views(tmp_path):
   results_lib.write_record(_record("2026-12-01 06:18 UTC",
                                    ["| mamba2 | auto | no | 165.9 | 98,758 |"]), tmp_path)
@@ -57,7 +68,7 @@ def test_render_text_replaces_only_the_block_and_rejects_unknown_views(tmp_path)
   rendered = render_records.render_text(text, records)
   assert rendered.startswith("before\n<!-- records:train_throughput_170m -->\n| size |")
   assert "\nold\n" not in rendered
-  assert rendered.endswith("| 165.9 | 98,758 | - | - | - | - | 2026-12-01 06:18 |\n"
+  assert rendered.endswith("| 165.9 | synced | 98,758 | - | - | - | - | 2026-12-01 06:18 |\n"
                            "<!-- /records -->\nafter\n")
   assert render_records.render_text(rendered, records) == rendered
   with pytest.raises(ValueError, match="unknown records view 'nope'"):

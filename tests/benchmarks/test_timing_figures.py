@@ -30,14 +30,15 @@ def _fake_built_step(step_seconds, clock):
                                     temp_gib=None, peak_gib=None)
 
 
-@pytest.mark.parametrize("model, step_seconds, step_s, tokens_per_s", [
-    ("mamba2", (5.0, 0.1, 0.4, 0.2), 0.2, 640.0),
-    ("palimpsa_d", (5.0, 0.3, 0.6, 0.5), 0.5, 256.0),
+@pytest.mark.parametrize("model, step_seconds, synced, step_s, tokens_per_s", [
+    ("mamba2", (5.0, 0.1, 0.4, 0.2, 0.2, 0.1, 0.3), (0.1, 0.2, 0.4), 0.2, 640.0),
+    ("palimpsa_d", (5.0, 0.3, 0.6, 0.5, 0.5, 0.5, 0.5), (0.3, 0.5, 0.6), 0.5, 256.0),
 ])
-def test_figures_are_those_of_the_median_timed_step(monkeypatch, model, step_seconds, step_s,
-                                                    tokens_per_s):
+def test_figures_are_those_of_the_queued_steps(monkeypatch, model, step_seconds, synced,
+                                               step_s, tokens_per_s):
   """On a fake clock that moves only while a step runs: the warm-up step (5 s) is left out,
-  the median of the timed steps gives tokens/s (2 x 64 tokens a step), MFU and run hours."""
+  three synced steps give the median, min and max, and the mean of the three queued steps
+  gives the step time, tokens/s (2 x 64 tokens a step), MFU and run hours."""
   clock = types.SimpleNamespace(now=0.0)
   monkeypatch.setattr(train_throughput, "time",
                       types.SimpleNamespace(perf_counter=lambda: clock.now))
@@ -48,8 +49,9 @@ def test_figures_are_those_of_the_median_timed_step(monkeypatch, model, step_sec
                                       "--warmup_steps", "1"])
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
   row = train_throughput.bench_model(model, "chunked", True, args, mesh, model)
-  assert (row["step_ms_min"], row["step_ms_median"], row["step_ms_max"]) == pytest.approx(
-      (1e3 * min(step_seconds[1:]), 1e3 * step_s, 1e3 * max(step_seconds[1:])))
+  assert (row["synced_ms_min"], row["synced_ms_median"], row["synced_ms_max"]) == pytest.approx(
+      tuple(1e3 * s for s in synced))
+  assert row["step_ms"] == pytest.approx(1e3 * step_s)
   assert row["tokens_per_s"] == pytest.approx(tokens_per_s)
   assert row["mfu"] == pytest.approx(6 * 1000 * tokens_per_s / 1e12)  # 6 FLOPs/param/token
   assert row["paper_run_hours"] == pytest.approx(15e9 / tokens_per_s / 3600)
@@ -57,9 +59,9 @@ def test_figures_are_those_of_the_median_timed_step(monkeypatch, model, step_sec
 
 
 def test_baseline_ratio_is_the_step_time_over_mamba2s_with_the_same_scan_layers():
-  rows = [{"model": "mamba2", "scan_layers": True, "step_ms_median": 200.0},
-          {"model": "palimpsa_d", "scan_layers": True, "step_ms_median": 500.0},
-          {"model": "palimpsa_d", "scan_layers": False, "step_ms_median": 300.0}]
+  rows = [{"model": "mamba2", "scan_layers": True, "step_ms": 200.0},
+          {"model": "palimpsa_d", "scan_layers": True, "step_ms": 500.0},
+          {"model": "palimpsa_d", "scan_layers": False, "step_ms": 300.0}]
   train_throughput.add_baseline_ratios(rows)
   assert [r["x_mamba2"] for r in rows] == [1.0, 2.5, None]
 
