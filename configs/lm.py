@@ -51,9 +51,11 @@ DEFAULTS = dict(
 # docs/models.md, sizes and recipe (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
 # Layers per size, from measurements on one H200 at context 4096 (docs/training.md, "Model
 # sizes on one H200"): scanned with remat, Palimpsa-D 170m steps 2-8% slower than unrolled
-# (121.7k against 124.3-131.7k tokens/s) in a sixth of the memory, compiles in 15-19 s against
-# 121-147 s and reaches its first step from a warm cache in 10 s against 45 s; at 760m and 2.7b
-# the scanned step compiles in 13-22 s. tiny (CPU smoke tests) stays unrolled.
+# when every step is waited for (121.7k against 124.3-131.7k tokens/s; with steps queued, as the
+# trainer runs them, scanned without remat took 1.42x unrolled's step, see "Scanned layers";
+# scanned with remat is not timed that way yet) in a sixth of the memory, compiles in 15-19 s
+# against 121-147 s and reaches its first step from a warm cache in 10 s against 45 s; at 760m
+# and 2.7b the scanned step compiles in 13-22 s. tiny (CPU smoke tests) stays unrolled.
 SIZE_DEFAULTS = {
     "tiny": dict(seq_len=512, batch=16, tokens=2000 * 16 * 512, lr=3e-3,
                  warmup=200, device_batch=16),
