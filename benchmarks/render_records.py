@@ -119,6 +119,10 @@ def reference_timings(records: list[Record]) -> str:
   return markdown(record["table"]["columns"], record["table"]["rows"])
 
 
+# train_throughput's step time of queued steps; older records timed every step synced.
+_QUEUED = "step ms (queued)"
+
+
 def _throughput(records: list[Record], sizes: tuple[str, ...]) -> str:
   """One-device training throughput: per model, implementation, layer layout, remat and batch,
   the newest measurement."""
@@ -136,8 +140,8 @@ def _throughput(records: list[Record], sizes: tuple[str, ...]) -> str:
       chosen.items(), key=lambda item: item[0][:5]):
     out.append([record["settings"]["size"], model, implementation,
                 "scanned" if scanned == "yes" else "unrolled", "yes" if remat else "no",
-                f"{batch} x {seq_len}", cell(row, "step ms (queued)", "step ms (median)", "step ms"),
-                "queued" if "step ms (queued)" in row else "synced",
+                f"{batch} x {seq_len}", cell(row, _QUEUED, "step ms (median)", "step ms"),
+                "queued" if _QUEUED in row else "synced",
                 cell(row, "tokens/s"), cell(row, "x Mamba2 step time", "x Mamba2 step"),
                 cell(row, "compile s"), cell(row, "temp GiB"), cell(row, "peak GiB"),
                 day(record)])
