@@ -10,15 +10,11 @@ from flax import nnx
 from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache, MesaNet,
                                  MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
-from palimpsa_jax.ops.common import READOUT_NAME
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | MesaNet | Attention
 METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
 # Logical name of the stacked layer axis of config.scan_layers models.
 LAYERS_AXIS = "layers"
-# config.remat recomputes each block in the backward pass except its recurrence op's readout,
-# so the op's forward kernels do not run again (docs/training.md, "Remat").
-REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(READOUT_NAME)
 
 
 def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -249,7 +245,7 @@ class LanguageModel(nnx.Module):
       return block(h, segment_ids, return_diagnostics)
 
     if self.remat:
-      run = nnx.remat(run, policy=REMAT_POLICY)
+      run = nnx.remat(run)
     if self.scan_layers:
       h, stacked = nnx.scan(
           lambda h, block: run(block, h), in_axes=(nnx.Carry, 0),

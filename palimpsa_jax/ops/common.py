@@ -6,18 +6,6 @@ dtype. Chunk helpers work on the op layout [B, T, H, ...].
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-
-# The name (jax.ad_checkpoint.checkpoint_name) of every recurrence op's readout [B, T, H, V].
-# A remat policy that saves it (the language model's) keeps the backward from recomputing the
-# op's forward only to read out again: the op's own residuals are its inputs and, for the
-# Palimpsa kernels, the chunk-boundary states.
-READOUT_NAME = "recurrence_readout"
-
-
-def named_readout(out: jax.Array) -> jax.Array:
-  """`out` tagged READOUT_NAME for remat policies (the identity otherwise)."""
-  return checkpoint_name(out, READOUT_NAME)
 
 
 def check_array(name: str, x, shape: tuple[int, ...], layout: str, kind: str = "float"):

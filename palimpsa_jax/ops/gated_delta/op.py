@@ -7,8 +7,7 @@ import jax.numpy as jnp
 
 from palimpsa_jax.ops.gated_delta.chunked import gated_delta_chunked
 from palimpsa_jax.ops.gated_delta.sequential import gated_delta_sequential
-from palimpsa_jax.ops.common import (check_array, check_options, check_sequences, named_readout,
-                                     segment_starts)
+from palimpsa_jax.ops.common import check_array, check_options, check_sequences, segment_starts
 
 IMPLEMENTATIONS = ("auto", "sequential", "chunked")
 
@@ -71,4 +70,4 @@ def gated_delta_rule(
     out, state = gated_delta_sequential(q, k, v_f, beta, log_alpha, s0, starts)
   else:
     out, state = gated_delta_chunked(q, k, v_f, beta, log_alpha, s0, starts, chunk_size)
-  return DeltaRuleResult(named_readout(out.astype(v.dtype)), state)
+  return DeltaRuleResult(out.astype(v.dtype), state)

@@ -5,8 +5,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.common import (check_array, check_options, check_sequences, named_readout,
-                                     segment_starts)
+from palimpsa_jax.ops.common import check_array, check_options, check_sequences, segment_starts
 from palimpsa_jax.ops.mesa.chunked import mesa_chunked
 from palimpsa_jax.ops.mesa.sequential import mesa_sequential
 
@@ -103,4 +102,4 @@ def mesa_net(
   else:
     out, h, g = mesa_chunked(q, k, v_f, beta, log_gamma, lam, h0, g0, starts, chunk_size,
                              cg_steps)
-  return MesaResult(named_readout(out.astype(v.dtype)), MesaState(h, g))
+  return MesaResult(out.astype(v.dtype), MesaState(h, g))

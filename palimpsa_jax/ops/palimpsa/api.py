@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops import gla
 from palimpsa_jax.ops import kernel_sharding
-from palimpsa_jax.ops.common import named_readout, segment_starts
+from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.palimpsa.implementations import (IMPLEMENTATIONS, KERNELS,
                                                        KernelUnavailable)
 from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
@@ -49,9 +49,9 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
   ip = prior_precision.astype(jnp.float32)
   options = dict(return_variance=return_variance, implementation=implementation,
                  chunk_size=chunk_size, interpret=interpret)
-  run = _over_sequence if context_parallel.active() is not None else _whole_sequence
-  result = run(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
-  return result._replace(out=named_readout(result.out))
+  if context_parallel.active() is not None:
+    return _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
+  return _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
 
 
 def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
