@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="comma-separated implementations: Palimpsa-D once with each")
   parser.add_argument("--remat", action="store_true", help="rematerialise each block")
   parser.add_argument("--scan_layers", default="off", choices=("on", "off", "both"),
-                      help="model.scan_layers: unrolled layers (off, configs/lm.py's "
-                           "default), one scanned layer body (on), or each model both ways")
+                      help="model.scan_layers: unrolled layers (off; configs/lm.py scans from "
+                           "170m up), one scanned layer body (on), or each model both ways")
   parser.add_argument("--no_kernel_sharding", action="store_true",
                       help="trace the step outside training.sharding.kernel_context, so a "
                            "Pallas kernel computes the global batch on every device (A/B)")
