@@ -13,6 +13,7 @@ log-decay g in log((0.8, 1)) float32 [B, T, H]; Gated DeltaNet's write strength 
 200 ms of repetitions).
 """
 
+import importlib.metadata
 import importlib.util
 
 IMPLS = ("fla_gated_deltanet", "fla_simple_gla")
@@ -29,6 +30,17 @@ def unavailable_reason() -> str | None:
   if not torch.cuda.is_available():
     return "skipped: torch sees no CUDA GPU"
   return None
+
+
+def versions() -> dict[str, str]:
+  """The installed versions of the packages FLA's timings depend on, for the record."""
+  found = {}
+  for package in ("torch", "triton", "fla-core", "flash-linear-attention"):
+    try:
+      found[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  return found
 
 
 def _allow_hopper_backward():

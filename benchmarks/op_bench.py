@@ -299,8 +299,9 @@ def main():
   results_lib.add_record_flags(parser)
   parser.add_argument("--fla", nargs="*", choices=fla_reference.IMPLS,
                       help="also time FLA's chunk Gated DeltaNet and SimpleGLA (torch, CUDA); "
-                      "names choose among them (each costs minutes of Triton autotuning "
-                      "per shape)")
+                      "names choose among them (each costs a minute or two of Triton "
+                      "autotuning per shape, unless TRITON_CACHE_DIR holds an earlier "
+                      "run's tuning)")
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
@@ -335,7 +336,8 @@ def main():
         "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
         device=device.device_kind, table=format_table(rows, args.memory), date=record_date,
         settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
-        notes=notes + sorted(fla_notes) + ([args.note] if args.note else []) + partial)
+        notes=notes + sorted(fla_notes) + ([args.note] if args.note else []) + partial,
+        versions=fla_reference.versions() if args.fla is not None else None)
     record_path = results_lib.write_record(record, args.records, replace=record_path)
 
   for i, (name, shape) in enumerate(shapes.items()):

@@ -69,6 +69,18 @@ def test_fla_rows_say_why_they_are_skipped_and_fill_their_column():
   assert cells[2][5] == "-" and cells[2][7:9] == ["-", "-"] and cells[2][-1] == "-"
 
 
+def test_fla_versions_name_the_installed_packages_only(monkeypatch):
+  installed = {"torch": "2.11.0", "triton": "3.6.0", "fla-core": "0.6.0"}
+
+  def version(package):
+    if package not in installed:
+      raise op_bench.fla_reference.importlib.metadata.PackageNotFoundError(package)
+    return installed[package]
+
+  monkeypatch.setattr(op_bench.fla_reference.importlib.metadata, "version", version)
+  assert op_bench.fla_reference.versions() == installed
+
+
 def test_record_is_rewritten_after_every_shape(monkeypatch, tmp_path):
   """A run stopped during its second shape keeps the first one's rows in a record marked
   partial; a finished run leaves one record, not marked."""
