@@ -318,6 +318,7 @@ def main():
   record_date = results_lib.utc_now()  # One record per run, dated when it began.
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   rows, fla_notes, record_path = [], set(), None
+  fla_versions = fla_reference.versions() if args.fla is not None else None
   command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
   notes = [f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
            f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
@@ -337,7 +338,7 @@ def main():
         device=device.device_kind, table=format_table(rows, args.memory), date=record_date,
         settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
         notes=notes + sorted(fla_notes) + ([args.note] if args.note else []) + partial,
-        versions=fla_reference.versions() if args.fla is not None else None)
+        versions=fla_versions)
     record_path = results_lib.write_record(record, args.records, replace=record_path)
 
   for i, (name, shape) in enumerate(shapes.items()):
