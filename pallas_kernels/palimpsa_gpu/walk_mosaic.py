@@ -172,8 +172,8 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # out_slot's copies of 2 sub-chunks ago.
     m = plgpu.load(ckpt_m.at[c], layout=TILE_PER_WARP)
     b = plgpu.load(ckpt_b.at[c], layout=TILE_PER_WARP)
-    for s in range(lead):
-      m, b = advance(m, b, write_rows(slot, lt0 - lead + s))
+    m, b = jax.lax.fori_loop(
+        0, lead, lambda s, mb: advance(*mb, write_rows(slot, lt0 - lead + s)), (m, b))
     rows, states = [], []
     for s in range(sub):  # Recompute the sub-chunk's states, kept in registers.
       rows.append(write_rows(slot, lt0 + s))
@@ -224,12 +224,14 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
     def segment(j, carry):
       sg = segs_per_quarter - 1 - j
       c = qi * segs_per_quarter + sg
-      for h in reversed(range(subs_per_seg)):  # The segment's sub-chunks, last first.
+      def sub_chunk(i, carry):  # The segment's sub-chunks, last first.
+        h = subs_per_seg - 1 - i
         lt0 = sg * every + h * sub
         out_slot = (c * subs_per_seg + h) % 2  # Alternates between consecutive sub-chunks.
-        carry = reverse_sub_chunk(carry, slot, lt0, c, h * sub, out_slot,
-                                  qi * quarter + lt0)
-      return carry
+        return reverse_sub_chunk(carry, slot, lt0, c, h * sub, out_slot,
+                                 qi * quarter + lt0)
+
+      return jax.lax.fori_loop(0, subs_per_seg, sub_chunk, carry)
 
     carry = jax.lax.fori_loop(0, segs_per_quarter, segment, carry)
 
