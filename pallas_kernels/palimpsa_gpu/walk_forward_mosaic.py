@@ -114,7 +114,9 @@ def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
     slot = i % SLOTS
     plgpu.barrier_wait(ring_bars.at[slot])
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # This staging slot's last copy.
-    for s in range(SLOT_STEPS):
+    def step(s, carry):
+      ms, bs = carry
+      ms, bs = list(ms), list(bs)
       a_row = row(a_s.at[slot, :, s], V_ROWS)
       a, prior = over_v(a_row), over_v((1.0 - a_row) * ip)
       v = over_v(row(v_s.at[slot, :, s], V_ROWS))
@@ -134,6 +136,9 @@ def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
       readout(ms, rqs, staged[0].at[slot, :, s])
       if with_var:
         readout(rs, q2s, staged[1].at[slot, :, s])
+      return ms, bs
+
+    ms, bs = jax.lax.fori_loop(0, SLOT_STEPS, step, (ms, bs))
     plgpu.commit_smem()  # Every warp is done with the ring slot and has staged its readouts.
     steps = pl.ds(i * SLOT_STEPS, SLOT_STEPS)
     for j, (src, dst) in enumerate(zip(staged, outs)):
