@@ -11,7 +11,8 @@ included; other refs are exported with `git archive` into a temporary directory)
 and runs that ref's op once while its packages are the ones imported, and compares its
 outputs and gradients with the first ref's. Then it times the refs in interleaved rounds
 (op_bench.time_queued: calls queued back to back, median of 3 batches). The table gives
-every round, the median and the speed-up over the first ref; it is written as a record to
+every round, the median, the speed-up over the first ref and the seconds of each ref's first
+call (its compilation, which dominates, plus one call); it is written as a record to
 benchmarks/records/ with the date, device, versions, the refs' commits and the command.
 """
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from typing import Any, Callable
 
 import jax
@@ -123,7 +125,8 @@ def max_rel_difference(got, want) -> float:
 
 
 def compare(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[str, Any]]:
-  """One row per (shape, mode, ref): round times, median, speed-up, difference."""
+  """One row per (shape, mode, ref): round times, median, speed-up, difference, and the
+  seconds of the first call (compile and one call)."""
   impl = args.impl or auto_implementation()
   dtype = jnp.dtype(args.dtype)
   shapes = {n: s for n, s in op_bench.SHAPES[args.shapes].items()
@@ -137,14 +140,16 @@ def compare(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[s
       cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
       for mode in args.modes:
         calls = [tuple(s) for s in sets] if mode == "fwd" else [(s, cot) for s in sets]
-        fns, outs = [], []
+        fns, outs, first_call_s = [], [], []
         for ref, root in zip(args.refs, roots):
           log(f"[{name} {mode}] {ref}: compiling")
           with packages_from(root):
             palimpsa = importlib.import_module("palimpsa_jax.ops").palimpsa
             fn = (op_bench.fwd_fn(impl, args.chunk_size, False, op=palimpsa) if mode == "fwd"
                   else op_bench.fwd_bwd_fn(impl, args.chunk_size, op=palimpsa))
+            start = time.perf_counter()
             outs.append(jax.tree.map(np.asarray, fn(*calls[0])))
+            first_call_s.append(time.perf_counter() - start)
           fns.append(fn)
         times = [[] for _ in fns]
         for round_ in range(args.rounds):
@@ -153,24 +158,26 @@ def compare(args: argparse.Namespace, log: Callable[[str], None]) -> list[dict[s
           log(f"[{name} {mode}] round {round_ + 1}/{args.rounds}: "
               + ", ".join(f"{t[-1]:.3f}" for t in times) + " ms")
         base = statistics.median(times[0])
-        for ref, commit, ref_times, out in zip(args.refs, commits, times, outs):
+        for ref, commit, ref_times, out, first_s in zip(args.refs, commits, times, outs,
+                                                        first_call_s):
           median = statistics.median(ref_times)
           rows.append(dict(shape=name, dims=shape, mode=mode, impl=impl, ref=ref,
                            commit=commit, ms=ref_times, median_ms=median,
                            speed_up=base / median,
-                           max_rel_difference=max_rel_difference(out, outs[0])))
+                           max_rel_difference=max_rel_difference(out, outs[0]),
+                           first_call_s=first_s))
   return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
   lines = ["| shape | (B, T, H, K, V) | mode | ref | commit | ms per round | median ms | "
-           "x first ref | max rel. difference to first ref |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "x first ref | max rel. difference to first ref | first call s (compile) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     rounds = ", ".join(f"{t:.3f}" for t in r["ms"])
     lines.append(f"| {r['shape']} | {r['dims']} | {r['mode']} | {r['ref']} | {r['commit']} | "
                  f"{rounds} | {r['median_ms']:.3f} | {r['speed_up']:.4f} | "
-                 f"{r['max_rel_difference']:.1e} |")
+                 f"{r['max_rel_difference']:.1e} | {r['first_call_s']:.1f} |")
   return "\n".join(lines)
 
 

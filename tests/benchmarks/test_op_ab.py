@@ -31,6 +31,7 @@ def test_compares_two_refs_in_one_process():
   for r in rows:
     assert len(r["ms"]) == 2 and all(t > 0 for t in r["ms"])
     assert r["median_ms"] > 0 and math.isfinite(r["max_rel_difference"])
+    assert r["first_call_s"] > 0
   first = [r for r in rows if r["ref"] == "HEAD"]
   assert all(r["speed_up"] == 1.0 and r["max_rel_difference"] == 0.0 for r in first)
   assert rows[1]["commit"].startswith("working tree (")
