@@ -114,6 +114,8 @@ def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
     slot = i % SLOTS
     plgpu.barrier_wait(ring_bars.at[slot])
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # This staging slot's last copy.
+    # The slot's steps as a loop, not unrolled: one step's code keeps instruction fetch off
+    # the walk's stalls and shortens the compile.
     def step(s, carry):
       ms, bs = carry
       ms, bs = list(ms), list(bs)

@@ -224,7 +224,9 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
     def segment(j, carry):
       sg = segs_per_quarter - 1 - j
       c = qi * segs_per_quarter + sg
-      def sub_chunk(i, carry):  # The segment's sub-chunks, last first.
+      # The segment's sub-chunks, last first, as a loop: one copy of the reverse body (the
+      # lead re-advance is a loop too) keeps instruction fetch off the walk's stalls.
+      def sub_chunk(i, carry):
         h = subs_per_seg - 1 - i
         lt0 = sg * every + h * sub
         out_slot = (c * subs_per_seg + h) % 2  # Alternates between consecutive sub-chunks.
