@@ -29,9 +29,9 @@ from benchmarks import results as results_lib
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
-from pallas_kernels.palimpsa_gpu import (backward, boundary, boundary_mosaic, forward,
-                                         make_config, palimpsa_gpu, walk,
-                                         walk_forward_mosaic, walk_mosaic)
+from pallas_kernels.palimpsa_gpu import (backward, boundary_mosaic, boundary_triton, forward,
+                                         make_config, palimpsa_gpu, walk_backward_mosaic,
+                                         walk_forward_mosaic, walk_triton)
 from pallas_kernels.palimpsa_gpu.config import forward_block_v, largest_block_v
 
 REFERENCE_MS = {  # docs/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
@@ -87,7 +87,7 @@ def _boundary_fn(cfg):
         boundary_mosaic.boundary_states, heads=cfg.h, chunk=cfg.chunk,
         k_part=cfg.k_part_boundary, interpret=False))
   return jax.jit(functools.partial(
-      boundary.boundary_states, heads=cfg.h, chunk=cfg.chunk,
+      boundary_triton.boundary_states, heads=cfg.h, chunk=cfg.chunk,
       block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
       num_warps=cfg.num_warps_boundary, interpret=False))
 
@@ -98,17 +98,17 @@ def _forward_walk_fn(cfg, dtype):
                            with_var=False, out_dtype=dtype, interpret=False)
     return jax.jit(lambda *a: fn(*a[:5], a[5][:, 0], *a[6:]))
   return jax.jit(functools.partial(
-      walk.walk_forward, heads=cfg.h, chunk=cfg.chunk,
+      walk_triton.walk_forward, heads=cfg.h, chunk=cfg.chunk,
       block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
       with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
 
 
 def _backward_walk_fn(cfg):
   if cfg.walk_bwd == "mosaic":
-    fn = functools.partial(walk_mosaic.walk_backward, dvar=None, chunk=cfg.chunk,
+    fn = functools.partial(walk_backward_mosaic.walk_backward, dvar=None, chunk=cfg.chunk,
                            sub=cfg.sub, interpret=False, accumulate=cfg.accumulate_bwd)
   else:
-    fn = functools.partial(walk.walk_backward, dvar=None, chunk=cfg.chunk,
+    fn = functools.partial(walk_triton.walk_backward, dvar=None, chunk=cfg.chunk,
                            block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
                            k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
                            num_warps=cfg.num_warps_bwd, prefetch=cfg.prefetch_bwd,

@@ -49,12 +49,9 @@ DEFAULTS = dict(
 )
 
 # docs/models.md, sizes and recipe (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
-# Layers per size, from measurements on one H200 at context 4096 (docs/training.md, "Model
-# sizes on one H200" and "Scanned layers"): scanned with remat, a Palimpsa-D 170m step queued as
-# the trainer runs it takes 1.20x the unrolled step without remat (130-131 against 109 ms at
-# 4 x 4096) in a third of the peak memory (7.8 against 23.8 GiB), compiles in about 20 s against
-# 192 s and reaches its first step from a warm cache in 10 s against 45 s; at 760m and 2.7b the
-# scanned step compiles in 11-27 s. tiny (CPU smoke tests) stays unrolled.
+# From 170m up the layers are one scanned block with remat: a slightly slower step in far
+# less memory that compiles in seconds instead of minutes (docs/training.md, "Scanned
+# layers"). tiny (CPU smoke tests) stays unrolled.
 SIZE_DEFAULTS = {
     "tiny": dict(seq_len=512, batch=16, tokens=2000 * 16 * 512, lr=3e-3,
                  warmup=200, device_batch=16),

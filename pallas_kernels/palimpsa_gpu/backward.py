@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import boundary, carries_mosaic, layout, walk, walk_mosaic
+from pallas_kernels.palimpsa_gpu import (boundary_triton, carries_mosaic, carries_triton, layout,
+                                         walk_backward_mosaic, walk_triton)
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, largest_block_v
 from pallas_kernels.palimpsa_gpu.forward import ip_row, pad_state
 
@@ -46,14 +47,14 @@ def segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
 def backward(cfg: GpuKernelConfig, residuals, cotangents):
   """The gradients of palimpsa_gpu's float inputs from `forward`'s residuals and the
   cotangents of (out, var, mu_final, precision_final)."""
-  (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var,
+  (qh, kh, vh, betah, gates, ip, m_starts, ibar_starts, m_final, ibar_final, var,
    initial_mu, initial_precision) = residuals
   d_out, d_var, d_mu_final, d_prec_final = cotangents
   # The backward works with K padded to k_bwd (zeros; padded entries stay at the prior):
   # q and k come at that width, the boundary states are read as zero past theirs.
   kw = cfg.k_bwd
-  m_starts, b_starts = backward_starts(cfg, m_starts), backward_starts(cfg, b_starts)
-  m_final, b_final = pad_state(cfg, m_final, kw), pad_state(cfg, b_final, kw)
+  m_starts, ibar_starts = backward_starts(cfg, m_starts), backward_starts(cfg, ibar_starts)
+  m_final, ibar_final = pad_state(cfg, m_final, kw), pad_state(cfg, ibar_final, kw)
   f32 = jnp.float32
   bh, tp, kp = qh.shape
   vp = vh.shape[-1]
@@ -65,39 +66,39 @@ def backward(cfg: GpuKernelConfig, residuals, cotangents):
   ip_cols = ip_row(ip, kw)
   size = bh // cfg.walk_pieces
   for first in range(0, bh, size):
-    walk_args = (qh, kh, vh, betah, gates.step, ip_cols, doh, dvarh, m_starts, b_starts)
+    walk_args = (qh, kh, vh, betah, gates.step, ip_cols, doh, dvarh, m_starts, ibar_starts)
     if cfg.walk_bwd == "mosaic":
-      outs = walk_mosaic.walk_backward(*walk_args, chunk=cfg.chunk, sub=cfg.sub,
-                                       interpret=cfg.interpret, bh_range=(first, size),
-                                       accumulate=cfg.accumulate_bwd)
+      outs = walk_backward_mosaic.walk_backward(*walk_args, chunk=cfg.chunk, sub=cfg.sub,
+                                                interpret=cfg.interpret, bh_range=(first, size),
+                                                accumulate=cfg.accumulate_bwd)
     else:
-      outs = walk.walk_backward(
+      outs = walk_triton.walk_backward(
           *walk_args, chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
           groups=cfg.groups_bwd, k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
           num_warps=cfg.num_warps_bwd, interpret=cfg.interpret, prefetch=cfg.prefetch_bwd,
           bh_range=(first, size))
-    dq, dk, dv, dbeta, s, adj_m, adj_b = outs
+    dq, dk, dv, dbeta, s, adj_m, adj_ibar = outs
     walk_outs.append((jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(dv, axis=0),
-                      jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_b))
-  dq, dk, dv, dbeta, s, adj_m, adj_b = (
+                      jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_ibar))
+  dq, dk, dv, dbeta, s, adj_m, adj_ibar = (
       xs[0] if len(xs) == 1 else jnp.concatenate(xs) for xs in zip(*walk_outs))
 
   # Adjoint of the final linear state.
   ipb = ip[:, None, None]
-  i_final = b_final + ipb
+  i_final = ibar_final + ipb
   r_final = 1.0 / i_final
   mu_final = m_final * r_final
   dmu_f = layout.state_to_head_major(d_mu_final.astype(f32), cfg.v_pad, kw - cfg.k)
   dprec_f = layout.state_to_head_major(d_prec_final.astype(f32), cfg.v_pad,
                                        kw - cfg.k)
   dm_end = dmu_f * r_final
-  db_end = dprec_f - dmu_f * mu_final * r_final
+  dibar_end = dprec_f - dmu_f * mu_final * r_final
   if cfg.carries_bwd == "mosaic":
-    carry_m, carry_b, dm0, db0 = carries_mosaic.adjoint_carries(
-        dm_end, db_end, gates.chunk, adj_m, adj_b, interpret=cfg.interpret)
+    carry_m, carry_ibar, dm0, dibar0 = carries_mosaic.adjoint_carries(
+        dm_end, dibar_end, gates.chunk, adj_m, adj_ibar, interpret=cfg.interpret)
   else:
-    carry_m, carry_b, dm0, db0 = boundary.adjoint_carries(
-        dm_end, db_end, gates.chunk, adj_m, adj_b, block_v=largest_block_v(vp, kw, 1024),
+    carry_m, carry_ibar, dm0, dibar0 = carries_triton.adjoint_carries(
+        dm_end, dibar_end, gates.chunk, adj_m, adj_ibar, block_v=largest_block_v(vp, kw, 1024),
         interpret=cfg.interpret)
 
   # Carries are constant inside a chunk: their contributions are matmuls.
@@ -106,11 +107,11 @@ def backward(cfg: GpuKernelConfig, residuals, cotangents):
   vf = vh.astype(f32).reshape(bh, nc, c, vp)
   betaf = betah.astype(f32).reshape(bh, nc, c, vp)
   w = gates.to_end.reshape(bh, nc, c, 1)
-  ein = functools.partial(jnp.einsum, precision=boundary.dot_precision(cfg.interpret))
+  ein = functools.partial(jnp.einsum, precision=boundary_triton.dot_precision(cfg.interpret))
   dv = dv + (w * ein("nctk,ncvk->nctv", kf, carry_m)).reshape(bh, tp, vp)
-  dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_b)).reshape(bh, tp, vp)
+  dbeta = dbeta + (w * ein("nctk,ncvk->nctv", kf * kf, carry_ibar)).reshape(bh, tp, vp)
   dk_carry = ein("nctv,ncvk->nctk", vf, carry_m) + 2.0 * kf * ein(
-      "nctv,ncvk->nctk", betaf, carry_b)
+      "nctv,ncvk->nctk", betaf, carry_ibar)
   dk = dk + (w * dk_carry).reshape(bh, tp, kp)
 
   # dlog_alpha via the scaling identity (segment-wise reverse sums).
@@ -121,23 +122,23 @@ def backward(cfg: GpuKernelConfig, residuals, cotangents):
     var_term = jnp.sum(d_var.astype(f32) * var, -1)  # [B, T, H]
     var_term = jnp.transpose(var_term, (0, 2, 1)).reshape(bh, cfg.t)
     m_term = m_term - jnp.pad(var_term, ((0, 0), (0, cfg.t_pad)))
-  final_term = jnp.sum(dm_end * m_final + db_end * b_final, axis=(1, 2))
+  final_term = jnp.sum(dm_end * m_final + dibar_end * ibar_final, axis=(1, 2))
   m_term = m_term.at[:, -1].add(final_term)
   dla = segmented_reverse_cumsum(m_term, gates.reset)
   dla = jnp.where(gates.reset, 0.0, dla)
 
   # Prior precision: I_t = Ibar_t + Ip at every step, Ibar_0 = I_0 - Ip.
-  d_ip = jnp.sum(s, -1) + jnp.sum(db_end, (1, 2)) - jnp.sum(db0, (1, 2))
+  d_ip = jnp.sum(s, -1) + jnp.sum(dibar_end, (1, 2)) - jnp.sum(dibar0, (1, 2))
   d_ip = d_ip.reshape(cfg.b, cfg.h).sum(0)
 
   # Initial state: M_0 = mu_0 * I_0, Ibar_0 = I_0 - Ip.
   b, h, v, k = cfg.b, cfg.h, cfg.v, cfg.k
   dm0 = layout.state_from_head_major(dm0, b, h, v, k)
-  db0 = layout.state_from_head_major(db0, b, h, v, k)
+  dibar0 = layout.state_from_head_major(dibar0, b, h, v, k)
   mu0 = initial_mu.astype(f32)
   i0 = initial_precision.astype(f32)
   d_mu0 = dm0 * i0
-  d_i0 = dm0 * mu0 + db0
+  d_i0 = dm0 * mu0 + dibar0
 
   def back(x, d, dtype):
     return layout.from_head_major(x, b, h, cfg.t, d).astype(dtype)

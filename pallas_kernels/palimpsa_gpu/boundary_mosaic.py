@@ -1,4 +1,4 @@
-"""Chunk-boundary states (`boundary.boundary_states`) as one Pallas Mosaic GPU kernel
+"""Chunk-boundary states (`boundary_triton.boundary_states`) as one Pallas Mosaic GPU kernel
 (TMA and wgmma: Hopper, sm_90, only; Blackwell's tensor cores take tcgen05 instead).
 
 One CTA (a warpgroup) walks the chunks of one (batch*head, V-tile of 64 rows, K-part) for
@@ -32,15 +32,11 @@ from pallas_kernels.palimpsa_gpu.mosaic_tiles import SMEM_LIMIT, smem_bytes_of
 f32, bf16 = jnp.float32, jnp.bfloat16
 BLOCK_V = 64  # V-rows per CTA: the M of one wgmma.
 MIN_ROWS = 64  # Rows per block at least (the WGMMA register layout's 64-row tiles).
-# Row blocks in flight (the ring's slots), by default: on an H200 (2026-12-02, bf16) 2 slots
-# were as fast as 3 or faster at every K-part and shape but D760's widest part (0.402 vs
-# 0.393 ms) and MQAR (0.091 vs 0.086).
+# Row blocks in flight (the ring's slots) by default: two already hide the loads behind
+# the chunk writes, a third only takes shared memory (the boundary sweep's record).
 SLOTS = 2
-# The widest K-part a CTA takes by default. H200 sweep (2026-12-02, bf16, ms; Triton's
-# kernel in brackets): D760 K-part 16/32/48/96 0.85/0.43/0.42/0.40 (0.43), D760p2
-# 16/32/64/128 1.56/0.75/0.59/0.67 (0.77), D170 16/48 0.103/0.095 (0.164), M170 16/48
-# 0.210/0.153 (0.199), MQAR 16 0.091 (0.076); 2 slots each (benchmarks/records/
-# boundary_sweep_2026-12-02T0554.json).
+# The widest K-part a CTA takes by default: wider parts share each block's v and beta loads
+# over more columns until the accumulator's registers run out (the boundary sweep's record).
 MAX_DEFAULT_K_PART = 96
 TERMS = 3  # bfloat16 terms of a float32 operand.
 GATE_PAD = 32  # Chunk-gate entries per block (at most 4 used): copies of whole 128 bytes.
@@ -216,7 +212,7 @@ def _block_gates(to_end, chunk_gate, rows: int, chunk: int):
 
 def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk: int,
                     k_part: int, interpret, slots: int = SLOTS):
-  """States (M, Ibar) before every chunk and after the last: `boundary.boundary_states`
+  """States (M, Ibar) before every chunk and after the last: `boundary_triton.boundary_states`
   on tensor cores, one Mosaic GPU kernel.
 
   Args:

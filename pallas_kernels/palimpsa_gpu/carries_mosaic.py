@@ -1,6 +1,6 @@
 """The backward's adjoint carries as a Pallas Mosaic GPU kernel (Hopper and newer).
 
-Same outputs as `boundary.adjoint_carries`: carry_{NC-1} = end and
+Same outputs as `carries_triton.adjoint_carries`: carry_{NC-1} = end and
 carry_{c-1} = local_c + gate_c * carry_c for M and Ibar, walking the chunks in reverse.
 The scan is elementwise over the state and memory-bound, so:
 
@@ -109,7 +109,7 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, interpret: bool
     depth: ring slots (chunks in flight: depth - 1), at least 2.
 
   Returns:
-    As `boundary.adjoint_carries`: carry_m, carry_b [BH, NC, Vp, Kw]; dm0, db0
+    As `carries_triton.adjoint_carries`: carry_m, carry_b [BH, NC, Vp, Kw]; dm0, db0
     [BH, Vp, Kw]; float32.
   """
   bh, nc, vp, kw = adj_m.shape

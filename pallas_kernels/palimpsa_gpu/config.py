@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
                                    round_up)
-from pallas_kernels.palimpsa_gpu import boundary_mosaic, walk_forward_mosaic, walk_mosaic
+from pallas_kernels.palimpsa_gpu import boundary_mosaic, walk_forward_mosaic, walk_backward_mosaic
 
 MAX_DIM = 256
 DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
@@ -57,13 +57,13 @@ class GpuKernelConfig:
     max_walk_temp_bytes: the backward walk is called on slices of batch*head so that
       each call's scratch and partial sums take at most this many bytes.
     boundary_fwd: "mosaic" (boundary_mosaic: tensor cores through wgmma, Hopper sm_90
-      only) or "triton" (boundary.boundary_states, with the tiles above).
+      only) or "triton" (boundary_triton.boundary_states, with the tiles above).
     walk_fwd: "mosaic" (walk_forward_mosaic: Hopper and newer, K <= 128) or "triton"
-      (walk.walk_forward, with the tiles above).
-    walk_bwd: "mosaic" (walk_mosaic: Hopper and newer, rows that fit shared memory) or
-      "triton" (walk.walk_backward, with the tiles above).
+      (walk_triton.walk_forward, with the tiles above).
+    walk_bwd: "mosaic" (walk_backward_mosaic: Hopper and newer, rows that fit shared memory) or
+      "triton" (walk_triton.walk_backward, with the tiles above).
     carries_bwd: "mosaic" (carries_mosaic: Hopper and newer) or "triton"
-      (boundary.adjoint_carries).
+      (carries_triton.adjoint_carries).
     accumulate_bwd: the Mosaic walk adds its tiles' sums by TMA reduce-add into one array
       each instead of partial sums that XLA adds (compiled only; the order of the
       additions, so the float32 rounding, varies run to run).
@@ -109,9 +109,9 @@ class GpuKernelConfig:
     """Backward walk calls: the fewest dividing B*H within max_walk_temp_bytes."""
     bh, tp, vp, kp = self.b * self.h, self.t + self.t_pad, self.v + self.v_pad, self.k_bwd
     if self.walk_bwd == "mosaic":  # No scratch; the sums and the broadcast gates.
-      nv, nk = vp // walk_mosaic.TILE, kp // walk_mosaic.TILE
+      nv, nk = vp // walk_backward_mosaic.TILE, kp // walk_backward_mosaic.TILE
       pv, pk = (1, 1) if self.accumulate_bwd else (nv, nk)
-      per_head = 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + walk_mosaic.TILE)
+      per_head = 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + walk_backward_mosaic.TILE)
     else:
       scratch = tp // self.sub * self.groups_bwd * self.block_v_bwd * kp * 2
       partials = (self.groups_bwd * kp * 2 + self.k_split_bwd * vp * 2 + 1) * tp
@@ -202,7 +202,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   chunk = next_power_of_two(max(16, min(chunk_size, t)))
   chunk = min(chunk, 128)
   vp = round_up(vdim, DIM_MULTIPLE)
-  # Tiles from H200 sweeps (benchmarks/gpu_kernel_bench.py --sweep). Forward walk:
+  # Tiles chosen by sweeps (benchmarks/gpu_kernel_bench.py --sweep). Forward walk:
   # K-parts of 8-32 columns, about 256 state entries per part and warp. Boundary
   # kernel: one program per K-part of 16 or 32 columns (no padding) and V-tile of up
   # to 2048 entries, a warp per 512 entries. Backward walk: single-warp programs over
@@ -211,7 +211,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   # over ~512 entries.
   largest = largest_power_of_two_dividing(kp)
   k_part = 8 if kp == 16 else min(largest, 32)
-  # Two warps for 32-column parts, or where V lets the tile double (M170: 1.016x).
+  # Two warps for 32-column parts, or where V lets the tile double.
   num_warps = 2 if (k_part == 32 or forward_block_v(vp, k_part, 2)
                     > forward_block_v(vp, k_part, 1)) else 1
   k_part_boundary = min(largest, 32)
@@ -228,7 +228,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   fwd_mosaic = walk_forward_mosaic.supported(
       chunk, kp, [k_dtype, q.dtype, v.dtype, beta_dtype], v.dtype, return_variance,
       interpret=interpret)
-  bwd_mosaic = walk_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
+  bwd_mosaic = walk_backward_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
   boundary_rows = jnp.float32 if v.dtype != beta_dtype else v.dtype
   mosaic_k_part = boundary_mosaic.default_k_part(kp)
   boundary_fwd = mosaic_or_triton(

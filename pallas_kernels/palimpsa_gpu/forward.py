@@ -4,8 +4,8 @@ between them (padding, layouts, the linear state), with the residuals of the bac
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import (boundary, boundary_mosaic, layout, walk,
-                                         walk_forward_mosaic)
+from pallas_kernels.palimpsa_gpu import (boundary_mosaic, boundary_triton, layout,
+                                         walk_forward_mosaic, walk_triton)
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
 
 
@@ -54,38 +54,38 @@ def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, ini
             initial_precision, starts):
   """((out, var, mu_final, precision_final), residuals); arguments as palimpsa_gpu's.
 
-  residuals: (qh, kh, vh, betah, gates, ip, m_starts, b_starts, m_final, b_final, var,
+  residuals: (qh, kh, vh, betah, gates, ip, m_starts, ibar_starts, m_final, ibar_final, var,
   initial_mu, initial_precision), the boundary states without the V/K padding.
   """
   qh, kh, vh, betah, gates, ip = prepare(
       cfg, q, k, v, beta, log_alpha, prior_precision, starts)
-  m0, b0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
+  m0, ibar0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   q_rows, k_rows, v_rows, beta_rows, k_bound = forward_rows(cfg, q, k, v, beta)
-  boundary_args = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
+  boundary_args = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, ibar0)
   if cfg.boundary_fwd == "mosaic":
-    m_starts, b_starts, m_final, b_final = boundary_mosaic.boundary_states(
+    m_starts, ibar_starts, m_final, ibar_final = boundary_mosaic.boundary_states(
         *boundary_args, heads=cfg.h, chunk=cfg.chunk, k_part=cfg.k_part_boundary,
         interpret=cfg.interpret)
   else:
-    m_starts, b_starts, m_final, b_final = boundary.boundary_states(
+    m_starts, ibar_starts, m_final, ibar_final = boundary_triton.boundary_states(
         *boundary_args, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
         k_part=cfg.k_part_boundary, num_warps=cfg.num_warps_boundary,
         interpret=cfg.interpret)
   if cfg.walk_fwd == "mosaic":
     outs = walk_forward_mosaic.walk_forward(
-        q_rows, k_rows, v_rows, beta_rows, gates.step, ip, m_starts, b_starts,
+        q_rows, k_rows, v_rows, beta_rows, gates.step, ip, m_starts, ibar_starts,
         heads=cfg.h, chunk=cfg.chunk, with_var=cfg.return_variance, out_dtype=v.dtype,
         interpret=cfg.interpret)
   else:
-    outs = walk.walk_forward(
+    outs = walk_triton.walk_forward(
         q_rows, k_rows, v_rows, beta_rows, gates.step, ip_row(ip, cfg.k + cfg.k_pad),
-        m_starts, b_starts, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v,
+        m_starts, ibar_starts, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v,
         unroll=cfg.unroll, k_part=cfg.k_part, with_var=cfg.return_variance,
         out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
   # The walk writes [B, Tp, H, Vp]: the caller's layout, padded.
   out = outs[0][:, :cfg.t, :, :cfg.v]
   var = outs[1][:, :cfg.t, :, :cfg.v] if cfg.return_variance else None
-  i_final = b_final + ip[:, None, None]
+  i_final = ibar_final + ip[:, None, None]
   mu_final = layout.state_from_head_major(m_final / i_final, cfg.b, cfg.h, cfg.v,
                                           cfg.k)
   prec_final = layout.state_from_head_major(i_final, cfg.b, cfg.h, cfg.v, cfg.k)
@@ -93,6 +93,6 @@ def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, ini
   # prior), so the chunk-boundary ones take (T/chunk) * V * K * 2 floats per
   # batch-head; the backward pads them again.
   unpad = lambda x: x[..., :cfg.v, :cfg.k]
-  residuals = (qh, kh, vh, betah, gates, ip, unpad(m_starts), unpad(b_starts),
-               unpad(m_final), unpad(b_final), var, initial_mu, initial_precision)
+  residuals = (qh, kh, vh, betah, gates, ip, unpad(m_starts), unpad(ibar_starts),
+               unpad(m_final), unpad(ibar_final), var, initial_mu, initial_precision)
   return (out, var, mu_final, prec_final), residuals

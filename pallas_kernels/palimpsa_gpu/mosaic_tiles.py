@@ -148,8 +148,7 @@ def sum_stores(interpret: bool):
   - sum_all(x, ref): sum over V and K (ref [4]).
 
   Compiled, the products are folded into the lane's own partial sums as fma.rn chains
-  (run 21: 20 fewer SASS instructions per step than multiplying the tiles first, of
-  about 370; fwd+bwd 1.02-1.03x), and the sums across
+  (fewer instructions per step than multiplying the tiles first), and the sums across
   lanes are reduce-scatters: each butterfly round sends half of a lane's values to its
   partner and keeps the other half, so the lanes end with different sums and each stores
   its own (sum over V: 4 shuffles instead of 12; over K: 2 instead of 4; both: 5 instead

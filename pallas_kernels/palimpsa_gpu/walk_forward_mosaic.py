@@ -1,6 +1,6 @@
 """The forward chunk walk as a Pallas Mosaic GPU kernel (Hopper and newer).
 
-Same readouts as `walk.walk_forward`. A CTA is one warpgroup: warp w walks chunk 4g + w
+Same readouts as `walk_triton.walk_forward`. A CTA is one warpgroup: warp w walks chunk 4g + w
 of one batch*head for one V-tile of 16 rows over all of K, holding M and the precision
 I = Ibar + Ip as K/16 tiles [4, 16, 16] each (`mosaic_tiles.TILE_PER_WARP`: one [16, 16]
 tile per warp). A step is, per tile, M = a M + v k, I = a I + ((1 - a) Ip + beta k^2)

@@ -11,7 +11,7 @@ import pytest
 # The interpreter's race-detector state (no public accessor in jax 0.11.2).
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from pallas_kernels.palimpsa_gpu import boundary, boundary_mosaic
+from pallas_kernels.palimpsa_gpu import boundary_mosaic, boundary_triton
 
 
 def _inputs(seed, b, t, h, k_dim, v_dim, chunk, dtype):
@@ -54,8 +54,8 @@ _CASES = [
 def test_interpreted_matches_triton_kernel(b, t, h, k_dim, v_dim, chunk, k_part, dtype, slots):
   """Also with the interpreter's race detector (TMA copies against the CTA's accesses)."""
   args = _inputs(0, b, t, h, k_dim, v_dim, chunk, dtype)
-  want = boundary.boundary_states(*args, heads=h, chunk=chunk, block_v=16, k_part=16,
-                                  num_warps=1, interpret=True)
+  want = boundary_triton.boundary_states(*args, heads=h, chunk=chunk, block_v=16, k_part=16,
+                                         num_warps=1, interpret=True)
   got = boundary_mosaic.boundary_states(
       *args, heads=h, chunk=chunk, k_part=k_part, slots=slots,
       interpret=plgpu.InterpretGPUParams(detect_races=True))
@@ -73,8 +73,8 @@ def test_interpreted_matches_triton_kernel(b, t, h, k_dim, v_dim, chunk, k_part,
 ])
 def test_compiled_matches_triton_kernel(b, t, h, k_dim, v_dim, chunk, k_part, dtype):
   args = _inputs(1, b, t, h, k_dim, v_dim, chunk, dtype)
-  want = boundary.boundary_states(*args, heads=h, chunk=chunk, block_v=16, k_part=16,
-                                  num_warps=1, interpret=False)
+  want = boundary_triton.boundary_states(*args, heads=h, chunk=chunk, block_v=16, k_part=16,
+                                         num_warps=1, interpret=False)
   got = boundary_mosaic.boundary_states(*args, heads=h, chunk=chunk, k_part=k_part,
                                         interpret=False)
   _assert_close(got, want)

@@ -9,7 +9,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.palimpsa_gpu import boundary, carries_mosaic
+from pallas_kernels.palimpsa_gpu import carries_mosaic, carries_triton
 
 
 def _args(bh, num_chunks, vp, kw, seed=0):
@@ -50,7 +50,7 @@ CASES = [(1, 16, 48, None, 4), (6, 48, 16, 256, 4), (9, 16, 96, 512, 3),
 def test_interpreted_matches_triton_and_a_reverse_loop(num_chunks, vp, kw, tile, depth):
   args = _args(1, num_chunks, vp, kw, seed=num_chunks)
   got = carries_mosaic.adjoint_carries(*args, interpret=True, tile=tile, depth=depth)
-  _check(got, boundary.adjoint_carries(*args, block_v=16, interpret=True), 1e-6)
+  _check(got, carries_triton.adjoint_carries(*args, block_v=16, interpret=True), 1e-6)
   _check(got, _reverse_loop(*args), 1e-6)
 
 
@@ -91,7 +91,7 @@ def test_compiled_matches_triton_and_a_reverse_loop(shape):
   bh, nc, vp, kw = shape
   args = _args(bh, nc, vp, kw, seed=nc)
   got = jax.jit(functools.partial(carries_mosaic.adjoint_carries, interpret=False))(*args)
-  triton = jax.jit(functools.partial(boundary.adjoint_carries, block_v=16,
+  triton = jax.jit(functools.partial(carries_triton.adjoint_carries, block_v=16,
                                      interpret=False))(*args)
   _check(got, triton, 1e-5)
   _check(got, _reverse_loop(*args), 1e-5)

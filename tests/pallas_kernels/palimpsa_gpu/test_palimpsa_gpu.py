@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.palimpsa_gpu import (backward, boundary, forward, walk,
-                                         walk_forward_mosaic, walk_mosaic)
+from pallas_kernels.palimpsa_gpu import (backward, carries_triton, forward,
+                                         walk_backward_mosaic, walk_forward_mosaic,
+                                         walk_triton)
 from pallas_kernels.palimpsa_gpu import config as gpu_config
 from pallas_kernels.palimpsa_gpu import make_config, palimpsa_gpu
 from pallas_kernels.palimpsa_gpu import op as op_module
@@ -213,7 +214,7 @@ def test_adjoint_carries_match_a_reverse_loop(num_chunks, k_width):
   gate = jax.random.uniform(keys[2], (bh, num_chunks))
   local_m, local_b = (jax.random.normal(key, (bh, num_chunks, vp, k_width))
                       for key in keys[3:])
-  carry_m, carry_b, m0, b0 = boundary.adjoint_carries(
+  carry_m, carry_b, m0, b0 = carries_triton.adjoint_carries(
       end_m, end_b, gate, local_m, local_b, block_v=16, interpret=True)
   cm, cb = end_m, end_b
   for c in reversed(range(num_chunks)):
@@ -248,10 +249,10 @@ def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
 def test_forward_walk_rejects_an_unroll_longer_than_the_chunk():
   x = jnp.zeros((1, 16, 1, 16))
   with pytest.raises(ValueError, match="unroll=32 steps per body"):
-    walk.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
-                      jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), heads=1,
-                      chunk=16, block_v=16, unroll=32, k_part=16, with_var=False,
-                      out_dtype=jnp.float32, num_warps=1, interpret=True)
+    walk_triton.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
+                             jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), heads=1,
+                             chunk=16, block_v=16, unroll=32, k_part=16, with_var=False,
+                             out_dtype=jnp.float32, num_warps=1, interpret=True)
 
 
 _WALK_ARGS = ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts", "b_starts")
@@ -285,8 +286,8 @@ _PIECES_256 = (False, 256, (1, 2), 4)  # a range of batch-heads; checkpoints eve
         for accumulate in (False, True) for case in (_VAR_192, _PIECES_256)])
 def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_var, t,
                                                   bh_range, every):
-  """walk_mosaic.walk_backward gives walk.walk_backward's partial sums (or, with
-  `accumulate`, their totals) and adjoints: with and without the variance's cotangent,
+  """walk_backward_mosaic.walk_backward gives walk_triton.walk_backward's partial sums (or,
+  with `accumulate`, their totals) and adjoints: with and without the variance's cotangent,
   a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range, and
   checkpoints every 8 (default) or 4 steps. Compiled: bfloat16 rows."""
   chunk, k_dim, v_dim = 64, 32, 48
@@ -294,14 +295,15 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
   if not with_var:
     x["dvar"] = None
   args = [x[n] for n in _WALK_ARGS]
-  triton = walk.walk_backward(*args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16,
-                              k_part=16, k_split=k_dim // 16, num_warps=1,
-                              interpret=interpret, prefetch=True, bh_range=bh_range)
+  triton = walk_triton.walk_backward(*args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16,
+                                     k_part=16, k_split=k_dim // 16, num_warps=1,
+                                     interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
     triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
-  mosaic = walk_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
-                                     bh_range=bh_range, accumulate=accumulate, every=every)
+  mosaic = walk_backward_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
+                                              bh_range=bh_range, accumulate=accumulate,
+                                              every=every)
   names = ("dq", "dk", "dv", "dbeta", "s", "adj_m", "adj_b")
   for name, got, want in zip(names, mosaic, triton):
     chex.assert_equal_shape([got, want], custom_message=name)
@@ -313,7 +315,7 @@ def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():
   x = _walk_inputs(0, 1, 64, 16, 16, 64, jnp.float32)
   args = [x[n] for n in _WALK_ARGS]
   with pytest.raises(ValueError, match="accumulate"):
-    walk_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
+    walk_backward_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
 
 
 @pytest.mark.parametrize("flags, deterministic", [
@@ -337,19 +339,20 @@ def test_kernel_choice(monkeypatch):
   rows that fit it (backward: 16-bit rows up to chunk 128, float32 rows up to chunk 64;
   forward: K up to 128)."""
   bf16, f32 = jnp.bfloat16, jnp.float32
-  assert walk_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
-  assert walk_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
-  assert walk_mosaic.supported(64, 4, [f32] * 6, interpret=False)
-  assert walk_mosaic.supported(128, 4, [bf16] * 6, interpret=False)
-  assert not walk_mosaic.supported(128, 4, [f32] * 5, interpret=False)
-  assert walk_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
-  assert not walk_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # Quarters of 4 steps.
-  assert walk_mosaic.smem_bytes(64, 4, [bf16] * 5) <= walk_mosaic.SMEM_LIMIT // 2
+  assert walk_backward_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
+  assert walk_backward_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
+  assert walk_backward_mosaic.supported(64, 4, [f32] * 6, interpret=False)
+  assert walk_backward_mosaic.supported(128, 4, [bf16] * 6, interpret=False)
+  assert not walk_backward_mosaic.supported(128, 4, [f32] * 5, interpret=False)
+  assert walk_backward_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
+  assert not walk_backward_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # 4-step quarters.
+  limit = walk_backward_mosaic.SMEM_LIMIT
+  assert walk_backward_mosaic.smem_bytes(64, 4, [bf16] * 5) <= limit // 2
   for kp in (16, 96, 128):
     for dtype in (bf16, f32):
       assert walk_forward_mosaic.supported(128, kp, [dtype] * 4, dtype, True, interpret=False)
   assert walk_forward_mosaic.smem_bytes(96, [bf16] * 4, bf16, False) <= (
-      walk_mosaic.SMEM_LIMIT // 2)  # Two CTAs per SM at D760's heads.
+      limit // 2)  # Two CTAs per SM at D760's heads.
   assert not walk_forward_mosaic.supported(64, 144, [bf16] * 4, bf16, False, interpret=True)
   assert gpu_config.mosaic_or_triton(True, interpret=True) == "mosaic"
   assert gpu_config.mosaic_or_triton(False, interpret=True) == "triton"
@@ -376,7 +379,7 @@ def test_kernel_choice(monkeypatch):
     pytest.param(False, 128, 48, 96, 48, True, marks=pytest.mark.gpu)])
 def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim, k_state,
                                                  with_var):
-  """walk_forward_mosaic.walk_forward gives walk.walk_forward's readouts and variances
+  """walk_forward_mosaic.walk_forward gives walk_triton.walk_forward's readouts and variances
   (float32 rows interpreted, bfloat16 rows compiled)."""
   dtype = jnp.float32 if interpret else jnp.bfloat16
   b, h, nc = 2, 2, 3 if k_dim == 16 else 4
@@ -387,10 +390,11 @@ def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim,
   pad = lambda s: jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, k_state - k_dim)))
   m_starts, b_starts = pad(x["m_starts"]), pad(x["b_starts"])
   ip = x["ip_row"][:, 0]
-  want = walk.walk_forward(q, k, v, beta, x["a"], jnp.broadcast_to(ip[:, None], (b * h, k_dim)),
-                           m_starts, b_starts, heads=h, chunk=chunk, block_v=16, unroll=2,
-                           k_part=16, with_var=with_var, out_dtype=dtype, num_warps=1,
-                           interpret=interpret)
+  ip_rows = jnp.broadcast_to(ip[:, None], (b * h, k_dim))
+  want = walk_triton.walk_forward(q, k, v, beta, x["a"], ip_rows, m_starts, b_starts,
+                                  heads=h, chunk=chunk, block_v=16, unroll=2, k_part=16,
+                                  with_var=with_var, out_dtype=dtype, num_warps=1,
+                                  interpret=interpret)
   got = walk_forward_mosaic.walk_forward(q, k, v, beta, x["a"], ip, m_starts, b_starts,
                                          heads=h, chunk=chunk, with_var=with_var,
                                          out_dtype=dtype, interpret=interpret)

@@ -25,8 +25,7 @@ from jax.experimental.pallas import triton as plgpu_triton
 from pallas_kernels.common import fast_reciprocal, fma, k_parts
 from pallas_kernels.palimpsa_gpu import layout
 
-# Forward walk: loop bodies ahead that a program loads its rows (2 were no faster on an
-# H200).
+# Forward walk: loop bodies ahead that a program loads its rows; one hides the load latency.
 FORWARD_PREFETCH = 1
 
 

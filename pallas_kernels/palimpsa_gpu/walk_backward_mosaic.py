@@ -1,6 +1,6 @@
 """The backward chunk walk as a Pallas Mosaic GPU kernel (Hopper and newer).
 
-Same outputs as `walk.walk_backward` with [16, 16] state tiles (one V-tile of 16 rows and
+Same outputs as `walk_triton.walk_backward` with [16, 16] state tiles (one V-tile of 16 rows and
 one K-slice of 16 columns per walk, sub-chunks of `sub` steps). What differs is where
 the data lives:
 
@@ -38,9 +38,8 @@ from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
 
 f32 = jnp.float32
 SLOTS = 2  # Quarter-chunk slots of the row ring.
-# Checkpoint spacing: with the row ring, 8 steps (two sub-chunks of 4) fit two CTAs per SM
-# with 16-bit rows (run 19: fwd+bwd 1.07-1.15x over run 18's walk, which checkpointed every
-# 4 steps at one CTA per SM; every 16 steps: 0.86x, 188 registers).
+# Checkpoint spacing: 8 steps (two sub-chunks of 4) is the widest that still fits two CTAs
+# per SM with 16-bit rows; wider spacing re-advances more steps than occupancy repays.
 EVERY = 8
 
 
@@ -269,7 +268,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
     every: steps between checkpoints (default `checkpoint_every(chunk)`).
 
   Returns:
-    As `walk.walk_backward` with groups = Vp / 16 and k_split = Kp / 16: dq, dk
+    As `walk_triton.walk_backward` with groups = Vp / 16 and k_split = Kp / 16: dq, dk
     [P, BH, Tp, Kp] (P = Vp / 16 parts); dv, dbeta [P, BH, Tp, Vp] (P = Kp / 16);
     s [Kp/16, Vp/16, BH, Tp]; adj_m, adj_b [BH, NC, Vp, Kp]. With `accumulate`, P = 1
     and s is [1, 1, BH, Tp].
