@@ -4,6 +4,10 @@ The first fields describe the call (sizes, dtypes, mode) and follow from its arg
 the rest are the kernels' tiles and choices, which `make_config` picks from the sizes.
 A caller may pass a config of its own (e.g. `dataclasses.replace(make_config(...), ...)`
 with other tiles) to `palimpsa_gpu`, which checks that its call fields match the call.
+
+Each of the four stages (boundary states, forward walk, backward walk, adjoint carries)
+has a Triton kernel and a Mosaic GPU kernel. `backend` chooses between them: "auto" takes
+Mosaic per stage where it runs the call, "triton" and "mosaic" one backend for every stage.
 """
 
 import dataclasses
@@ -15,9 +19,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.common import (largest_power_of_two_dividing, next_power_of_two,
                                    round_up)
-from pallas_kernels.palimpsa_gpu import boundary_mosaic, walk_forward_mosaic, walk_backward_mosaic
+from pallas_kernels.palimpsa_gpu import boundary_mosaic, walk_backward_mosaic, walk_forward_mosaic
 
 MAX_DIM = 256
+BACKENDS = ("auto", "triton", "mosaic")
 DIM_MULTIPLE = 16  # K and V are padded to multiples of 16 (tensor-core tiles).
 # The fields of GpuKernelConfig that describe the call rather than tune the kernels.
 CALL_FIELDS = ("b", "t", "h", "k", "v", "chunk", "return_variance", "log_alpha_dtype",
@@ -167,32 +172,61 @@ def deterministic_ops_requested() -> bool:
   return re.search(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)", flags) is not None
 
 
-def mosaic_or_triton(mosaic_supported: bool, interpret: bool,
-                     hopper_only: bool = False) -> str:
-  """"mosaic" where a Mosaic GPU kernel runs (`mosaic_supported`: it takes this call's
-  sizes and dtypes): compiled on Hopper or newer (`hopper_only`: on Hopper, sm_90, alone),
-  or interpreted on a single device; else "triton".
+def mosaic_refusal(mosaic_supported: bool, interpret: bool,
+                   hopper_only: bool = False) -> str | None:
+  """Why a stage's Mosaic GPU kernel cannot run this call, or None where it can.
 
-  Mosaic GPU's interpret mode keeps one shared-memory state per process and checks at
-  the end of each kernel that no barrier is left in it, so kernels interpreted by
+  It runs where it takes the call's sizes and dtypes (`mosaic_supported`), compiled on
+  Hopper or newer (`hopper_only`: on Hopper, sm_90, alone) or interpreted on a single
+  device: Mosaic GPU's interpret mode keeps one shared-memory state per process and checks
+  at the end of each kernel that no barrier is left in it, so kernels interpreted by
   several devices at once (a CPU mesh under kernel_sharding) fail that check.
   """
   if not mosaic_supported:
-    return "triton"
+    return "it does not take these sizes and dtypes"
   if interpret:
-    return "mosaic" if jax.local_device_count() == 1 else "triton"
+    return None if jax.local_device_count() == 1 else "interpreted on several devices"
   major = compute_capability()[0]
-  return "mosaic" if major == 9 or (major > 9 and not hopper_only) else "triton"
+  if major == 9 or (major > 9 and not hopper_only):
+    return None
+  return "it needs a Hopper GPU (sm_90)" if hopper_only else "it needs Hopper or newer"
+
+
+def mosaic_or_triton(mosaic_supported: bool, interpret: bool,
+                     hopper_only: bool = False) -> str:
+  """"mosaic" where the stage's Mosaic GPU kernel runs the call (`mosaic_refusal`), else
+  "triton"."""
+  return "triton" if mosaic_refusal(mosaic_supported, interpret, hopper_only) else "mosaic"
+
+
+def stage_backend(stage: str, backend: str, mosaic_supported: bool, interpret: bool,
+                  hopper_only: bool = False) -> str:
+  """The kernel ("triton" or "mosaic") that runs `stage` under `backend` (BACKENDS).
+
+  Raises:
+    NotImplementedError: backend="mosaic" where the stage's Mosaic kernel cannot run.
+  """
+  if backend == "triton":
+    return "triton"
+  refusal = mosaic_refusal(mosaic_supported, interpret, hopper_only)
+  if backend == "mosaic" and refusal:
+    raise NotImplementedError(f"the Mosaic GPU kernel of the {stage} cannot run: {refusal}")
+  return "triton" if refusal else "mosaic"
 
 
 def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size,
-                interpret, k_dtype=None, beta_dtype=None) -> GpuKernelConfig:
+                interpret, k_dtype=None, beta_dtype=None,
+                backend: str = "auto") -> GpuKernelConfig:
   """Checks what the kernel supports and picks tiles (k_dtype, beta_dtype: taken as
-  q's and v's when not given).
+  q's and v's when not given) and each stage's kernel under `backend` (BACKENDS).
 
   Raises:
-    NotImplementedError: K or V larger than MAX_DIM.
+    ValueError: an unknown backend.
+    NotImplementedError: K or V larger than MAX_DIM; backend="mosaic" where a stage's
+      Mosaic GPU kernel cannot run the call.
   """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   b, t, h, k = q.shape
   vdim = v.shape[-1]
   if k > MAX_DIM or vdim > MAX_DIM:
@@ -231,7 +265,8 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   bwd_mosaic = walk_backward_mosaic.supported(chunk, sub, bwd_row_dtypes, interpret=interpret)
   boundary_rows = jnp.float32 if v.dtype != beta_dtype else v.dtype
   mosaic_k_part = boundary_mosaic.default_k_part(kp)
-  boundary_fwd = mosaic_or_triton(
+  boundary_fwd = stage_backend(
+      "boundary states", backend,
       boundary_mosaic.supported(chunk, mosaic_k_part, vp, k_dtype, boundary_rows,
                                 interpret=interpret),
       interpret, hopper_only=True)
@@ -252,9 +287,9 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
       prior_dtype=jnp.dtype(prior_precision.dtype).name,
       interpret=interpret,
       boundary_fwd=boundary_fwd,
-      walk_fwd=mosaic_or_triton(fwd_mosaic, interpret),
-      walk_bwd=mosaic_or_triton(bwd_mosaic, interpret),
-      carries_bwd=mosaic_or_triton(True, interpret),
+      walk_fwd=stage_backend("forward walk", backend, fwd_mosaic, interpret),
+      walk_bwd=stage_backend("backward walk", backend, bwd_mosaic, interpret),
+      carries_bwd=stage_backend("adjoint carries", backend, True, interpret),
       accumulate_bwd=not interpret and not deterministic_ops_requested())
 
 

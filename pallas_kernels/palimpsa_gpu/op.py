@@ -49,7 +49,8 @@ def _check_nvidia_gpu() -> None:
 
 def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
                  initial_precision, segment_starts, *, return_variance: bool,
-                 chunk_size: int, interpret: bool, config: GpuKernelConfig | None = None):
+                 chunk_size: int, interpret: bool, backend: str = "auto",
+                 config: GpuKernelConfig | None = None):
   """Exact Palimpsa (docs/math.md) with Pallas GPU kernels; differentiable.
 
   Args:
@@ -61,6 +62,8 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
     chunk_size: chunk length of the two-level scheme: min(chunk_size, T) rounded up to a
       power of two, then clamped to [16, 128].
     interpret: run the Pallas kernels in interpret mode (CPU).
+    backend: "auto" (each stage's Mosaic GPU kernel where it runs the call, else its
+      Triton kernel), "triton" or "mosaic" (every stage on that backend).
     config: the kernels' tiles; None picks them with `make_config`. A given config must
       have been made for these arguments (its call fields are checked).
 
@@ -69,15 +72,21 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
      mu_final [B, H, V, K] f32, precision_final [B, H, V, K] f32).
 
   Raises:
-    NotImplementedError: K or V larger than 256, or a compiled call (interpret=False)
-      without an NVIDIA GPU as the default backend.
-    ValueError: a config whose call fields do not match the call.
+    NotImplementedError: K or V larger than 256, a compiled call (interpret=False)
+      without an NVIDIA GPU as the default backend, or backend="mosaic" where a stage's
+      Mosaic GPU kernel cannot run the call.
+    ValueError: an unknown backend, a backend and a config both given, or a config whose
+      call fields do not match the call.
   """
+  if config is not None and backend != "auto":
+    raise ValueError(f"give backend or config, not both (backend={backend!r}): a config "
+                     "names each stage's kernel itself")
   if not interpret:
     _check_nvidia_gpu()
   expected = make_config(q, v, log_alpha, prior_precision,
                          return_variance=return_variance, chunk_size=chunk_size,
-                         interpret=interpret, k_dtype=k.dtype, beta_dtype=beta.dtype)
+                         interpret=interpret, k_dtype=k.dtype, beta_dtype=beta.dtype,
+                         backend=backend)
   if config is None:
     config = expected
   else:

@@ -31,12 +31,16 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
     initial_state: PalimpsaState (mu, precision [B, H, V, K] f32) or None for the prior.
     segment_ids: [B, T] integers; the state restarts from the prior where the id changes.
     return_variance: also return sum_k q^2 / I_t, [B, T, H, V] f32.
-    implementation: "auto", "sequential", "associative", "chunked", "pallas_gpu", "pallas_tpu".
+    implementation: "auto", "sequential", "associative", "chunked", "pallas_gpu",
+      "pallas_gpu_triton", "pallas_gpu_mosaic", "pallas_tpu".
       Inside ops.kernel_sharding with a sequence axis, each time shard runs it
       (ops.context_parallel).
       "auto" picks the kernel of the default backend and falls back to "chunked" where that
       kernel cannot run the call; a kernel named here raises ValueError instead.
-    chunk_size: steps per chunk for the chunked forms. "pallas_gpu" uses min(chunk_size, T)
+      "pallas_gpu" runs each stage of the GPU kernel on Mosaic GPU where it can and on
+      Triton elsewhere; "pallas_gpu_triton" and "pallas_gpu_mosaic" run every stage on
+      that one Pallas backend.
+    chunk_size: steps per chunk for the chunked forms. "pallas_gpu*" use min(chunk_size, T)
       rounded up to a power of two and clamped to [16, 128]; compiled "pallas_tpu" rounds it
       up to a multiple of 128.
     interpret: run a Pallas kernel in interpret mode.

@@ -44,10 +44,16 @@ def unavailable(name: str, error: ImportError):
   return kernel
 
 
+# The GPU kernel's entries: each stage's kernel chosen per call ("auto"), or every stage on
+# one Pallas backend.
+GPU_BACKENDS = {"pallas_gpu": "auto", "pallas_gpu_triton": "triton",
+                "pallas_gpu_mosaic": "mosaic"}
 try:
   from pallas_kernels.palimpsa_gpu import palimpsa_gpu
+  gpu_kernels = {name: functools.partial(palimpsa_gpu, backend=backend)
+                 for name, backend in GPU_BACKENDS.items()}
 except ImportError as missing:
-  palimpsa_gpu = unavailable("pallas_gpu", missing)
+  gpu_kernels = {name: unavailable(name, missing) for name in GPU_BACKENDS}
 try:
   from pallas_kernels.palimpsa_tpu import palimpsa_tpu
 except ImportError as missing:
@@ -84,8 +90,8 @@ IMPLEMENTATIONS = {
     "sequential": _from_linear_form(palimpsa_sequential),
     "associative": _from_linear_form(palimpsa_associative),
     "chunked": _from_linear_form(palimpsa_chunked),
-    "pallas_gpu": palimpsa_gpu,
+    **gpu_kernels,
     "pallas_tpu": palimpsa_tpu,
 }
 # The Pallas kernels: run per device shard, may decline, "auto" picks one per backend.
-KERNELS = ("pallas_gpu", "pallas_tpu")
+KERNELS = (*GPU_BACKENDS, "pallas_tpu")

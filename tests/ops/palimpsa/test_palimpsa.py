@@ -196,6 +196,42 @@ def test_named_kernel_never_falls_back(monkeypatch):
     palimpsa(*args, implementation="pallas_gpu")
 
 
+@pytest.mark.parametrize("implementation, kernel", [
+    ("pallas_gpu_triton", "triton"), ("pallas_gpu_mosaic", "mosaic"), ("pallas_gpu", "mosaic")])
+def test_gpu_backend_is_chosen_at_the_api(monkeypatch, implementation, kernel):
+  """`palimpsa(implementation=...)` picks the GPU kernel's Pallas backend: the config that
+  reaches the kernel names it for every stage ("pallas_gpu": Mosaic wherever it runs, as
+  it does interpreted on one device at these sizes), and the result is Palimpsa's."""
+  # Deferred: the GPU kernel's module, spied on here, is optional for the op.
+  from pallas_kernels.palimpsa_gpu import op as gpu_op
+  seen = []
+  original = gpu_op._palimpsa
+
+  def spy(cfg, *args):
+    seen.append(cfg)
+    return original(cfg, *args)
+
+  monkeypatch.setattr(gpu_op, "_palimpsa", spy)
+  x = _small_inputs(3, shape=(1, 32, 1, 16, 16))
+  names = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
+  out = palimpsa(*(jnp.asarray(x[n], jnp.float32) for n in names),
+                 implementation=implementation, chunk_size=16, interpret=True).out
+  (cfg,) = seen
+  assert (cfg.boundary_fwd, cfg.walk_fwd, cfg.walk_bwd, cfg.carries_bwd) == (kernel,) * 4
+  with jax.enable_x64(True):
+    want = np.asarray(reference_palimpsa(*(jnp.asarray(x[n]) for n in names)).out)
+  assert_close_to_reference(out, want, FLOAT32_TOL)
+
+
+def test_gpu_backend_that_cannot_run_a_stage_names_it():
+  """"pallas_gpu_mosaic" where a stage's Mosaic kernel does not take the call (the forward
+  walk's K is at most 128) is a ValueError naming the stage, not a silent Triton run."""
+  x = _f32(_small_inputs(3, shape=(1, 16, 1, 144, 16)))
+  args = [x[n] for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
+  with pytest.raises(ValueError, match="Mosaic GPU kernel of the forward walk cannot run"):
+    palimpsa(*args, implementation="pallas_gpu_mosaic", chunk_size=16, interpret=True)
+
+
 _NO_GPU_KERNEL = """
 import sys
 sys.modules["pallas_kernels.palimpsa_gpu"] = None  # Its import now raises ImportError.
