@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 from benchmarks import results as results_lib
 from palimpsa_jax import models
 from palimpsa_jax.ops import kernel_sharding
-from palimpsa_jax.ops.gated_delta import op as gated_delta_op
+from palimpsa_jax.ops.gated_delta import validation as gated_delta_validation
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
@@ -172,7 +172,7 @@ def model_implementation(model: str, requested: str) -> str:
   """The implementation set in the model config; ops without it keep "auto"."""
   if model == "transformer":
     return "auto"
-  if model == "gated_deltanet" and requested not in gated_delta_op.IMPLEMENTATIONS:
+  if model == "gated_deltanet" and requested not in gated_delta_validation.IMPLEMENTATIONS:
     return "auto"
   return requested
 

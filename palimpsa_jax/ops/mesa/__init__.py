@@ -1,5 +1,6 @@
 """MesaNet: per-step regularised least squares of values on keys (von Oswald et al., 2025)."""
 
-from palimpsa_jax.ops.mesa.op import MesaResult, MesaState, mesa_net
+from palimpsa_jax.ops.mesa.api import mesa_net
+from palimpsa_jax.ops.mesa.types import MesaResult, MesaState
 
 __all__ = ["MesaResult", "MesaState", "mesa_net"]

@@ -1,37 +1,13 @@
-"""Public MesaNet op: validation and dispatch."""
-
-from typing import NamedTuple
+"""`mesa_net`: the public op. Validates, builds the initial state and the segment starts,
+dispatches to an implementation of the table in implementations.py."""
 
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.common import check_array, check_options, check_sequences, segment_starts
-from palimpsa_jax.ops.mesa.chunked import mesa_chunked
-from palimpsa_jax.ops.mesa.sequential import mesa_sequential
-
-IMPLEMENTATIONS = ("auto", "sequential", "chunked")
-
-
-class MesaState(NamedTuple):
-  """The two gated sums of one head.
-
-  kk: [B, H, K, K] float32, H = sum of gated beta k k^T (the data part of the precision).
-  kv: [B, H, V, K] float32, G = sum of gated beta v k^T.
-  """
-
-  kk: jax.Array
-  kv: jax.Array
-
-
-class MesaResult(NamedTuple):
-  """What `mesa_net` returns.
-
-  out:   [B, T, H, V], dtype of v: readout G_t (H_t + diag lam)^{-1} q_t.
-  state: MesaState after the last step.
-  """
-
-  out: jax.Array
-  state: MesaState
+from palimpsa_jax.ops.common import segment_starts
+from palimpsa_jax.ops.mesa.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.mesa.types import MesaResult, MesaState
+from palimpsa_jax.ops.mesa.validation import validate_mesa_args
 
 
 def mesa_net(
@@ -75,19 +51,9 @@ def mesa_net(
   Returns:
     MesaResult(out [B, T, H, V] in v's dtype, state MesaState float32).
   """
-  batch, time, heads, key_dim, value_dim = check_sequences(q, k, v, None, segment_ids)
-  check_array("beta", beta, (batch, time, heads), "[B, T, H]")
-  check_array("log_gamma", log_gamma, (batch, time, heads), "[B, T, H]")
-  check_array("lam", lam, (heads, key_dim), "[H, K]")
-  if initial_state is not None:
-    check_array("initial_state.kk", initial_state.kk, (batch, heads, key_dim, key_dim),
-                "[B, H, K, K]")
-    check_array("initial_state.kv", initial_state.kv, (batch, heads, value_dim, key_dim),
-                "[B, H, V, K]")
-  check_options(implementation, chunk_size, IMPLEMENTATIONS)
-  if isinstance(cg_steps, bool) or not isinstance(cg_steps, int) or cg_steps < 0:
-    raise ValueError(f"cg_steps must be a non-negative int, got {cg_steps!r}.")
-
+  batch, time, heads, key_dim, value_dim = validate_mesa_args(
+      q, k, v, beta, log_gamma, lam, initial_state, segment_ids, implementation, chunk_size,
+      cg_steps)
   f32 = jnp.float32
   q, k, v_f, beta, log_gamma, lam = (
       x.astype(f32) for x in (q, k, v, beta, log_gamma, lam))
@@ -97,9 +63,7 @@ def mesa_net(
   else:
     h0, g0 = (x.astype(f32) for x in initial_state)
   starts = segment_starts(segment_ids, batch, time)
-  if implementation == "sequential":
-    out, h, g = mesa_sequential(q, k, v_f, beta, log_gamma, lam, h0, g0, starts)
-  else:
-    out, h, g = mesa_chunked(q, k, v_f, beta, log_gamma, lam, h0, g0, starts, chunk_size,
-                             cg_steps)
+  name = "chunked" if implementation == "auto" else implementation
+  out, h, g = IMPLEMENTATIONS[name](q, k, v_f, beta, log_gamma, lam, h0, g0, starts,
+                                    chunk_size=chunk_size, cg_steps=cg_steps)
   return MesaResult(out.astype(v.dtype), MesaState(h, g))

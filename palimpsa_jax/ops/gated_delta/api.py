@@ -1,26 +1,13 @@
-"""Public gated delta rule op: validation and dispatch."""
-
-from typing import NamedTuple
+"""`gated_delta_rule`: the public op. Validates, builds the initial state and the segment
+starts, dispatches to an implementation of the table in implementations.py."""
 
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.gated_delta.chunked import gated_delta_chunked
-from palimpsa_jax.ops.gated_delta.sequential import gated_delta_sequential
-from palimpsa_jax.ops.common import check_array, check_options, check_sequences, segment_starts
-
-IMPLEMENTATIONS = ("auto", "sequential", "chunked")
-
-
-class DeltaRuleResult(NamedTuple):
-  """What `gated_delta_rule` returns.
-
-  out:   [B, T, H, V], dtype of v: readout S_t q_t.
-  state: [B, H, V, K] float32, S after the last step.
-  """
-
-  out: jax.Array
-  state: jax.Array
+from palimpsa_jax.ops.common import segment_starts
+from palimpsa_jax.ops.gated_delta.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.gated_delta.types import DeltaRuleResult
+from palimpsa_jax.ops.gated_delta.validation import validate_gated_delta_args
 
 
 def gated_delta_rule(
@@ -56,18 +43,14 @@ def gated_delta_rule(
   Returns:
     DeltaRuleResult(out [B, T, H, V] in v's dtype, state [B, H, V, K] float32).
   """
-  batch, time, heads, key_dim, value_dim = check_sequences(q, k, v, initial_state, segment_ids)
-  check_array("beta", beta, (batch, time, heads), "[B, T, H]")
-  check_array("log_alpha", log_alpha, (batch, time, heads), "[B, T, H]")
-  state_shape = (batch, heads, value_dim, key_dim)
-  check_options(implementation, chunk_size, IMPLEMENTATIONS)
-
+  batch, time, heads, key_dim, value_dim = validate_gated_delta_args(
+      q, k, v, beta, log_alpha, initial_state, segment_ids, implementation, chunk_size)
   f32 = jnp.float32
   q, k, v_f, beta, log_alpha = (x.astype(f32) for x in (q, k, v, beta, log_alpha))
+  state_shape = (batch, heads, value_dim, key_dim)
   s0 = jnp.zeros(state_shape, f32) if initial_state is None else initial_state.astype(f32)
   starts = segment_starts(segment_ids, batch, time)
-  if implementation == "sequential":
-    out, state = gated_delta_sequential(q, k, v_f, beta, log_alpha, s0, starts)
-  else:
-    out, state = gated_delta_chunked(q, k, v_f, beta, log_alpha, s0, starts, chunk_size)
+  name = "chunked" if implementation == "auto" else implementation
+  out, state = IMPLEMENTATIONS[name](q, k, v_f, beta, log_alpha, s0, starts,
+                                     chunk_size=chunk_size)
   return DeltaRuleResult(out.astype(v.dtype), state)
