@@ -24,7 +24,6 @@ command) is written as a record to benchmarks/records/, and --output writes JSON
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import json
 import pathlib
@@ -43,7 +42,6 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 
 from benchmarks import results as results_lib
 from palimpsa_jax import models
-from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.gated_delta import validation as gated_delta_validation
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
@@ -207,11 +205,7 @@ def kernel_context(args: argparse.Namespace, mesh: jax.sharding.Mesh,
   """The context the step is traced in (--no_kernel_sharding, --context_parallel)."""
   if args.no_kernel_sharding:
     return contextlib.nullcontext
-  if not args.context_parallel:
-    return sharding_lib.kernel_context(mesh, rules)
-  head_axis = dict(rules).get("heads")
-  return functools.partial(kernel_sharding.kernel_sharding, mesh, sharding_lib.BATCH_AXES,
-                           (head_axis,) if head_axis else (), "sequence")
+  return sharding_lib.kernel_context(mesh, rules, context_parallel=args.context_parallel)
 
 
 def build_train_step(model: str, implementation: str, scan_layers: bool,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 import contextlib
-import functools
 import math
 import os
 from typing import Any
@@ -19,12 +18,13 @@ from typing import Any
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import checkpoints
-from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.training import sharding as sharding_lib
 
 DEFAULT_BATCH_SIZE = 8
 
@@ -42,19 +42,17 @@ class ModelScorer:
     model.eval()
     self._graphdef, self._state = nnx.split(model)
     self._context = contextlib.nullcontext
-    self._rows = None
+    self._placement = None
     if sequence_devices > 1:
       if sequence_devices > jax.device_count():
         raise ValueError(f"sequence_devices={sequence_devices} but only "
                          f"{jax.device_count()} devices are available")
-      mesh = jax.make_mesh((sequence_devices,), ("sequence",),
-                           devices=jax.devices()[:sequence_devices],
-                           axis_types=(jax.sharding.AxisType.Auto,))
-      self._context = functools.partial(kernel_sharding.kernel_sharding, mesh, (), (),
-                                        "sequence")
-      self._rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
-      self._state = jax.device_put(
-          self._state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+      # The training mesh with only its sequence axis above 1: rows split over it.
+      self._placement = sharding_lib.mesh_context(
+          ml_collections.ConfigDict({"sequence": sequence_devices}),
+          jax.devices()[:sequence_devices])
+      self._context = self._placement.kernel_context
+      self._state = jax.device_put(self._state, sharding_lib.replicated(self._placement.mesh))
     self._score = jax.jit(self._score_impl)
 
   def _score_impl(self, state, tokens, segment_ids, targets):
@@ -73,11 +71,16 @@ class ModelScorer:
                targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Returns log p(targets[b, t] | tokens[b, :t + 1]) [B, T] f32 and whether each target is
     the argmax [B, T] bool."""
-    if self._rows is not None and tokens.shape[1] % self._rows.mesh.size:
-      raise ValueError(
-          f"rows of {tokens.shape[1]} tokens cannot be split over {self._rows.mesh.size} "
-          "devices (mesh_sequence): use a row length (max_length) that is a multiple of it")
-    rows = [jax.device_put(np.asarray(x, np.int32), self._rows)
+    rows_sharding = None
+    if self._placement is not None:
+      devices = self._placement.mesh.size
+      if tokens.shape[1] % devices:
+        raise ValueError(
+            f"rows of {tokens.shape[1]} tokens cannot be split over {devices} devices "
+            "(mesh_sequence): use a row length (max_length) that is a multiple of it")
+      rows_sharding = sharding_lib.batch_sharding(self._placement.mesh, tokens.shape,
+                                                  self._placement.rules)
+    rows = [jax.device_put(np.asarray(x, np.int32), rows_sharding)
             for x in (tokens, segment_ids, targets)]
     picked, greedy = self._score(self._state, *rows)
     return np.asarray(picked), np.asarray(greedy)

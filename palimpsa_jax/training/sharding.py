@@ -8,13 +8,17 @@ to "sequence": a size above 1 splits every sequence over that many devices
 (context parallelism, ops.context_parallel).
 A dimension that the mapped mesh axes do not divide stays replicated, so tiny
 models still run on many devices.
+
+`mesh_context` builds the mesh, its rules and the kernel context from a config's mesh
+section in one call; training, evaluation and the benchmarks all place their steps with it
+or with the pieces it is made of.
 """
 
 from collections.abc import Callable, Sequence
 import contextlib
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from flax import nnx
 import jax
@@ -152,7 +156,7 @@ def batch_shards(mesh: Mesh) -> int:
   return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 
-def kernel_context(mesh: Mesh, rules: Rules
+def kernel_context(mesh: Mesh, rules: Rules, *, context_parallel: bool = False
                    ) -> Callable[[], contextlib.AbstractContextManager]:
   """() -> the context in which Pallas kernels run per device shard.
 
@@ -160,12 +164,37 @@ def kernel_context(mesh: Mesh, rules: Rules
   `rules` map "heads" to (ops.kernel_sharding; XLA cannot split a Pallas call
   itself and would compute the whole batch on every device). Where `rules` map
   "length" to a mesh axis of size > 1, time is split over it too and the
-  sequence mixers run context-parallel.
+  sequence mixers run context-parallel; `context_parallel` takes that path also
+  where the axis has size 1 (to measure what the path itself costs).
   """
   head_axis = dict(rules).get("heads")
+  time_axis = sequence_axis(mesh, rules)
+  if context_parallel and time_axis is None:
+    time_axis = dict(rules).get("length")
+    if time_axis is None:
+      raise ValueError('context_parallel needs rules that map "length" to a mesh axis')
   return functools.partial(kernel_sharding.kernel_sharding, mesh, BATCH_AXES,
-                           (head_axis,) if head_axis else (),
-                           sequence_axis(mesh, rules))
+                           (head_axis,) if head_axis else (), time_axis)
+
+
+class MeshContext(NamedTuple):
+  """Where a step runs: the mesh, the logical-axis rules on it, and the kernel context
+  (`kernel_context`) its jitted functions are traced in."""
+
+  mesh: Mesh
+  rules: Rules
+  kernel_context: Callable[[], contextlib.AbstractContextManager]
+
+
+def mesh_context(config: ml_collections.ConfigDict,
+                 devices: Sequence[jax.Device] | None = None, *,
+                 context_parallel: bool = False) -> MeshContext:
+  """The mesh of config's MESH_AXES sizes over `devices` (default: all), config.rules on
+  DEFAULT_RULES, and the kernel context they give (`kernel_context`)."""
+  mesh = make_mesh(config, devices)
+  rules = rules_from_config(config)
+  return MeshContext(mesh, rules,
+                     kernel_context(mesh, rules, context_parallel=context_parallel))
 
 
 def sequence_axis(mesh: Mesh, rules: Rules) -> str | None:

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from tests.training import tiny_lm
 from palimpsa_jax import models
+from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
@@ -63,6 +64,24 @@ def test_mesh_shape_rest_axis_and_errors():
     sharding_lib.mesh_shape(mesh(data=2), 1)
   with pytest.raises(ValueError, match="mesh axes"):
     sharding_lib.rules_from_config(ml_collections.ConfigDict({"rules": (("embed", "x"),)}))
+
+
+def test_mesh_context_places_a_step_from_the_mesh_config():
+  """mesh_context: the mesh of the config's sizes, its rules and the kernel context; a
+  forced context-parallel path takes the "length" axis even at size 1."""
+  config = ml_collections.ConfigDict({"sequence": 1, "rules": [("heads", None)]})
+  placement = sharding_lib.mesh_context(config, jax.devices()[:1])
+  assert dict(placement.mesh.shape) == dict(data=1, fsdp=1, sequence=1, tensor=1)
+  assert dict(placement.rules)["heads"] is None
+  with placement.kernel_context():
+    current = kernel_sharding.current()
+    assert (current.batch_axes, current.head_axes) == (sharding_lib.BATCH_AXES, ())
+    assert current.sequence_axis is None
+  forced = sharding_lib.mesh_context(config, jax.devices()[:1], context_parallel=True)
+  with forced.kernel_context():
+    assert kernel_sharding.current().sequence_axis == "sequence"
+  with pytest.raises(ValueError, match='map "length"'):
+    sharding_lib.kernel_context(placement.mesh, [("length", None)], context_parallel=True)
 
 
 def test_logical_to_spec_uses_divisible_axes_once():
