@@ -267,9 +267,8 @@ def render_text(text: str, records: list[Record]) -> str:
 
 
 def documents(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
-  """README.md and the docs pages (the archive is left as it was written)."""
-  docs = [p for p in sorted((root / "docs").rglob("*.md")) if "archive" not in p.parts]
-  return [root / "README.md", *docs]
+  """README.md and the docs pages."""
+  return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
 
 
 def main(argv: list[str] | None = None) -> int:

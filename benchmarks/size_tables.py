@@ -1,4 +1,4 @@
-"""The model-size tables of docs/training.md, measured in one call within a time budget.
+"""The model-size tables of docs/results/training.md, measured in one call within a time budget.
 
     python benchmarks/size_tables.py --output_dir OUT --budget_s 530
     python benchmarks/size_tables.py --render OUT/size_tables.json   # the markdown tables

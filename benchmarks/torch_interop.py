@@ -16,7 +16,7 @@ parameters): rel = ||ours - theirs|| / ||theirs|| over all logits, against
 1e-4 (float32) and 1e-2 (bfloat16). Each side's own bfloat16-vs-float32 rel is
 recorded too (`*_bfloat16_vs_float32`): at random initialisation it can exceed
 1e-2 by itself. Results go to --out as JSON, and the table of relative errors as
-a record to --records (benchmarks/records/, rendered into docs/torch_models.md).
+a record to --records (benchmarks/records/, rendered into docs/results/interop.md).
 
 The authors' code was written for older FLA and transformers releases; the
 few names that moved are aliased before it is imported (`compat` in the JSON

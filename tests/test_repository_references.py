@@ -33,5 +33,23 @@ def test_no_tracked_file_cites_outside_notes_or_issue_numbers():
   assert not found, "point these to docs/ instead:\n" + "\n".join(found)
 
 
-def test_the_archived_notebook_is_checked():
-  assert "docs/archive/RESULTS.md" in _tracked_files()
+# A Markdown link's target, and a docs page or README named in prose or code.
+LINK = re.compile(r"\]\((?!https?:|mailto:|#)([^)#\s]+)")
+NAMED_PAGE = re.compile(r"(?<![\w/.])((?:docs/[\w./-]+|README)\.md)\b")
+
+
+def test_every_link_and_named_page_exists():
+  """Markdown links (relative to their page) and docs pages named anywhere resolve to files
+  of the checkout; benchmark records keep the paths of their day and are left out."""
+  tracked = _tracked_files()
+  missing = []
+  for name in tracked:
+    if name.startswith("benchmarks/records/") or not name.endswith((".md", ".py")):
+      continue
+    text = (REPO / name).read_text(encoding="utf-8")
+    targets = [(REPO / name).parent / link for link in LINK.findall(text)] if name.endswith(
+        ".md") else []
+    targets += [REPO / page for page in NAMED_PAGE.findall(text)]
+    missing += [f"{name}: {t.relative_to(REPO) if t.is_relative_to(REPO) else t}"
+                for t in targets if not t.resolve().exists()]
+  assert not missing, "links to nothing:\n" + "\n".join(sorted(set(missing)))
