@@ -10,6 +10,7 @@ from flax import nnx
 from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache, MesaNet,
                                  MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.models import head_loss
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | MesaNet | Attention
 METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
@@ -230,6 +231,39 @@ class LanguageModel(nnx.Module):
     queries, skips the rest of the vocabulary projection). With
     return_diagnostics, also a list with each block's mixer diagnostics.
     """
+    h, diagnostics = self._hidden(tokens, segment_ids, positions, return_diagnostics)
+    logits = self._logits(h)
+    return (logits, diagnostics) if return_diagnostics else logits
+
+  def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
+                   segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy of the next-token targets, without the whole logits in memory.
+
+    Args:
+      tokens: [B, T] int.
+      targets: [B, T] int, or [B, P] with positions: the targets there.
+        IGNORE_INDEX marks positions that do not count.
+      segment_ids: [B, T] int or None, as in __call__.
+      positions: [B, P] int or None, as in __call__.
+
+    Returns:
+      (nll [B, T or P] float32, 0 where ignored; correct [B, T or P] bool,
+      whether the logits' argmax is the target): those of __call__'s logits,
+      computed slice by slice (models.head_loss).
+    """
+    h, _ = self._hidden(tokens, segment_ids, positions, False)
+    if targets.shape != h.shape[:2]:
+      raise ValueError(
+          f"targets must be [B, {'P' if positions is not None else 'T'}] = "
+          f"{h.shape[:2]}, got {targets.shape}")
+    return head_loss.head_cross_entropy(self.final_norm(h),
+                                        self.embed[...].astype(self.dtype), targets)
+
+  def _hidden(self, tokens, segment_ids, positions, return_diagnostics):
+    """The residual stream after the last block (at positions, if given) and the
+    blocks' diagnostics."""
     if segment_ids is not None and segment_ids.shape != tokens.shape:
       raise ValueError(
           f"segment_ids must be [B, T] = {tokens.shape}, got "
@@ -260,8 +294,7 @@ class LanguageModel(nnx.Module):
         diagnostics.append(diag)
     if positions is not None:
       h = take_positions(h, positions)
-    logits = self._logits(h)
-    return (logits, diagnostics) if return_diagnostics else logits
+    return h, diagnostics
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype=None) -> tuple[Any, ...]:
