@@ -13,6 +13,8 @@ row, for S slices), so a sequence axis split over devices stays split inside
 each slice and the batch axis is never cut.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -54,7 +56,9 @@ def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array
     raise ValueError(f"targets must be [B, T] = {h.shape[:2]}, got {targets.shape}")
   if table.dtype != h.dtype:
     raise ValueError(f"table must have h's dtype {h.dtype}, got {table.dtype}")
-  return _head_cross_entropy(h, table, targets)
+  # The backward is traced after the caller's forward; it takes the matmul precision
+  # in force now (jax.default_matmul_precision), as autodiff's own matmuls would.
+  return _head_cross_entropy(h, table, targets, jax.config.jax_default_matmul_precision)
 
 
 def _to_slices(x: jax.Array, count: int) -> jax.Array:
@@ -83,17 +87,18 @@ def _accumulation(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _logits(h, table):
-  return jnp.einsum("btd,vd->btv", h, table, preferred_element_type=_accumulation(h.dtype))
+def _logits(h, table, precision):
+  return jnp.einsum("btd,vd->btv", h, table, precision=precision,
+                    preferred_element_type=_accumulation(h.dtype))
 
 
-def _forward(h, table, targets):
+def _forward(h, table, targets, precision):
   """(nll, correct, logsumexp) [B, T] each."""
   valid = targets != IGNORE_INDEX
   safe_targets = jnp.where(valid, targets, 0)
 
   def one_slice(h, safe_targets, valid):
-    logits = _logits(h, table)
+    logits = _logits(h, table, precision)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, safe_targets[..., None], axis=-1)[..., 0]
     nll = jnp.where(valid, lse - picked, 0.0)
@@ -104,18 +109,18 @@ def _forward(h, table, targets):
   return _map_slices(one_slice, count, h, safe_targets, valid)
 
 
-@jax.custom_vjp
-def _head_cross_entropy(h, table, targets):
-  nll, correct, _ = _forward(h, table, targets)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _head_cross_entropy(h, table, targets, precision):
+  nll, correct, _ = _forward(h, table, targets, precision)
   return nll, correct
 
 
-def _head_cross_entropy_fwd(h, table, targets):
-  nll, correct, lse = _forward(h, table, targets)
+def _head_cross_entropy_fwd(h, table, targets, precision):
+  nll, correct, lse = _forward(h, table, targets, precision)
   return (nll, correct), (h, table, targets, lse)
 
 
-def _head_cross_entropy_bwd(residuals, cotangents):
+def _head_cross_entropy_bwd(precision, residuals, cotangents):
   h, table, targets, lse = residuals
   d_nll = cotangents[0]
   # nll is 0 wherever the target is ignored, whatever h and table are.
@@ -124,11 +129,12 @@ def _head_cross_entropy_bwd(residuals, cotangents):
 
   def one_slice(d_table, slice_args):
     h, targets, lse, weight = slice_args
-    probs = jnp.exp(_logits(h, table) - lse[..., None])
+    probs = jnp.exp(_logits(h, table, precision) - lse[..., None])
     hit = vocab == targets[..., None]
     d_logits = ((probs - hit) * weight[..., None]).astype(h.dtype)
-    dh = jnp.einsum("btv,vd->btd", d_logits, table, preferred_element_type=d_table.dtype)
-    d_table = d_table + jnp.einsum("btv,btd->vd", d_logits, h,
+    dh = jnp.einsum("btv,vd->btd", d_logits, table, precision=precision,
+                    preferred_element_type=d_table.dtype)
+    d_table = d_table + jnp.einsum("btv,btd->vd", d_logits, h, precision=precision,
                                    preferred_element_type=d_table.dtype)
     return d_table, dh.astype(h.dtype)
 
