@@ -44,10 +44,11 @@ def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array
     targets: [B, T] int; IGNORE_INDEX marks positions that do not count.
 
   Returns:
-    (nll [B, T] float32 (float64 for float64 h), 0 where ignored; correct [B, T] bool, whether the
-    first maximal logit is the target, False where ignored). Gradients flow to
-    h and table through nll; as in the unfused head, the backward rounds the
-    logits' cotangent to h's dtype before its two matmuls.
+    (nll [B, T] float32 (float64 for float64 h), 0 where ignored;
+    correct [B, T] bool, whether the first maximal logit is the target, False
+    where ignored). Gradients flow to h and table through nll; as in the
+    unfused head, the backward rounds the logits' cotangent to h's dtype before
+    its two matmuls.
   """
   if h.ndim != 3 or table.ndim != 2 or h.shape[-1] != table.shape[-1]:
     raise ValueError(
