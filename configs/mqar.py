@@ -50,6 +50,10 @@ DEFAULTS = dict(
     evals_per_epoch=6,
     dtype="float32",
     impl="auto",
+    # The model's matmul precision (models' config.matmul_precision): "default" (XLA's
+    # choice: TF32 for float32 on recent NVIDIA GPUs), "float32", "tensorfloat32" or
+    # "bfloat16" (bfloat16 products, float32 accumulation). Opt-in; the op keeps its own.
+    matmul="default",
 )
 
 # The paper's setting (docs/models.md, MQAR); arguments given explicitly win.
@@ -72,7 +76,7 @@ PAPER = dict(
 
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
-  overrides = dict(dtype=args.dtype, implementation=args.impl)
+  overrides = dict(dtype=args.dtype, implementation=args.impl, matmul_precision=args.matmul)
   if args.mixer in _DELTA_MIXERS and args.heads:
     overrides.update(num_heads=args.heads, head_v_dim=args.head_v or 32)
   if args.mixer in ("meta_mamba2", "mamba2"):
@@ -96,6 +100,9 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
       args.batch = 64
   if args.mixer not in MIXERS:
     raise ValueError(f"mixer must be one of {MIXERS}, got {args.mixer!r}.")
+  if args.matmul not in models.language_model.MATMUL_PRECISIONS:
+    raise ValueError(f"matmul must be one of {sorted(models.language_model.MATMUL_PRECISIONS)}, "
+                     f"got {args.matmul!r}.")
   if args.steps < 0:
     raise ValueError(f"steps must be >= 0 (0: `epochs` passes), got {args.steps}.")
   return args

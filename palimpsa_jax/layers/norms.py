@@ -1,6 +1,7 @@
 """RMSNorm and the gated RMSNorm used at the output of every recurrent mixer."""
 
 from collections.abc import Sequence
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +64,73 @@ class GatedRMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
     """x, gate [..., features] -> [..., features] in `dtype`."""
-    x = x.astype(jnp.float32)
-    gate = jax.nn.silu(gate.astype(jnp.float32))
-    if not self.norm_before_gate:
-      x = x * gate
-    shape = x.shape
-    grouped = x.reshape(*shape[:-1], shape[-1] // self.group_size,
-                        self.group_size)
-    y = rms_normalize(grouped, self.eps).reshape(shape) * self.scale[...]
-    if self.norm_before_gate:
-      y = y * gate
-    return y.astype(self.dtype)
+    return gated_rms_norm(x, gate, self.scale[...], self.group_size, self.eps,
+                          self.norm_before_gate, jnp.dtype(self.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def gated_rms_norm(x: jax.Array, gate: jax.Array, scale: jax.Array, group_size: int,
+                   eps: float, norm_before_gate: bool, dtype: jnp.dtype) -> jax.Array:
+  """GatedRMSNorm's output [..., F] in dtype from x, gate [..., F] and scale [F] f32.
+
+  Computed in float32. The custom VJP recomputes the per-group statistics from
+  x and gate instead of keeping float32 intermediates: autodiff of the
+  forward kept silu(gate), the normalised x and their products as full-size
+  float32 arrays and read them back in separate passes.
+  """
+  return _gated_norm_parts(x, gate, scale, group_size, eps, norm_before_gate)[0].astype(dtype)
+
+
+def _grouped(x, group_size):
+  return x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+
+
+def _gated_norm_parts(x, gate, scale, group_size, eps, norm_before_gate):
+  """(y f32 [..., F], the normalised input zhat [..., G, S], its rsqrt [..., G, 1],
+  silu(gate) f32 [..., F])."""
+  silu = jax.nn.silu(gate.astype(jnp.float32))
+  z = x.astype(jnp.float32)
+  if not norm_before_gate:
+    z = z * silu
+  z = _grouped(z, group_size)
+  inv_rms = jax.lax.rsqrt(jnp.mean(z * z, axis=-1, keepdims=True) + eps)
+  zhat = z * inv_rms
+  y = zhat.reshape(x.shape) * scale
+  if norm_before_gate:
+    y = y * silu
+  return y, zhat, inv_rms, silu
+
+
+def _gated_rms_norm_fwd(x, gate, scale, group_size, eps, norm_before_gate, dtype):
+  return gated_rms_norm(x, gate, scale, group_size, eps, norm_before_gate, dtype), (
+      x, gate, scale)
+
+
+def _gated_rms_norm_bwd(group_size, eps, norm_before_gate, dtype, residuals, dy):
+  del dtype
+  x, gate, scale = residuals
+  _, zhat, inv_rms, silu = _gated_norm_parts(x, gate, scale, group_size, eps,
+                                             norm_before_gate)
+  dy = dy.astype(jnp.float32)
+  shape = x.shape
+  normed = zhat.reshape(shape)
+  # d(loss)/d(zhat * scale) and d(loss)/d(scale).
+  d_normed = dy * silu if norm_before_gate else dy
+  d_scale = jnp.sum((d_normed * normed).reshape(-1, shape[-1]), axis=0)
+  d_zhat = _grouped(d_normed * scale, group_size)
+  # Through zhat = z / rms(z): dz = (d_zhat - zhat * mean(d_zhat * zhat)) / rms(z).
+  dz = (inv_rms * (d_zhat - zhat * jnp.mean(d_zhat * zhat, axis=-1, keepdims=True))
+        ).reshape(shape)
+  gate_f32 = gate.astype(jnp.float32)
+  sigmoid = jax.nn.sigmoid(gate_f32)
+  d_silu_d_gate = sigmoid * (1.0 + gate_f32 * (1.0 - sigmoid))
+  if norm_before_gate:
+    dx = dz
+    d_gate = dy * normed * scale * d_silu_d_gate
+  else:
+    dx = dz * silu
+    d_gate = dz * x.astype(jnp.float32) * d_silu_d_gate
+  return dx.astype(x.dtype), d_gate.astype(gate.dtype), d_scale.astype(scale.dtype)
+
+
+gated_rms_norm.defvjp(_gated_rms_norm_fwd, _gated_rms_norm_bwd)

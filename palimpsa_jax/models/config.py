@@ -95,7 +95,7 @@ def _common(model: str) -> dict:
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
               remat=False, scan_layers=False, implementation="auto",
-              chunk_size=64)
+              chunk_size=64, matmul_precision="default")
 
 
 def _gates(mixer: str) -> dict:

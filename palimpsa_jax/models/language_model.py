@@ -1,5 +1,7 @@
 """Language model: embedding, mixer blocks, final norm, tied head."""
 
+import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -10,11 +12,17 @@ from flax import nnx
 from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache, MesaNet,
                                  MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.models import head_loss
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | MesaNet | Attention
 METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
 # Logical name of the stacked layer axis of config.scan_layers models.
 LAYERS_AXIS = "layers"
+# config.matmul_precision -> the dot algorithm of the model's matmuls that name none
+# (jax.default_matmul_precision); "default" leaves XLA's choice, which on recent
+# NVIDIA GPUs runs float32 matmuls as TF32 (docs/gpu_performance.md).
+MATMUL_PRECISIONS = {"default": None, "float32": "F32_F32_F32",
+                     "tensorfloat32": "TF32_TF32_F32", "bfloat16": "BF16_BF16_F32"}
 
 
 def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -128,31 +136,39 @@ class Block(nnx.Module):
     return h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
 
 
-@jax.custom_vjp
 def tied_head_logits(h: jax.Array, table: jax.Array) -> jax.Array:
   """Logits [B, T, vocab] float32 of h [B, T, d] against table [vocab, d].
 
   The products accumulate in float32. The backward rounds the logits' cotangent to
   h's dtype, so with bf16 compute both gradient matmuls run in bf16 (accumulated in
   float32); plain autodiff would promote them to float32 matmuls against the float32
-  cotangent, which on an H200 took 5 ms of a 174 ms Palimpsa-D 170M step.
+  cotangent, which on an H200 took 5 ms of a 174 ms Palimpsa-D 170M step. The
+  backward's matmuls take the matmul precision in force at the call, as the forward's.
   """
-  return jnp.einsum("btd,vd->btv", h, table, preferred_element_type=jnp.float32)
+  return _tied_head_logits(h, table, jax.config.jax_default_matmul_precision)
 
 
-def _tied_head_fwd(h, table):
-  return tied_head_logits(h, table), (h, table)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _tied_head_logits(h, table, precision):
+  return jnp.einsum("btd,vd->btv", h, table, precision=precision,
+                    preferred_element_type=jnp.float32)
 
 
-def _tied_head_bwd(residuals, d_logits):
+def _tied_head_fwd(h, table, precision):
+  return _tied_head_logits(h, table, precision), (h, table)
+
+
+def _tied_head_bwd(precision, residuals, d_logits):
   h, table = residuals
   g = d_logits.astype(h.dtype)
-  dh = jnp.einsum("btv,vd->btd", g, table, preferred_element_type=jnp.float32)
-  d_table = jnp.einsum("btv,btd->vd", g, h, preferred_element_type=jnp.float32)
+  dh = jnp.einsum("btv,vd->btd", g, table, precision=precision,
+                  preferred_element_type=jnp.float32)
+  d_table = jnp.einsum("btv,btd->vd", g, h, precision=precision,
+                       preferred_element_type=jnp.float32)
   return dh.astype(h.dtype), d_table.astype(table.dtype)
 
 
-tied_head_logits.defvjp(_tied_head_fwd, _tied_head_bwd)
+_tied_head_logits.defvjp(_tied_head_fwd, _tied_head_bwd)
 
 
 class LanguageModel(nnx.Module):
@@ -197,6 +213,18 @@ class LanguageModel(nnx.Module):
     self.residual_dtype = (jnp.dtype(jnp.float32) if config.residual_in_fp32
                            else self.dtype)
     self.remat = config.remat
+    precision = config.get("matmul_precision", "default")
+    if precision not in MATMUL_PRECISIONS:
+      raise ValueError(f"config.matmul_precision must be one of {sorted(MATMUL_PRECISIONS)}, "
+                       f"got {precision!r}")
+    self.matmul_algorithm = MATMUL_PRECISIONS[precision]
+
+  def _matmul_precision(self):
+    """The context the forward pass is traced in: config.matmul_precision's algorithm
+    for every matmul that names no precision of its own (their gradients included)."""
+    if self.matmul_algorithm is None:
+      return contextlib.nullcontext()
+    return jax.default_matmul_precision(self.matmul_algorithm)
 
   def layer_blocks(self) -> list[Block]:
     """The blocks in layer order; views of one layer's slice when scanned."""
@@ -230,6 +258,41 @@ class LanguageModel(nnx.Module):
     queries, skips the rest of the vocabulary projection). With
     return_diagnostics, also a list with each block's mixer diagnostics.
     """
+    with self._matmul_precision():
+      h, diagnostics = self._hidden(tokens, segment_ids, positions, return_diagnostics)
+      logits = self._logits(h)
+    return (logits, diagnostics) if return_diagnostics else logits
+
+  def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
+                   segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy of the next-token targets, without the whole logits in memory.
+
+    Args:
+      tokens: [B, T] int.
+      targets: [B, T] int, or [B, P] with positions: the targets there.
+        IGNORE_INDEX marks positions that do not count.
+      segment_ids: [B, T] int or None, as in __call__.
+      positions: [B, P] int or None, as in __call__.
+
+    Returns:
+      (nll [B, T or P] float32, 0 where ignored; correct [B, T or P] bool,
+      whether the logits' argmax is the target): those of __call__'s logits,
+      computed slice by slice (models.head_loss).
+    """
+    with self._matmul_precision():
+      h, _ = self._hidden(tokens, segment_ids, positions, False)
+      if targets.shape != h.shape[:2]:
+        raise ValueError(
+            f"targets must be [B, {'P' if positions is not None else 'T'}] = "
+            f"{h.shape[:2]}, got {targets.shape}")
+      return head_loss.head_cross_entropy(self.final_norm(h),
+                                          self.embed[...].astype(self.dtype), targets)
+
+  def _hidden(self, tokens, segment_ids, positions, return_diagnostics):
+    """The residual stream after the last block (at positions, if given) and the
+    blocks' diagnostics."""
     if segment_ids is not None and segment_ids.shape != tokens.shape:
       raise ValueError(
           f"segment_ids must be [B, T] = {tokens.shape}, got "
@@ -260,8 +323,7 @@ class LanguageModel(nnx.Module):
         diagnostics.append(diag)
     if positions is not None:
       h = take_positions(h, positions)
-    logits = self._logits(h)
-    return (logits, diagnostics) if return_diagnostics else logits
+    return h, diagnostics
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype=None) -> tuple[Any, ...]:
@@ -298,12 +360,13 @@ class LanguageModel(nnx.Module):
       raise ValueError(
           f"cache has {len(cache)} entries, the model {self.num_layers} "
           "blocks")
-    h = self._embed(tokens)
-    new_cache = []
-    for block, block_cache in zip(self.layer_blocks(), cache):
-      h, block_cache = block.prefill(h, block_cache, single_step)
-      new_cache.append(block_cache)
-    return self._logits(h), tuple(new_cache)
+    with self._matmul_precision():
+      h = self._embed(tokens)
+      new_cache = []
+      for block, block_cache in zip(self.layer_blocks(), cache):
+        h, block_cache = block.prefill(h, block_cache, single_step)
+        new_cache.append(block_cache)
+      return self._logits(h), tuple(new_cache)
 
 
 def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:

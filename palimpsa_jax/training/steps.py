@@ -51,16 +51,21 @@ def _forward_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch):
   """Loss sums of a batch; with batch["positions"] [B, P], only there.
 
   "positions" must hold every position whose target counts (MQAR's query
-  positions), so the sums equal those over the whole sequence.
+  positions), so the sums equal those over the whole sequence. The loss is the
+  model's token_losses: cross_entropy_sums of its logits, without the whole
+  float32 logits in memory.
   """
   model = models.merge_model(graphdef, params, model_state)
   positions = batch.get("positions")
-  logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"),
-                 positions=positions)
   targets = batch["targets"]
   if positions is not None:
     targets = models.take_positions(targets, positions)
-  return cross_entropy_sums(logits, targets)
+  nll, correct = model.token_losses(batch["tokens"], targets,
+                                    segment_ids=batch.get("segment_ids"),
+                                    positions=positions)
+  count = jnp.sum(targets != IGNORE_INDEX)
+  return (jnp.sum(nll), jnp.sum(correct).astype(jnp.float32),
+          count.astype(jnp.float32))
 
 
 def _microbatches(batch: Batch, count: int) -> Batch:

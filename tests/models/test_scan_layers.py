@@ -51,8 +51,11 @@ def test_scanned_forward_and_gradients_equal_unrolled(model):
   for i, layer in nnx.to_pure_dict(grads_u)["blocks"].items():
     chex.assert_trees_all_close(jax.tree.map(lambda s, i=i: s[i], stacked), layer,
                                 rtol=1e-4, atol=1e-7)
+  # The embedding's gradient reaches 0.5, where float32 numbers are 6e-8 apart: the two
+  # compilations' sums in other orders differ by a few of those (up to 3e-7 measured) at
+  # entries near zero too, which atol 1e-7 sat on the edge of.
   chex.assert_trees_all_close(nnx.to_pure_dict(grads_s)["embed"],
-                              nnx.to_pure_dict(grads_u)["embed"], rtol=1e-4, atol=1e-7)
+                              nnx.to_pure_dict(grads_u)["embed"], rtol=1e-4, atol=1e-6)
 
 
 def test_scanned_diagnostics_are_per_layer_and_remat_keeps_the_gradients():

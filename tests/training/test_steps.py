@@ -12,9 +12,11 @@ import pytest
 
 from palimpsa_jax import models
 from palimpsa_jax.data import mqar
+from palimpsa_jax.models import head_loss
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import steps as steps_lib
+from tests.ops.numerics import assert_close_to_reference
 
 LENGTH, PAIRS, VOCAB = 32, 4, 64
 
@@ -142,3 +144,29 @@ def test_train_and_eval_steps_are_traced_once(setup, at_most_one_trace):
     train_step(state, shorter)
   with pytest.raises(AssertionError, match="traced > 1 times"):
     eval_step(params, model_state, shorter)
+
+
+def test_train_loss_and_gradients_equal_those_of_the_whole_logits(setup, monkeypatch):
+  """The step's sliced head loss (2 slices here) against cross_entropy_sums of the logits."""
+  graphdef, params, model_state, batch = setup
+  monkeypatch.setattr(head_loss, "SLICE_LOGITS", 6 * (LENGTH // 2) * VOCAB)
+  assert head_loss.num_slices(6, LENGTH, VOCAB) == 2
+
+  def unfused(p):
+    model = models.merge_model(graphdef, p, model_state)
+    return steps_lib.cross_entropy_sums(model(batch["tokens"]), batch["targets"])
+
+  def sliced(p):
+    return steps_lib._forward_sums(graphdef, p, model_state, batch)
+
+  def value_and_grad(fn):
+    def loss_and_sums(p):
+      sums = fn(p)
+      return sums[0], sums
+    return jax.jit(jax.value_and_grad(loss_and_sums, has_aux=True))(params)
+
+  (loss, sums), grads = value_and_grad(sliced)
+  (ref_loss, ref_sums), ref_grads = value_and_grad(unfused)
+  chex.assert_trees_all_close(loss, ref_loss, rtol=1e-6)
+  chex.assert_trees_all_equal(sums[1:], ref_sums[1:])
+  assert_close_to_reference(grads, ref_grads, 1e-5)

@@ -151,8 +151,8 @@ def test_eight_fake_devices_match_one(tmp_path, uninterrupted, run_on_cpu_device
 
 class _NanLM(tiny_lm.TinyLM):
 
-  def __call__(self, tokens, segment_ids=None, positions=None):
-    return super().__call__(tokens, positions=positions) * jnp.nan
+  def _hidden(self, tokens, positions):
+    return super()._hidden(tokens, positions) * jnp.nan
 
 
 def test_non_finite_loss_stops_with_clear_error(tmp_path, monkeypatch):

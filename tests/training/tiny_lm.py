@@ -1,8 +1,8 @@
 """A tiny causal NNX language model and MQAR config for trainer tests.
 
 It has the project model's interface (`model(tokens, segment_ids=None,
-positions=None)` -> [B, T or P, vocab] f32 logits) and sharding metadata, but
-trains in milliseconds.
+positions=None)` -> [B, T or P, vocab] f32 logits, and `token_losses` as the
+training steps call it) and sharding metadata, but trains in milliseconds.
 """
 
 from flax import nnx
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from palimpsa_jax import models
+from palimpsa_jax.models import head_loss
 from palimpsa_jax.training import state as state_lib
 
 VOCAB = 32
@@ -28,14 +29,21 @@ class TinyLM(nnx.Module):
         kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
 
   def __call__(self, tokens, segment_ids=None, positions=None):
-    del segment_ids
+    return self.embed.attend(self._hidden(tokens, positions)).astype(jnp.float32)
+
+  def token_losses(self, tokens, targets, segment_ids=None, positions=None):
+    """(nll, correct) [B, T or P] of the tied head, as LanguageModel.token_losses."""
+    return head_loss.head_cross_entropy(self._hidden(tokens, positions),
+                                        self.embed.embedding[...], targets)
+
+  def _hidden(self, tokens, positions):
     x = self.embed(tokens)
     steps = jnp.arange(1, tokens.shape[1] + 1, dtype=x.dtype)[None, :, None]
     context = jnp.cumsum(x, axis=1) / steps
     h = x + jnp.tanh(self.mix(jnp.concatenate([x, context], axis=-1)))
     if positions is not None:
       h = models.take_positions(h, positions)
-    return self.embed.attend(h).astype(jnp.float32)
+    return h
 
 
 def build(config, rngs):

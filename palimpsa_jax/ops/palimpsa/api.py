@@ -53,9 +53,14 @@ def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, s
   ip = prior_precision.astype(jnp.float32)
   options = dict(return_variance=return_variance, implementation=implementation,
                  chunk_size=chunk_size, interpret=interpret)
-  if context_parallel.active() is not None:
-    return _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
-  return _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, **options)
+  # The op computes as it does without a caller's default matmul precision (a model's
+  # config.matmul_precision): its kernels choose their products' precision themselves.
+  with jax.default_matmul_precision(None):
+    if context_parallel.active() is not None:
+      return _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids,
+                            **options)
+    return _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids,
+                           **options)
 
 
 def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
