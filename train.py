@@ -6,7 +6,8 @@
       --config.data.train_files='data/*.jsonl' --config.total_steps=1000 --workdir runs/lm
   python train.py --config configs/mqar.py --dry_run   # parameter table, then exit
 
-A restarted command resumes from the latest checkpoint in --workdir. Compiled steps are kept in
+A restarted command resumes from the latest checkpoint in --workdir. Ctrl-C (SIGINT) or
+SIGTERM checkpoints the current step, says where, and exits (130 or 143). Compiled steps are kept in
 JAX's persistent compilation cache (--compilation_cache_dir; empty turns it off). Multi-host:
 pass --coordinator_address, --num_processes and --process_id (or rely on the
 cluster's auto-detection with --distributed).
@@ -28,6 +29,7 @@ from ml_collections import config_flags
 
 from palimpsa_jax.configs import base
 from palimpsa_jax.models.summary import parameter_table
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import config_overrides
 from palimpsa_jax.training import state as state_lib
@@ -73,10 +75,20 @@ def main(argv):
     return
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (except with --dry_run).")
+  stop = bookkeeping.StopSignals()
   try:
-    trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT)
+    with stop:
+      trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT,
+                                 should_stop=stop)
   except base.ConfigError as refused:  # One line naming the field, not a traceback.
     sys.exit(f"train.py: {refused}")
+  except bookkeeping.Interrupted as interrupted:
+    print(interrupted, file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
+  except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+    print("interrupted; a rerun of the same command resumes from the latest checkpoint",
+          file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,38 @@ def test_train_then_eval_palimpsa_d(tmp_path):
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
+
+
+_SIGINT_CONFIG = ("--config=configs/mqar.py:seq_len=16,kv=2,vocab=32,d_model=16,heads=2,"
+                  "head_v=8,examples=512,test_examples=64,batch=16,steps=150,early_stop=0.0")
+
+
+def _losses(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+@pytest.mark.slow  # three train.py runs of a real model (about a minute on two cores)
+def test_ctrl_c_checkpoints_and_the_rerun_continues_exactly(tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  cache = f"--compilation_cache_dir={tmp_path / 'cache'}"
+  whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+  _run("train.py", _SIGINT_CONFIG, f"--workdir={whole}", cache)
+  process = subprocess.Popen(
+      [sys.executable, "train.py", _SIGINT_CONFIG, f"--workdir={stopped}", cache], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in process.stdout:  # mid-run: after the first progress line
+    if line.startswith("step "):
+      break
+  process.send_signal(signal.SIGINT)
+  _, err = process.communicate(timeout=300)
+  assert process.returncode == 130, err
+  last = err.strip().splitlines()[-1]
+  step = int(last.split()[3].rstrip(";"))
+  assert 0 < step < 150
+  assert last == (f"interrupted at step {step}; checkpoint saved in {stopped}/checkpoints/"
+                  f"{step}; rerun the same command to resume")
+  assert "Traceback" not in err
+  resumed = _run("train.py", _SIGINT_CONFIG, f"--workdir={stopped}", cache).stdout
+  assert f"resumed from {stopped}/checkpoints/{step}" in resumed
+  assert _losses(stopped) == pytest.approx(_losses(whole), rel=1e-6)

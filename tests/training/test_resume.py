@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from tests.training import tiny_lm
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import tensorboard
@@ -146,3 +147,30 @@ def test_summary_is_kept_across_segments(tmp_path, finished):
       first["wall_time_s"] + extended["segments"][1]["wall_time_s"])
   assert extended["last_eval"]["eval/loss"] == metrics_lib.read_metrics(
       str(workdir))[-1]["eval/loss"]
+
+
+def test_stop_request_checkpoints_the_step_and_the_rerun_continues_exactly(tmp_path, finished):
+  polls = []
+  def stop_before_step_six():
+    polls.append(None)
+    return len(polls) > 5
+  workdir = tmp_path / "stopped"
+  with pytest.raises(bookkeeping.Interrupted) as stopped:
+    trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir),
+                               should_stop=stop_before_step_six)
+  assert str(stopped.value) == (
+      f"interrupted at step 5; checkpoint saved in {workdir}/checkpoints/5; rerun the same "
+      "command to resume")
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "5"]
+  assert not (workdir / "summary.json").exists()
+  trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
+  assert _losses(workdir) == _losses(finished[0])
+
+
+def test_checkpoint_after_the_time_interval_whatever_the_step_interval(tmp_path):
+  config = tiny_lm.tiny_mqar_config(
+      total_steps=6, checkpoint_every_steps=1000, checkpoint_every_minutes=1e-9,
+      keep_checkpoints=10)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [
+      1, 2, 3, 4, 5, 6]
