@@ -242,6 +242,8 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   todo_indices = [i for i, summary in enumerate(summaries) if summary is None]
   if not todo_indices:
     return summaries
+  for i in todo_indices:
+    bookkeeping.refuse_other_model(configs[i], workdirs[i])
 
   config = configs[todo_indices[0]]
   device = jax.local_devices()[0]
@@ -251,7 +253,6 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   todo: list[bookkeeping.RunBook] = []
   try:
     for i in todo_indices:
-      checkpoint_lib.save_config(configs[i], workdirs[i])
       todo.append(bookkeeping.RunBook(configs[i], workdirs[i]))
     _train(model, tasks, todo, device, start_time, should_stop)
   finally:
@@ -269,6 +270,8 @@ def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
   config, total_steps = model.config, model.total_steps
   abstract = model.abstract_one(device)
   restored = [run.restore(abstract, tasks[run.config.seed].train_iterator) for run in todo]
+  for run in todo:
+    checkpoint_lib.save_config(run.config, run.workdir)
   latest = {step for step, _ in restored}
   if len(latest) != 1:
     raise ValueError(

@@ -19,20 +19,25 @@ request that the loops poll before each step: they checkpoint the step they are 
 with Interrupted, whose message says where a rerun of the same command resumes.
 """
 
+import os
 import signal
 import sys
 import threading
 import time
 from typing import Any
 
+from flax import nnx
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
+from palimpsa_jax import models
+from palimpsa_jax.configs import base
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import run_summary
+from palimpsa_jax.training import state as state_lib
 
 
 def eval_metrics(loss_sum: float, correct: float, count: float,
@@ -41,6 +46,59 @@ def eval_metrics(loss_sum: float, correct: float, count: float,
   count = max(float(count), 1.0)
   return {"eval/loss": float(loss_sum) / count, "eval/accuracy": float(correct) / count,
           **{k: float(v) for k, v in diagnostics.items()}}
+
+
+def _parameter_shapes(config: ml_collections.ConfigDict) -> dict[str, tuple[int, ...]]:
+  """{parameter path: shape} of the run config's model, without allocating it."""
+  parts = models.abstract_model(state_lib.run_model_fn(config))
+  leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(parts.abstract_params))[0]
+  return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _flat(tree: Any, prefix: str) -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flat(value, f"{prefix}.{key}"))
+  return flat
+
+
+def refuse_other_model(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Refuses, before anything is written, a workdir whose checkpoints hold another model.
+
+  Compares the parameter shapes of `config`'s model with those of the config saved in
+  `workdir` (when it holds checkpoints); a saved config that no longer builds is left to
+  the restore to judge.
+
+  Raises:
+    base.ConfigError: one line naming the config.model fields that differ.
+  """
+  checkpoints = os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR)
+  if not (os.path.isdir(checkpoints) and os.listdir(checkpoints)
+          and os.path.isfile(os.path.join(workdir, checkpoint_lib.CONFIG_FILE))):
+    return
+  saved = checkpoint_lib.load_config(workdir)
+  try:
+    saved_shapes = _parameter_shapes(saved)
+  except Exception:  # pylint: disable=broad-exception-caught
+    return  # e.g. a config of an older version of the code
+  shapes = _parameter_shapes(config)
+  if saved_shapes == shapes:
+    return
+  old, new = _flat(saved.model.to_dict(), "config.model"), _flat(
+      config.model.to_dict(), "config.model")
+  fields = [f"{key}={new.get(key)!r} (saved: {old.get(key)!r})"
+            for key in sorted(set(old) | set(new))
+            if key in old and key in new and old[key] != new[key]
+            or (key in old) != (key in new)]
+  if not fields:  # same fields, other code: name the first parameter that differs
+    path = next(p for p in sorted(set(saved_shapes) | set(shapes))
+                if saved_shapes.get(p) != shapes.get(p))
+    fields = [f"parameter {path} {shapes.get(path)} (saved: {saved_shapes.get(path)})"]
+  raise base.ConfigError(
+      f"--workdir {workdir} holds checkpoints of another model: {', '.join(fields)}. "
+      "Give a new --workdir, or the saved run's config (its config.json) to resume it.")
 
 
 def agreed(step: int, every: int, *flags: bool) -> tuple[bool, ...]:

@@ -191,7 +191,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   started_at = time.time() if started_at is None else started_at
   validate_config(config)
   workdir = os.path.abspath(workdir)
-  checkpoint_lib.save_config(config, workdir)
+  bookkeeping.refuse_other_model(config, workdir)
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   task = tasks_lib.make_task(config, workdir)
@@ -215,6 +215,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
   """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller)."""
   total_steps = task.total_steps
   start_step, state = book.restore(spec.abstract, task.train_iterator)
+  checkpoint_lib.save_config(config, workdir)  # once the run is accepted
   if start_step is None:  # a fine-tuning run resumes from its own checkpoints
     start_step = 0
     state = initial_state(spec, config)

@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from tests.training import tiny_lm
+from palimpsa_jax.configs import base
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
@@ -174,3 +175,19 @@ def test_checkpoint_after_the_time_interval_whatever_the_step_interval(tmp_path)
   trainer.train_and_evaluate(config, str(tmp_path))
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [
       1, 2, 3, 4, 5, 6]
+
+
+def _tree_bytes(directory: pathlib.Path) -> dict[str, bytes]:
+  return {str(p.relative_to(directory)): p.read_bytes()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_another_model_is_refused_before_anything_is_written(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  before = _tree_bytes(workdir)
+  other = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
+  with pytest.raises(base.ConfigError, match=(
+      r"holds checkpoints of another model: config.model.width=32 \(saved: 16\)\. "
+      "Give a new --workdir")):
+    trainer.train_and_evaluate(other, str(workdir))
+  assert _tree_bytes(workdir) == before
