@@ -1,6 +1,7 @@
 """train.py and eval.py as a user runs them (subprocesses, real models)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -126,3 +127,42 @@ def test_ctrl_c_checkpoints_and_the_rerun_continues_exactly(tmp_path):
   resumed = _run("train.py", _SIGINT_CONFIG, f"--workdir={stopped}", cache).stdout
   assert f"resumed from {stopped}/checkpoints/{step}" in resumed
   assert _losses(stopped) == pytest.approx(_losses(whole), rel=1e-6)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("train.py", "--config=configs/nope.py", "--workdir=WORK"),
+     "train.py: --config=configs/nope.py: no config file configs/nope.py"),
+    (("train.py", "--config=configs/mqar.py", "--workdir=FILE"),
+     "train.py: --workdir=FILE: FILE is a file, not a directory"),
+    (("eval.py", "--suite=mqar", "--workdir=WORK"),
+     "eval.py: checkpoint='WORK' is neither a workdir written by train.py (holding "
+     "config.json) nor one of its checkpoints/<step> folders."),
+    (("generate.py", "--checkpoint=WORK", "--prompt=hi"),
+     "generate.py: checkpoint='WORK' is neither a workdir written by train.py (holding "
+     "config.json) nor one of its checkpoints/<step> folders."),
+    (("-m", "palimpsa_jax.data.prepare", "--files=EMPTY", "--tokenizer=bpe:300",
+      "--output=WORK/tokens"),
+     "prepare: --files='EMPTY': the 1 matched file(s) hold no text (every document is "
+     "empty)."),
+])
+def test_ordinary_mistakes_are_one_line(tmp_path, args, expected):
+  (tmp_path / "work").mkdir()
+  (tmp_path / "file").write_text("")
+  (tmp_path / "empty.txt").write_text("")
+  names = {"WORK": str(tmp_path / "work"), "FILE": str(tmp_path / "file"),
+           "EMPTY": str(tmp_path / "empty.txt")}
+  def fill(text):
+    for key, value in names.items():
+      text = text.replace(key, value)
+    return text
+  result = _run(*(fill(a) for a in args), check=False)
+  assert (result.returncode, result.stderr) == (1, fill(expected) + "\n")
+  assert os.listdir(tmp_path / "work") == []
+
+
+@pytest.mark.parametrize("command", [("train.py",), ("-m", "palimpsa_jax.conversion"),
+                                     ("-m", "palimpsa_jax.conversion.torch_models")])
+def test_help_exits_0_and_keeps_the_examples_lines(command):
+  result = _run(*command, "--help", check=False)
+  assert result.returncode == 0, result.stderr
+  assert "\\\n" in result.stdout and "\\ " not in result.stdout

@@ -16,8 +16,10 @@ from typing import Any
 
 import ml_collections
 
+from palimpsa_jax import user_errors
+
 TASKS = ("mqar", "lm")
-class ConfigError(ValueError):
+class ConfigError(ValueError, user_errors.UserError):
   """A run config the trainer refuses; the message names the field and what it expects."""
 
 

@@ -28,6 +28,8 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 
+from palimpsa_jax import user_errors
+
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -43,6 +45,10 @@ class Tokenizer(Protocol):
 
   def encode(self, text: str) -> list[int]:
     ...
+
+
+class DataError(ValueError, user_errors.UserError):
+  """Data that cannot be trained or evaluated on (e.g. files without any text)."""
 
 
 def resolve_files(files_glob: str | Sequence[str]) -> list[str]:
@@ -65,6 +71,22 @@ def resolve_files(files_glob: str | Sequence[str]) -> list[str]:
     if not path.endswith(_ALL_SUFFIXES):
       raise ValueError(
           f"unsupported file {path!r}: expected one of the suffixes {', '.join(_ALL_SUFFIXES)}")
+  return files
+
+
+def require_text(files_glob: str | Sequence[str], name: str) -> list[str]:
+  """The files of `files_glob` (see resolve_files), if one of their documents holds text.
+
+  Reads documents up to the first that is not blank (in a usable corpus, the first).
+
+  Raises:
+    DataError: every document is empty or blank; the message names `name` (the flag or
+      config field that gave the files).
+  """
+  files = resolve_files(files_glob)
+  if not any(document.strip() for document in DocumentSource(files)):
+    raise DataError(f"{name}={files_glob!r}: the {len(files)} matched file(s) hold no text "
+                    "(every document is empty).")
   return files
 
 

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from palimpsa_jax import models
+from palimpsa_jax import user_errors
 from palimpsa_jax.training import state as state_lib
 
 CONFIG_FILE = "config.json"
@@ -37,7 +38,7 @@ CORRUPT_DIR = "corrupt_checkpoints"
 PARAMS_DIR = "converted"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, user_errors.UserError):
   """A checkpoint exists but cannot be read (truncated or missing files)."""
 
 
