@@ -90,6 +90,30 @@ def test_train_then_eval_palimpsa_d(tmp_path):
   assert [(r["seq_len"], r["num_kv_pairs"]) for r in results] == [(16, 2), (32, 4)]
 
 
+def test_cpu_lm_preset_trains_on_the_repository_docs_and_its_model_exports(tmp_path,
+                                                                            monkeypatch):
+  """configs/lm.py:preset=cpu (docs/training.md's first LM run), shortened to 4 steps; a
+  model trained with the defaults exports to the authors' PyTorch format."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.conversion import torch_checkpoints  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(REPO)  # the preset's files are relative to the repository
+  spec = importlib.util.spec_from_file_location("lm", REPO / "configs" / "lm.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("preset=cpu,steps=4")
+  assert (config.model.model, config.model.size, config.seq_len, config.batch_size) == (
+      "palimpsa_d", "tiny", 128, 8)
+  assert (config.data.train_files, config.data.eval_files) == ("docs/*.md", "README.md")
+  config.eval_every_steps = config.checkpoint_every_steps = 4
+  config.async_checkpointing = False
+  workdir = tmp_path / "run"
+  summary = trainer.train_and_evaluate(config, str(workdir))
+  assert summary["final_step"] == 4 and summary["last_eval"]["eval/loss"] > 0
+  torch_checkpoints.export_checkpoint(str(workdir), str(tmp_path / "hf"), verbose=False)
+  assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
 

@@ -1,7 +1,7 @@
 """Text pipeline: local documents -> tokens -> packed rows with segment ids (grain).
 
 Documents come from local files matched by a glob (several globs may be joined with commas):
-  .txt                    one document per file;
+  .txt, .md               one document per file;
   .jsonl                  one document per line, its "text" field;
   .parquet                one document per row, its "text" column (needs pyarrow);
   .array_record / .arrayrecord   one document per record, UTF-8 text (needs array_record).
@@ -30,7 +30,7 @@ import numpy as np
 
 from palimpsa_jax import user_errors
 
-TEXT_SUFFIXES = (".txt",)
+TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
