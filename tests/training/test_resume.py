@@ -4,10 +4,12 @@ import json
 import pathlib
 import shutil
 
+import jax
 import pytest
 
 from tests.training import tiny_lm
 from palimpsa_jax.configs import base
+from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
@@ -74,7 +76,7 @@ def test_no_readable_checkpoint_stops_naming_the_directory(tmp_path, finished):
   for step in ("4", "8"):
     _remove_optimizer(workdir / "checkpoints" / step)
   with pytest.raises(checkpoint_lib.CheckpointError,
-                     match=f"no checkpoint in {workdir}/checkpoints restores"):
+                     match=f"no checkpoint in {workdir}/checkpoints restores") as refused:
     trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   assert not (workdir / "corrupt_checkpoints").exists()
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "8"]
@@ -191,3 +193,18 @@ def test_another_model_is_refused_before_anything_is_written(tmp_path, finished)
       "Give a new --workdir")):
     trainer.train_and_evaluate(other, str(workdir))
   assert _tree_bytes(workdir) == before
+
+
+def test_a_checkpoint_of_another_structure_is_named_in_one_sentence(tmp_path, finished):
+  config = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
+  checkpointer = checkpoint_lib.Checkpointer(str(finished[0]), every_steps=4, keep=3)
+  abstract = jax.eval_shape(lambda: {
+      "step": jax.numpy.zeros((), jax.numpy.int32),
+      "params": {"embed": {"embedding": jax.numpy.zeros((tiny_lm.VOCAB, 32))}},
+      "model_state": {}, "opt_state": {}})
+  try:
+    with pytest.raises(checkpoint_lib.CheckpointError, match="no checkpoint in") as refused:
+      checkpointer.restore_latest(abstract, tasks_lib.make_task(config, "").train_iterator)
+  finally:
+    checkpointer.close()
+  assert "tree structures do not match. Move the folder aside" in str(refused.value)
