@@ -19,6 +19,7 @@ request that the loops poll before each step: they checkpoint the step they are 
 with Interrupted, whose message says where a rerun of the same command resumes.
 """
 
+import json
 import os
 import signal
 import sys
@@ -86,12 +87,17 @@ def refuse_other_model(config: ml_collections.ConfigDict, workdir: str) -> None:
   shapes = _parameter_shapes(config)
   if saved_shapes == shapes:
     return
-  old, new = _flat(saved.model.to_dict(), "config.model"), _flat(
-      config.model.to_dict(), "config.model")
-  fields = [f"{key}={new.get(key)!r} (saved: {old.get(key)!r})"
-            for key in sorted(set(old) | set(new))
-            if key in old and key in new and old[key] != new[key]
-            or (key in old) != (key in new)]
+  # Through JSON, as config.json holds it (tuples become lists).
+  old, new = (_flat(json.loads(c.model.to_json_best_effort()), "config.model")
+              for c in (saved, config))
+  # Fields both configs have first: one missing on a side may be older or newer code's.
+  keys = ([k for k in sorted(set(old) & set(new)) if old[k] != new[k]]
+          or [k for k in sorted(set(old) ^ set(new))])
+  fields = [f"{key}={new.get(key)!r} (saved: {old.get(key)!r})" for key in keys]
+  if old.get("config.model.model") != new.get("config.model.model"):
+    fields = [f for f in fields if f.startswith("config.model.model=")]  # the rest follows
+  elif len(fields) > 6:
+    fields = fields[:6] + [f"and {len(fields) - 6} more"]
   if not fields:  # same fields, other code: name the first parameter that differs
     path = next(p for p in sorted(set(saved_shapes) | set(shapes))
                 if saved_shapes.get(p) != shapes.get(p))
