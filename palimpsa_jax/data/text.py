@@ -80,10 +80,13 @@ def require_text(files_glob: str | Sequence[str], name: str) -> list[str]:
   Reads documents up to the first that is not blank (in a usable corpus, the first).
 
   Raises:
-    DataError: every document is empty or blank; the message names `name` (the flag or
-      config field that gave the files).
+    DataError: a glob matches no file, or every document is empty or blank; the message
+      names `name` (the flag or config field that gave the files).
   """
-  files = resolve_files(files_glob)
+  try:
+    files = resolve_files(files_glob)
+  except FileNotFoundError as missing:
+    raise DataError(f"{name}={files_glob!r}: {missing}") from None
   if not any(document.strip() for document in DocumentSource(files)):
     raise DataError(f"{name}={files_glob!r}: the {len(files)} matched file(s) hold no text "
                     "(every document is empty).")

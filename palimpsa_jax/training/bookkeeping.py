@@ -4,13 +4,14 @@ A RunBook keeps one run's workdir: its checkpointer (training/checkpoint.py), me
 (training/metrics.py) and summary (training/run_summary.py), its best evaluation and early
 stop, and when to checkpoint. Both loops call the same methods in the same order:
 
-  book = RunBook(config, workdir)         # before restoring: opens the checkpointer
+  refuse_other_model(config, workdir)     # before anything is written
+  book = RunBook(config, workdir)         # opens the checkpointer
   step, state = book.restore(abstract, data_iterator)
   book.begin(start_step)                  # writer, summary, earlier evaluations
   ... per step: book.add_eval(step, results); book.write(step, record);
       if book.save_due(step, last, overdue): book.save(step, state, data_iterator, wall_time_s)
-  book.finish(fields, step, wall_time_s)  # summary.json
   book.close()                            # waits for the last asynchronous save
+  book.finish(fields, step, wall_time_s)  # then summary.json says the run ended
 
 A run checkpoints every config.checkpoint_every_steps steps and, whatever that interval, at
 the first step after config.checkpoint_every_minutes of wall time since its last save, so a
