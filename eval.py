@@ -1,4 +1,4 @@
-"""Evaluates trained checkpoints with one suite and writes the results as JSON.
+r"""Evaluates trained checkpoints with one suite and writes the results as JSON.
 
   python eval.py --suite mqar --workdir runs/mqar
   python eval.py --suite mqar --workdir runs/mqar --mqar_settings 128:16,256:32
@@ -19,6 +19,7 @@ from absl import logging
 from palimpsa_jax.evaluation.suites import SUITES
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
+from palimpsa_jax import user_errors
 
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Evaluation suite.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir (latest checkpoint).")
@@ -82,4 +83,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("suite")
-  app.run(main)
+  user_errors.run_app("eval.py", main)

@@ -1,4 +1,4 @@
-"""Samples text from a language-model checkpoint, printing it as it is decoded.
+r"""Samples text from a language-model checkpoint, printing it as it is decoded.
 
   python generate.py --checkpoint runs/lm --prompt "The history of" --max_new_tokens 64
   python generate.py --checkpoint runs/lm --prompt "" --temperature 0.8 --top_p 0.95 --num_samples 4
@@ -18,6 +18,7 @@ from absl import logging
 
 from palimpsa_jax.evaluation import generation
 from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax import user_errors
 
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "A workdir, one of its checkpoints/<step> folders, or a conversion output.")
@@ -71,4 +72,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("checkpoint")
-  app.run(main)
+  user_errors.run_app("generate.py", main)

@@ -1,4 +1,4 @@
-"""Trains a model from an ml_collections config; all logic is in palimpsa_jax.training.
+r"""Trains a model from an ml_collections config; all logic is in palimpsa_jax.training.
 
   python train.py --config configs/mqar.py --workdir runs/mqar
   python train.py --config configs/mqar.py:mixer=mamba2,seq_len=128,kv=16 --workdir runs/m2
@@ -6,10 +6,12 @@
       --config.data.train_files='data/*.jsonl' --config.total_steps=1000 --workdir runs/lm
   python train.py --config configs/mqar.py --dry_run   # parameter table, then exit
 
-A restarted command resumes from the latest checkpoint in --workdir. Compiled steps are kept in
+A restarted command resumes from the latest checkpoint in --workdir. Ctrl-C (SIGINT) or
+SIGTERM checkpoints the current step, says where, and exits (130 or 143). Compiled steps are kept in
 JAX's persistent compilation cache (--compilation_cache_dir; empty turns it off). Multi-host:
 pass --coordinator_address, --num_processes and --process_id (or rely on the
-cluster's auto-detection with --distributed).
+cluster's auto-detection with --distributed). A refused command (config, data, a workdir of
+another model) prints one line and writes nothing; --verbose shows its traceback.
 """
 
 import time
@@ -19,6 +21,11 @@ _STARTED_AT = time.time()  # For perf/time_to_first_step_s; before the heavy imp
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
+from palimpsa_jax import user_errors
+
+if __name__ == "__main__":  # a mistyped path is answered before the heavy imports below
+  user_errors.precheck("train.py", sys.argv, config_flag="config", output_dirs=("workdir",))
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -26,8 +33,8 @@ from flax import nnx
 import jax
 from ml_collections import config_flags
 
-from palimpsa_jax.configs import base
 from palimpsa_jax.models.summary import parameter_table
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import config_overrides
 from palimpsa_jax.training import state as state_lib
@@ -73,12 +80,20 @@ def main(argv):
     return
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required (except with --dry_run).")
+  stop = bookkeeping.StopSignals()
   try:
-    trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT)
-  except base.ConfigError as refused:  # One line naming the field, not a traceback.
-    sys.exit(f"train.py: {refused}")
+    with stop:
+      trainer.train_and_evaluate(config, _WORKDIR.value, started_at=_STARTED_AT,
+                                 should_stop=stop)
+  except bookkeeping.Interrupted as interrupted:
+    print(interrupted, file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
+  except KeyboardInterrupt:  # a second Ctrl-C, or one before training started
+    print("interrupted; a rerun of the same command resumes from the latest checkpoint",
+          file=sys.stderr, flush=True)
+    sys.exit(stop.exit_code)
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main, flags_parser=config_overrides.parse_flags)
+  user_errors.run_app("train.py", main, flags_parser=config_overrides.parse_flags)

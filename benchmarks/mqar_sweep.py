@@ -10,7 +10,7 @@ The runs of one mixer and setting (a "cell") train together in one process
 (palimpsa_jax/training/batched.py: one vmapped step for all learning rates and
 seeds). `run` trains the unfinished runs of its cells and resumes every run
 from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
-`timeout`, checkpoints every running run first) and started again:
+`timeout`, or Ctrl-C checkpoints every running run first) and started again:
 
   # the whole grid on one GPU, in slots: repeat until `status` shows 0 left
   timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep
@@ -165,25 +165,6 @@ def planned_runs(root: pathlib.Path, runs: list[Run], two_stage: bool) -> list[R
   return planned
 
 
-class _StopFlag:
-  """Set by SIGTERM (e.g. from `timeout`): the groups checkpoint and return."""
-
-  def __init__(self):
-    self.raised = False
-    self._previous = signal.signal(signal.SIGTERM, self._raise)
-
-  def close(self) -> None:
-    signal.signal(signal.SIGTERM, self._previous)
-
-  def _raise(self, signum, frame):
-    del signum, frame
-    print("SIGTERM: checkpointing the running runs", flush=True)
-    self.raised = True
-
-  def __call__(self) -> bool:
-    return self.raised
-
-
 def train_cells(root: pathlib.Path, grid_runs: list[Run], cell_keys: list[tuple],
                 extra: dict[str, object], two_stage: bool) -> None:
   """Trains every unfinished run of the given cells, one batched group at a time.
@@ -194,27 +175,28 @@ def train_cells(root: pathlib.Path, grid_runs: list[Run], cell_keys: list[tuple]
   """
   # Imported here: `collect` and `status` need no accelerator.
   from palimpsa_jax.training import batched  # pylint: disable=g-import-not-at-top
-  stop = _StopFlag()
+  from palimpsa_jax.training import bookkeeping  # pylint: disable=g-import-not-at-top
+  stop = bookkeeping.StopSignals()  # SIGINT, SIGTERM: the running group checkpoints
   try:
-    for key in cell_keys:
-      while not stop():
-        cell = cells(planned_runs(root, grid_runs, two_stage)).get(key, [])
-        todo = [run for run in cell if not is_finished(root, run)]
-        if not todo:
-          break
-        by_step: dict[int | None, list[Run]] = {}
-        for run in todo:
-          by_step.setdefault(latest_checkpoint(root / run.name), []).append(run)
-        for step, group in by_step.items():
-          names = ", ".join(f"lr {run.lr:g} s{run.seed}" for run in group)
-          print(f"{key[0]} L={key[1]} kv={key[2]}: {len(group)} runs ({names}) from "
-                f"step {step or 0}", flush=True)
-          batched.train_group([run_config(run, extra) for run in group],
-                              [str(root / run.name) for run in group], should_stop=stop)
-          if stop():
-            return
-  finally:
-    stop.close()
+    with stop:
+      for key in cell_keys:
+        while True:
+          cell = cells(planned_runs(root, grid_runs, two_stage)).get(key, [])
+          todo = [run for run in cell if not is_finished(root, run)]
+          if not todo:
+            break
+          by_step: dict[int | None, list[Run]] = {}
+          for run in todo:
+            by_step.setdefault(latest_checkpoint(root / run.name), []).append(run)
+          for step, group in by_step.items():
+            names = ", ".join(f"lr {run.lr:g} s{run.seed}" for run in group)
+            print(f"{key[0]} L={key[1]} kv={key[2]}: {len(group)} runs ({names}) from "
+                  f"step {step or 0}", flush=True)
+            batched.train_group([run_config(run, extra) for run in group],
+                                [str(root / run.name) for run in group], should_stop=stop)
+  except bookkeeping.Interrupted as interrupted:
+    print(interrupted, file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_code) from None
 
 
 def _median(values: list[float]) -> float | None:
@@ -385,8 +367,10 @@ def main(argv=None) -> None:
           command += [f"--{k}={v}" for k, v in extra.items()]
           command += ["--two_stage"] if args.two_stage else []
           workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
-        # SIGTERM: the workers checkpoint and exit (`timeout` signals them too).
+        # SIGTERM: the workers checkpoint and exit (`timeout` signals them too). Ctrl-C
+        # reaches the workers through the terminal's process group; this process waits.
         signal.signal(signal.SIGTERM, lambda *_: [w.terminate() for w in workers])
+        signal.signal(signal.SIGINT, lambda *_: None)
         codes = [w.wait() for w in workers]
       if any(codes):
         raise SystemExit(f"worker exit codes: {codes}")

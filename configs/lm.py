@@ -15,6 +15,9 @@ batch 128 (128 x 4096 = 0.52M tokens per step). Per size (SIZE_DEFAULTS):
   2.7b: lr 8e-4,    30B tokens -> 57,221 steps (the paper gives no 2.7B recipe, the
         paper converts a pretrained model; lr from the GPT-3 / Mamba scaling);
   tiny: a smoke-test run: context 512, batch 16, lr 3e-3, 200 warmup, 2000 steps.
+preset=cpu is a first run of a couple of minutes on a CPU: the tiny Palimpsa-D (float32) on
+the repository's own documentation (docs/*.md, README.md held out), context 128, batch 8,
+300 steps (docs/training.md, "A first LM run on a CPU").
 170m, 760m and 2.7b scan their layers with remat (scan_layers, remat); tiny unrolls them.
 Unless `steps` is given, steps = ceil(tokens / (batch * seq_len)), so changing
 batch or seq_len keeps the token budget. The global batch is accumulated over as
@@ -33,6 +36,7 @@ from palimpsa_jax.configs import base
 from palimpsa_jax.configs import config_args
 
 DEFAULTS = dict(
+    preset="",  # "cpu": PRESETS["cpu"] under the explicitly given arguments.
     model="palimpsa_d",
     size="170m",
     seq_len=4096,
@@ -61,12 +65,25 @@ SIZE_DEFAULTS = {
 }
 
 
+PRESETS = {
+    "cpu": dict(size="tiny", seq_len=128, batch=8, steps=300, warmup=30, dtype="float32"),
+}
+# preset=cpu's data: files that ship with the repository (run from its root).
+CPU_TRAIN_FILES, CPU_EVAL_FILES = "docs/*.md", "README.md"
+
+
 def parse_args(arg: str | None) -> ml_collections.ConfigDict:
-  """Arguments with the size's defaults under the explicitly given ones."""
+  """Arguments with the preset's and then the size's defaults under the explicitly given ones."""
   args = config_args.parse_config_arg(arg, **DEFAULTS)
+  given = config_args.given_keys(arg)
+  if args.preset not in ("", *PRESETS):
+    raise ValueError(f"preset must be one of {tuple(PRESETS)} or empty, got {args.preset!r}.")
+  for key, value in PRESETS.get(args.preset, {}).items():
+    if key not in given:
+      args[key] = value
+      given.add(key)
   if args.size not in SIZE_DEFAULTS:
     raise ValueError(f"size must be one of {tuple(SIZE_DEFAULTS)}, got {args.size!r}.")
-  given = config_args.given_keys(arg)
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
@@ -105,6 +122,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.optimizer.end_fraction = 0.1
   config.optimizer.b2 = 0.95
   config.optimizer.eps = 1e-15
+
+  if args.preset == "cpu":
+    config.data.train_files, config.data.eval_files = CPU_TRAIN_FILES, CPU_EVAL_FILES
+    config.data.eval_batches = 4
+    config.log_every_steps = 25
+    config.eval_every_steps = config.checkpoint_every_steps = 100
 
   config.mesh.data = 1
   config.mesh.fsdp = -1

@@ -7,7 +7,8 @@
   layers
   ops
   pallas_kernels (the kernels)
-  data, configs (the ground: they import neither each other's floors nor any above)
+  data, configs, user_errors (the ground: they import neither each other's floors nor any
+  above, except user_errors, the base of every floor's refusals)
 
 Floors are whole subpackages of palimpsa_jax (plus the top-level pallas_kernels package), so
 modules may move inside one without touching this test. Subpackages on one floor may import
@@ -27,6 +28,7 @@ PACKAGES = ("palimpsa_jax", "pallas_kernels")
 FLOORS = {
     "data": 0,
     "configs": 0,
+    "user_errors": 0,
     "pallas_kernels": 1,
     "ops": 2,
     "layers": 3,

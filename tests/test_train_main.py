@@ -1,6 +1,7 @@
 """train.py and eval.py as a user runs them (subprocesses, real models)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -89,5 +90,103 @@ def test_train_then_eval_palimpsa_d(tmp_path):
   assert [(r["seq_len"], r["num_kv_pairs"]) for r in results] == [(16, 2), (32, 4)]
 
 
+def test_cpu_lm_preset_trains_on_the_repository_docs_and_its_model_exports(tmp_path,
+                                                                            monkeypatch):
+  """configs/lm.py:preset=cpu (docs/training.md's first LM run), shortened to 4 steps; a
+  model trained with the defaults exports to the authors' PyTorch format."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.conversion import torch_checkpoints  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.training import trainer  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(REPO)  # the preset's files are relative to the repository
+  spec = importlib.util.spec_from_file_location("lm", REPO / "configs" / "lm.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("preset=cpu,steps=4")
+  assert (config.model.model, config.model.size, config.seq_len, config.batch_size) == (
+      "palimpsa_d", "tiny", 128, 8)
+  assert (config.data.train_files, config.data.eval_files) == ("docs/*.md", "README.md")
+  config.eval_every_steps = config.checkpoint_every_steps = 4
+  config.async_checkpointing = False
+  workdir = tmp_path / "run"
+  summary = trainer.train_and_evaluate(config, str(workdir))
+  assert summary["final_step"] == 4 and summary["last_eval"]["eval/loss"] > 0
+  torch_checkpoints.export_checkpoint(str(workdir), str(tmp_path / "hf"), verbose=False)
+  assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
+
+
+_SIGINT_CONFIG = ("--config=configs/mqar.py:seq_len=16,kv=2,vocab=32,d_model=16,heads=2,"
+                  "head_v=8,examples=512,test_examples=64,batch=16,steps=150,early_stop=0.0")
+
+
+def _losses(workdir):
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+@pytest.mark.slow  # three train.py runs of a real model (about a minute on two cores)
+def test_ctrl_c_checkpoints_and_the_rerun_continues_exactly(tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  cache = f"--compilation_cache_dir={tmp_path / 'cache'}"
+  whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+  _run("train.py", _SIGINT_CONFIG, f"--workdir={whole}", cache)
+  process = subprocess.Popen(
+      [sys.executable, "train.py", _SIGINT_CONFIG, f"--workdir={stopped}", cache], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in process.stdout:  # mid-run: after the first progress line
+    if line.startswith("step "):
+      break
+  process.send_signal(signal.SIGINT)
+  _, err = process.communicate(timeout=300)
+  assert process.returncode == 130, err
+  last = err.strip().splitlines()[-1]
+  step = int(last.split()[3].rstrip(";"))
+  assert 0 < step < 150
+  assert last == (f"interrupted at step {step}; checkpoint saved in {stopped}/checkpoints/"
+                  f"{step}; rerun the same command to resume")
+  assert "Traceback" not in err
+  resumed = _run("train.py", _SIGINT_CONFIG, f"--workdir={stopped}", cache).stdout
+  assert f"resumed from {stopped}/checkpoints/{step}" in resumed
+  assert _losses(stopped) == pytest.approx(_losses(whole), rel=1e-6)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("train.py", "--config=configs/nope.py", "--workdir=WORK"),
+     "train.py: --config=configs/nope.py: no config file configs/nope.py"),
+    (("train.py", "--config=configs/mqar.py", "--workdir=FILE"),
+     "train.py: --workdir=FILE: FILE is a file, not a directory"),
+    (("eval.py", "--suite=mqar", "--workdir=WORK"),
+     "eval.py: checkpoint='WORK' is neither a workdir written by train.py (holding "
+     "config.json) nor one of its checkpoints/<step> folders."),
+    (("generate.py", "--checkpoint=WORK", "--prompt=hi"),
+     "generate.py: checkpoint='WORK' is neither a workdir written by train.py (holding "
+     "config.json) nor one of its checkpoints/<step> folders."),
+    (("-m", "palimpsa_jax.data.prepare", "--files=EMPTY", "--tokenizer=bpe:300",
+      "--output=WORK/tokens"),
+     "prepare: --files='EMPTY': the 1 matched file(s) hold no text (every document is "
+     "empty)."),
+])
+def test_ordinary_mistakes_are_one_line(tmp_path, args, expected):
+  (tmp_path / "work").mkdir()
+  (tmp_path / "file").write_text("")
+  (tmp_path / "empty.txt").write_text("")
+  names = {"WORK": str(tmp_path / "work"), "FILE": str(tmp_path / "file"),
+           "EMPTY": str(tmp_path / "empty.txt")}
+  def fill(text):
+    for key, value in names.items():
+      text = text.replace(key, value)
+    return text
+  result = _run(*(fill(a) for a in args), check=False)
+  assert (result.returncode, result.stderr) == (1, fill(expected) + "\n")
+  assert os.listdir(tmp_path / "work") == []
+
+
+@pytest.mark.parametrize("command", [("train.py",), ("-m", "palimpsa_jax.conversion"),
+                                     ("-m", "palimpsa_jax.conversion.torch_models")])
+def test_help_exits_0_and_keeps_the_examples_lines(command):
+  result = _run(*command, "--help", check=False)
+  assert result.returncode == 0, result.stderr
+  assert "\\\n" in result.stdout and "\\ " not in result.stdout

@@ -16,8 +16,10 @@ from typing import Any
 
 import ml_collections
 
+from palimpsa_jax import user_errors
+
 TASKS = ("mqar", "lm")
-class ConfigError(ValueError):
+class ConfigError(ValueError, user_errors.UserError):
   """A run config the trainer refuses; the message names the field and what it expects."""
 
 
@@ -77,6 +79,10 @@ FIELDS = {
     "eval_every_steps": _positive_int(1000),
     "checkpoint_every_steps": _positive_int(1000),
     "keep_checkpoints": _positive_int(3),
+    # Also checkpoint at the first step after this much wall time since the last save
+    # (whatever checkpoint_every_steps says), bounding what a hard kill loses; 0: off.
+    "checkpoint_every_minutes": Field(10.0, (float, int), lambda v: v >= 0,
+                                      "minutes >= 0 (0: only checkpoint_every_steps)"),
     "async_checkpointing": Field(True, (bool,), _any, "True or False"),
     "log_diagnostics": Field(True, (bool,), _any, "True or False"),  # Mixer statistics per layer.
     # Initial parameters computed on the CPU, then sharded: "auto" (on GPU/TPU, whose

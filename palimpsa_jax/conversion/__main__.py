@@ -1,4 +1,4 @@
-"""Converts a pretrained Mamba2 / NotPalimpsa model into Palimpsa (docs/models.md, conversion).
+r"""Converts a pretrained Mamba2 / NotPalimpsa model into Palimpsa (docs/models.md, conversion).
 
   python -m palimpsa_jax.conversion --source runs/mamba2 --dest runs/conv \
       --layers auto:1 --init paper
@@ -12,6 +12,7 @@ from absl import flags
 from absl import logging
 
 from palimpsa_jax.conversion import command
+from palimpsa_jax import user_errors
 
 _SOURCE = flags.DEFINE_string(
     "source", None, "train.py workdir (or checkpoints/<step>), or Hugging Face Mamba2 "
@@ -56,4 +57,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["source", "dest", "layers"])
-  app.run(main)
+  user_errors.run_app("conversion", main)

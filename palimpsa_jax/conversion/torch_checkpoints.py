@@ -188,7 +188,9 @@ def params_to_tensors(params: dict, config: ml_collections.ConfigDict) -> dict[s
       continue  # a zero bias is the authors' bias-free projection
     raise ValueError(
         f"parameter {'/'.join(key)} has no counterpart in the authors' model"
-        + (" (their b_proj has no bias; this one is not zero)" if key[-1] == "bias" else ""))
+        + (" (their b_proj has no bias; this one is not zero: train with "
+           "config.model.beta_bias=False, the default of models trained since it became one)"
+           if key[-2:] == ("beta_up", "bias") else ""))
   tensors[layouts.LM_HEAD] = params["embed"].astype(np.float32)  # tied to the embedding
   return tensors
 

@@ -1,4 +1,4 @@
-"""Command line: the authors' PyTorch Palimpsa-D and MetaMamba2 models, in and out.
+r"""Command line: the authors' PyTorch Palimpsa-D and MetaMamba2 models, in and out.
 
   python -m palimpsa_jax.conversion.torch_models import --source hf/palimpsa-170m \
       --dest runs/p170
@@ -18,6 +18,7 @@ from absl import flags
 from absl import logging
 
 from palimpsa_jax.conversion import torch_checkpoints
+from palimpsa_jax import user_errors
 
 COMMANDS = ("import", "export")
 
@@ -47,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  user_errors.run_app("torch_models", main)

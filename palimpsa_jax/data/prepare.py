@@ -24,6 +24,7 @@ from typing import TextIO
 
 import numpy as np
 
+from palimpsa_jax import user_errors
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import token_shards
 from palimpsa_jax.data import tokenizer as tokenizer_lib
@@ -73,7 +74,7 @@ def prepare(files_glob: str, tokenizer_spec: str, output: str, *,
   if os.path.isfile(os.path.join(output, token_shards.MANIFEST)):
     raise FileExistsError(f"{output!r} already holds prepared tokens ({token_shards.MANIFEST}); "
                           "delete it or choose another --output.")
-  files = text_lib.resolve_files(files_glob)
+  files = text_lib.require_text(files_glob, "--files")
   os.makedirs(output, exist_ok=True)
   for name in os.listdir(output):  # Left by an interrupted run.
     if name.startswith("tokens_"):
@@ -134,8 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--output", required=True, help="directory for the shards")
   parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                       help="tokens per shard file")
+  parser.add_argument("--verbose", action="store_true",
+                      help="show the traceback of a refused input")
   args = parser.parse_args(argv)
-  return prepare(args.files, args.tokenizer, args.output, shard_tokens=args.shard_tokens)
+  run = user_errors.one_line("prepare", prepare, verbose=lambda: args.verbose)
+  return run(args.files, args.tokenizer, args.output, shard_tokens=args.shard_tokens)
 
 
 if __name__ == "__main__":

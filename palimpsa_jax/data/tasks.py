@@ -82,6 +82,17 @@ class LmTask(Task):
     data = config.data
     shard_index, shard_count = pipeline.host_shard()
     shards = token_shards.is_token_shards(data.train_files)
+    # Refused here, before a tokenizer is trained into the workdir.
+    if not shards:
+      text_lib.require_text(data.train_files, "config.data.train_files")
+    if data.eval_files and not token_shards.is_token_shards(data.eval_files):
+      text_lib.require_text(data.eval_files, "config.data.eval_files")
+    bpe_vocab = tokenizer_lib.bpe_vocab_size(data.tokenizer)
+    if bpe_vocab is not None and bpe_vocab > config.model.vocab_size:
+      raise text_lib.DataError(
+          f"config.data.tokenizer={data.tokenizer!r} has more tokens than "
+          f"config.model.vocab_size={config.model.vocab_size}; raise the model's "
+          "vocabulary or use a smaller tokenizer.")
     if shards:
       tokenizer = token_shards.shard_tokenizer(data.train_files, data.tokenizer, workdir)
     else:

@@ -1,7 +1,7 @@
 """Text pipeline: local documents -> tokens -> packed rows with segment ids (grain).
 
 Documents come from local files matched by a glob (several globs may be joined with commas):
-  .txt                    one document per file;
+  .txt, .md               one document per file;
   .jsonl                  one document per line, its "text" field;
   .parquet                one document per row, its "text" column (needs pyarrow);
   .array_record / .arrayrecord   one document per record, UTF-8 text (needs array_record).
@@ -28,7 +28,9 @@ import grain
 import jax.numpy as jnp
 import numpy as np
 
-TEXT_SUFFIXES = (".txt",)
+from palimpsa_jax import user_errors
+
+TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
@@ -43,6 +45,10 @@ class Tokenizer(Protocol):
 
   def encode(self, text: str) -> list[int]:
     ...
+
+
+class DataError(ValueError, user_errors.UserError):
+  """Data that cannot be trained or evaluated on (e.g. files without any text)."""
 
 
 def resolve_files(files_glob: str | Sequence[str]) -> list[str]:
@@ -65,6 +71,25 @@ def resolve_files(files_glob: str | Sequence[str]) -> list[str]:
     if not path.endswith(_ALL_SUFFIXES):
       raise ValueError(
           f"unsupported file {path!r}: expected one of the suffixes {', '.join(_ALL_SUFFIXES)}")
+  return files
+
+
+def require_text(files_glob: str | Sequence[str], name: str) -> list[str]:
+  """The files of `files_glob` (see resolve_files), if one of their documents holds text.
+
+  Reads documents up to the first that is not blank (in a usable corpus, the first).
+
+  Raises:
+    DataError: a glob matches no file, or every document is empty or blank; the message
+      names `name` (the flag or config field that gave the files).
+  """
+  try:
+    files = resolve_files(files_glob)
+  except FileNotFoundError as missing:
+    raise DataError(f"{name}={files_glob!r}: {missing}") from None
+  if not any(document.strip() for document in DocumentSource(files)):
+    raise DataError(f"{name}={files_glob!r}: the {len(files)} matched file(s) hold no text "
+                    "(every document is empty).")
   return files
 
 

@@ -140,8 +140,17 @@ def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, path: str) -> Tex
   # Write then rename, so that concurrent readers never see a partial file.
   with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as f:
     f.write(hf.to_str())
+  umask = os.umask(0)  # a temporary file is private (0600); the tokenizer is not
+  os.umask(umask)
+  os.chmod(f.name, 0o666 & ~umask)
   os.replace(f.name, path)
   return TextTokenizer(hf=hf, eos_id=hf.token_to_id(EOS_TOKEN), path=path)
+
+
+def bpe_vocab_size(spec: str) -> int | None:
+  """N of a "bpe:N" tokenizer spec; None for a tokenizer.json path."""
+  match = _BPE_SPEC.match(spec) if isinstance(spec, str) else None
+  return int(match.group(1)) if match else None
 
 
 def bpe_tokenizer_path(workdir: str, vocab_size: int) -> str:

@@ -36,6 +36,7 @@ except ImportError as e:
   raise ImportError("the commonsense suite needs lm-evaluation-harness: "
                     "pip install -e '.[eval]'") from e
 
+from palimpsa_jax import user_errors
 from palimpsa_jax.evaluation import lm as lm_lib
 from palimpsa_jax.models.decoding import generate
 
@@ -301,16 +302,16 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   checkpoints = lm_lib.checkpoints_option(options)
   task_manager = TaskManager(include_path=options.get("include_path"))
   tasks, unavailable = available_tasks(_task_list(options), task_manager)
+  if not tasks:
+    raise user_errors.UserError("no task could be evaluated: " + "; ".join(
+        f"{task}: {reason}" for task, reason in unavailable.items()))
   outputs = {}
   for checkpoint in checkpoints:
-    output = {"results": {}}
-    if tasks:
-      lm = PalimpsaLM(checkpoint, batch_size=options.get("batch_size") or DEFAULT_BATCH_SIZE,
-                      max_length=lm_lib.int_option(options, "max_length", None))
-      output = evaluate_tasks(lm, tasks, task_manager, options.get("limit"))
+    lm = PalimpsaLM(checkpoint, batch_size=options.get("batch_size") or DEFAULT_BATCH_SIZE,
+                    max_length=lm_lib.int_option(options, "max_length", None))
+    output = evaluate_tasks(lm, tasks, task_manager, options.get("limit"))
     outputs[checkpoint] = {**output, "unavailable": unavailable}
-    print(lm_eval_utils.make_table(outputs[checkpoint]) if tasks else
-          f"{checkpoint}: no task could be evaluated", flush=True)
+    print(lm_eval_utils.make_table(outputs[checkpoint]), flush=True)
   if len(checkpoints) == 1:
     return outputs[checkpoints[0]]
   return {"checkpoints": outputs}

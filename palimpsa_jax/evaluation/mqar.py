@@ -6,6 +6,7 @@ from typing import Any
 
 from flax import nnx
 import jax
+import ml_collections
 import numpy as np
 
 from palimpsa_jax.data import mqar as mqar_lib
@@ -91,9 +92,18 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
     metrics = accuracy_on(model, inputs, targets, batch_size)
     results.append({"seq_len": seq_len, "num_kv_pairs": num_kv_pairs,
                     "trained_setting": index == 0, **metrics})
-  mixer = config.get("args", {}).get("mixer") or config.model.get("model")
-  return {"checkpoint": checkpoint, "step": step, "mixer": mixer,
+  return {"checkpoint": checkpoint, "step": step, "mixer": mixer_name(config),
           "results": results}
+
+
+def mixer_name(config: ml_collections.ConfigDict) -> str:
+  """The run's mixer as a reader knows it: "mamba2", or for a converted model (metaplastic
+  layers added to a Mamba2 / NotPalimpsa source) "mamba2+metaplastic[1]"."""
+  name = config.get("args", {}).get("mixer") or config.model.get("model")
+  layers = list(config.model.get("metaplastic_layers") or ())
+  if layers:
+    name += f"+metaplastic[{','.join(str(layer) for layer in layers)}]"
+  return name
 
 
 def format_table(evaluations: Sequence[Mapping[str, Any]]) -> str:

@@ -18,8 +18,10 @@ Mixer fields:
     of the output RMSNorm; 0: num_groups);
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
-  palimpsa_d and meta_mamba2 also: beta_bias (the beta up-projection has a
-    bias; False in models imported from the authors' PyTorch code).
+  palimpsa_d and meta_mamba2 also: beta_bias (whether the beta up-projection has a
+    bias; False by default, as in the authors' PyTorch models; MQAR models keep the
+    bias their published results were measured with; a saved config without the field
+    is from before it existed and had the bias).
 metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
   what config.metaplasticity says for every layer (a converted Mamba2 /
   NotPalimpsa model, docs/models.md, conversion); () (the default): none beyond it. Only
@@ -141,7 +143,7 @@ def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDic
     if mixer == "mesanet":
       fields["cg_steps"] = MESANET_CG_STEPS
   if mixer in ("palimpsa_d", "meta_mamba2"):
-    fields["beta_bias"] = True
+    fields["beta_bias"] = False  # the authors' b_proj has none, so the model exports
   if mixer == "meta_mamba2":
     fields["norm_groups"] = 0
   fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
@@ -168,6 +170,8 @@ def mqar_model_config(mixer: str, d_model: int = 128, vocab_size: int = 8192,
   else:
     fields.update(_gates(kind))
     fields.update(A_init="linspace", A_init_range=(0.01, 0.16))
+    if kind in ("palimpsa_d", "meta_mamba2"):
+      fields.update(beta_bias=True)  # as in the MQAR results (docs/results/)
     if kind == "meta_mamba2":
       fields.update(expand=2, head_dim=32, state_dim=16, num_groups=8,
                     beta_rank=8)

@@ -74,6 +74,7 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
       dt_max=config.dt_max, dt_init_floor=config.dt_init_floor,
       norm_eps=config.norm_eps, implementation=config.implementation,
       chunk_size=config.chunk_size, **common)
+  # A config saved before beta_bias existed had the bias.
   if config.mixer == "palimpsa_d":
     return PalimpsaD(config.d_model, num_heads=config.num_heads,
                      head_k_dim=config.head_k_dim,

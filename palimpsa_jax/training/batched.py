@@ -20,7 +20,6 @@ Runs on one device (the first local one).
 """
 
 from collections.abc import Callable
-import dataclasses
 import functools
 import json
 import os
@@ -36,6 +35,7 @@ import numpy as np
 
 from palimpsa_jax import models
 from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
@@ -88,36 +88,8 @@ def check_group(configs: list[ml_collections.ConfigDict]) -> None:
     raise ValueError(f"a group's (learning rate, seed) pairs must differ, got {pairs}.")
 
 
-@dataclasses.dataclass
-class _Run:
-  """Host-side bookkeeping of one run of the group."""
-
-  config: ml_collections.ConfigDict
-  workdir: str
-  writer: metrics_lib.MetricWriter | None = None
-  checkpointer: checkpoint_lib.Checkpointer | None = None
-  summary_file: run_summary.RunSummary | None = None
-  best: float | None = None
-  best_step: int | None = None
-  last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
-  stopped_early: bool = False
-  error: str | None = None
-  summary: dict[str, Any] | None = None
-  saved_step: int | None = None  # of its latest checkpoint
-
-  def save(self, step: int, state: dict, data_iterator: Any, wall_time_s: float) -> None:
-    if step != self.saved_step:
-      self.checkpointer.save(step, state, data_iterator, force=True)
-      self.summary_file.progress(step, wall_time_s)
-      self.saved_step = step
-
-  @property
-  def seed(self) -> int:
-    return self.config.seed
-
-  @property
-  def label(self) -> str:
-    return f"lr {self.config.optimizer.learning_rate:g} seed {self.seed}"
+def _label(run: bookkeeping.RunBook) -> str:
+  return f"lr {run.config.optimizer.learning_rate:g} seed {run.config.seed}"
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -224,34 +196,24 @@ def _evaluate(model: GroupModel, state: dict, eval_batches: list[dict]
     sums = model.eval_step(state["params"], state["model_state"], batch)
     total = sums if total is None else total + sums
   total, diagnostics = jax.device_get((total, diagnostics))
-  results = []
-  for i, (loss_sum, correct, count) in enumerate(total):
-    count = max(float(count), 1.0)
-    results.append({"eval/loss": float(loss_sum) / count,
-                    "eval/accuracy": float(correct) / count,
-                    **{k: float(v[i]) for k, v in diagnostics.items()}})
-  return results
+  return [bookkeeping.eval_metrics(*sums, {k: v[i] for k, v in diagnostics.items()})
+          for i, sums in enumerate(total)]
 
 
-def _finish(run: _Run, step: int, total_steps: int, num_params: int,
+def _finish(run: bookkeeping.RunBook, step: int, total_steps: int, num_params: int,
             wall_time_s: float) -> None:
   """Writes the run's summary.json (the single-run trainer's fields, summed over the
   run's segments: training/run_summary.py) and prints it."""
-  fields = {"best_accuracy": run.best, "best_step": run.best_step,
-            "total_steps": total_steps, "stopped_early": run.stopped_early,
-            "last_eval": run.last_eval, "num_params": int(num_params)}
-  if run.error is not None:
-    fields["error"] = run.error
-  run.summary = run.summary_file.write(fields, final_step=step, wall_time_s=wall_time_s)
-  best = "n/a" if run.best is None else f"{100 * run.best:.2f}% at step {run.best_step}"
-  reason = run.error or ("early stop" if run.stopped_early
-                         else f"{step}/{total_steps} steps")
-  print(f"{run.label}: final: best eval accuracy {best} ({reason})", flush=True)
+  run.close()  # the last checkpoint is written before the summary says the run ended
+  run.finish({"total_steps": total_steps, "num_params": int(num_params)}, step,
+             wall_time_s)
+  best, reason = run.outcome_text(step, total_steps)
+  print(f"{_label(run)}: final: best eval accuracy {best} ({reason})", flush=True)
 
 
 def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
                 should_stop: Callable[[], bool] = lambda: False
-                ) -> list[dict[str, Any] | None]:
+                ) -> list[dict[str, Any]]:
   """Trains the runs `configs[i]` into `workdirs[i]` together (see module docstring).
 
   Runs whose workdir holds summary.json are done and skipped. The others
@@ -261,12 +223,12 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   Args:
     configs: MQAR configs (configs/mqar.py) that differ only in RUN_FIELDS.
     workdirs: one directory per config.
-    should_stop: polled before every step; when it returns True, every
-      running run is checkpointed at the current step and the call returns.
+    should_stop: polled before every step (e.g. bookkeeping.StopSignals); when
+      it returns True, every running run is checkpointed at the current step
+      and bookkeeping.Interrupted is raised.
 
   Returns:
-    Per run its summary (as trainer.train_and_evaluate returns it), or None
-    for a run still unfinished (should_stop).
+    Per run its summary (as trainer.train_and_evaluate returns it).
   """
   start_time = time.perf_counter()
   if len(configs) != len(workdirs):
@@ -274,55 +236,61 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   for config in configs:
     trainer.validate_config(config)
   check_group(configs)
-  runs = [_Run(config, os.path.abspath(workdir))
-          for config, workdir in zip(configs, workdirs)]
-  for run in runs:
-    if _summary_path(run.workdir).exists():
-      run.summary = json.loads(_summary_path(run.workdir).read_text())
-  todo = [run for run in runs if run.summary is None]
-  if not todo:
-    return [run.summary for run in runs]
+  workdirs = [os.path.abspath(workdir) for workdir in workdirs]
+  summaries = [json.loads(_summary_path(w).read_text()) if _summary_path(w).exists()
+               else None for w in workdirs]
+  todo_indices = [i for i, summary in enumerate(summaries) if summary is None]
+  if not todo_indices:
+    return summaries
+  for i in todo_indices:
+    bookkeeping.refuse_other_model(configs[i], workdirs[i])
 
-  config = todo[0].config
+  config = configs[todo_indices[0]]
   device = jax.local_devices()[0]
-  tasks = {run.seed: tasks_lib.MqarTask(run.config) for run in todo}
+  tasks = {configs[i].seed: tasks_lib.MqarTask(configs[i]) for i in todo_indices}
   total_steps = next(iter(tasks.values())).total_steps
   model = GroupModel(config, total_steps)
+  todo: list[bookkeeping.RunBook] = []
+  try:
+    for i in todo_indices:
+      todo.append(bookkeeping.RunBook(configs[i], workdirs[i]))
+    _train(model, tasks, todo, device, start_time, should_stop)
+  finally:
+    for run in todo:
+      run.close()
+  for i, run in zip(todo_indices, todo):
+    summaries[i] = run.summary
+  return summaries
+
+
+def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
+           todo: list[bookkeeping.RunBook], device: jax.Device, start_time: float,
+           should_stop: Callable[[], bool]) -> None:
+  """train_group's loop, from the restore to every run's summary (runs closed by the caller)."""
+  config, total_steps = model.config, model.total_steps
+  abstract = model.abstract_one(device)
+  restored = [run.restore(abstract, tasks[run.config.seed].train_iterator) for run in todo]
   for run in todo:
     checkpoint_lib.save_config(run.config, run.workdir)
-    run.checkpointer = checkpoint_lib.Checkpointer(
-        run.workdir, every_steps=config.checkpoint_every_steps,
-        keep=config.keep_checkpoints, async_save=config.async_checkpointing)
-  abstract = model.abstract_one(device)
-  restored = [run.checkpointer.restore_latest(abstract, tasks[run.seed].train_iterator)
-              for run in todo]
   latest = {step for step, _ in restored}
   if len(latest) != 1:
     raise ValueError(
         "the runs of a group must resume from the same step; their latest "
         f"checkpoints are at {sorted(latest, key=str)} (None: none).")
   start_step = latest.pop()
-  for run in todo:
-    run.saved_step = start_step
   if start_step is None:
     start_step = 0
-    state = model.init([run.seed for run in todo], device)
+    state = model.init([run.config.seed for run in todo], device)
   else:
     state = _stack([run_state for _, run_state in restored])
     print(f"resumed {len(todo)} runs from step {start_step}", flush=True)
   num_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
   tokens_per_step = next(iter(tasks.values())).tokens_per_step
-  early_stop = config.early_stop_accuracy
   for run in todo:
-    run.writer = metrics_lib.MetricWriter(run.workdir, start_step)
-    run.summary_file = run_summary.RunSummary(run.workdir, start_step)
-    run.best, run.best_step, run.last_eval = run_summary.previous_evals(
-        run.workdir, start_step)
-    run.stopped_early = (run.best is not None and early_stop is not None
-                         and 0 < early_stop <= run.best)
+    run.begin(start_step)
 
-  # The stack: runs[i] is row i of `state`; a stopped run stays until compaction.
+  # The stack: stack[i] is row i of `state`; a stopped run stays until compaction.
   stack = list(todo)
   running = lambda: [r for r in stack if r.summary is None and not r.stopped_early]
   for run in stack:  # resumed after their early stop, before their summary
@@ -332,93 +300,81 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   progress = metrics_lib.Progress(total_steps, start_step)
   finite = jnp.ones((len(stack),), bool)
   step = start_step
-  interrupted = False
   rows = None  # per stacked run: (learning rates [R], running [R])
-  try:
-    while step < total_steps and running():
-      if should_stop():
-        interrupted = True
-        for i, run in enumerate(stack):
-          if run.summary is None:
-            run.save(step, _take(state, i), tasks[run.seed].train_iterator,
-                     time.perf_counter() - start_time)
-        print(f"stopped at step {step}; {len(running())} runs checkpointed", flush=True)
-        break
-      if rows is None:  # the stack or its running runs changed
-        active = [r.summary is None for r in stack]
-        seeds = [r.seed for r in stack]
-        rows = (jnp.asarray([r.config.optimizer.learning_rate for r in stack],
-                            jnp.float32), jnp.asarray(active))
-      state, step_metrics = model.train_step(state, next_batch(tasks, seeds), *rows)
-      finite = finite & step_metrics["train/finite"]
-      step += 1
-      last = step == total_steps
-      log = step % config.log_every_steps == 0 or last
-      evaluate = step % config.eval_every_steps == 0 or last
-      save = step % config.checkpoint_every_steps == 0 or last
-      if not (log or evaluate or save):
-        continue
-      values, finite_now = jax.device_get((step_metrics, finite))
-      records: dict[int, dict[str, float]] = {i: {} for i, a in enumerate(active) if a}
-      for i in records:
-        if not finite_now[i]:
-          stack[i].error = (f"non-finite loss or gradient at or before step {step}; "
-                            "run stopped")
-      if log:
-        rate = progress.rate(step)
-        for i in records:
-          records[i].update({k: float(v[i]) for k, v in values.items()
-                             if k != "train/finite"})
-          records[i].update(metrics_lib.throughput_metrics(
-              rate, tokens_per_step, num_params, peak_flops, 1))
-      if evaluate:
-        if eval_batches is None:
-          eval_batches = _stacked_eval_batches(tasks, seeds, device)
-        results = _evaluate(model, state, eval_batches)
-        progress.restart_clock(step)
-        for i in records:
-          run = stack[i]
-          if run.error is not None:
-            continue
-          run.last_eval = results[i]
-          records[i].update(results[i])
-          accuracy = results[i]["eval/accuracy"]
-          if run.best is None or accuracy > run.best:
-            run.best, run.best_step = accuracy, step
-          run.stopped_early = early_stop is not None and 0 < early_stop <= accuracy
-        progress.last_accuracy = max(stack[i].last_eval.get("eval/accuracy", 0.0)
-                                     for i in records)
-        print(f"eval at step {step}: " + ", ".join(
-            f"{stack[i].label} {100 * stack[i].last_eval['eval/accuracy']:.2f}%"
-            for i in records if stack[i].last_eval), flush=True)
-      for i, record in records.items():
-        run = stack[i]
-        if record:
-          run.writer.write(step, record)
-        if run.error is None and (save or run.stopped_early):
-          run.save(step, _take(state, i), tasks[run.seed].train_iterator,
+  while step < total_steps and running():
+    stop, overdue = bookkeeping.agreed(step, config.log_every_steps, should_stop(),
+                                       any(r.time_due() for r in running()))
+    if stop:
+      for i, run in enumerate(stack):
+        if run.summary is None:
+          run.save(step, _take(state, i), tasks[run.config.seed].train_iterator,
                    time.perf_counter() - start_time)
-        if run.error is not None or run.stopped_early:
-          _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
-          rows = None
-      if log:
-        losses = [records[i]["train/loss"] for i in records if stack[i].summary is None]
-        if losses:
-          progress.show(step, rate, float(np.mean(losses)))
-      stopped = [i for i, r in enumerate(stack) if r.summary is not None]
-      if stopped and running() and len(stopped) >= _COMPACT_FRACTION * len(stack):
-        keep = [i for i, r in enumerate(stack) if r.summary is None]
-        state, finite = _take(state, np.asarray(keep)), finite[np.asarray(keep)]
-        stack = [stack[i] for i in keep]
-        rows = None
-        eval_batches = None
-        print(f"{len(stack)} runs left in the stack", flush=True)
-  finally:
-    for run in todo:
-      run.checkpointer.close()
-      run.writer.close()
-  if not interrupted:
-    for run in stack:
-      if run.summary is None:
+          run.close()  # waits for the save
+      raise bookkeeping.Interrupted(
+          step, f"checkpoints/{step} of the {len(running())} running runs under "
+          f"{os.path.dirname(stack[0].workdir)}")
+    if rows is None:  # the stack or its running runs changed
+      active = [r.summary is None for r in stack]
+      seeds = [r.config.seed for r in stack]
+      rows = (jnp.asarray([r.config.optimizer.learning_rate for r in stack],
+                          jnp.float32), jnp.asarray(active))
+    state, step_metrics = model.train_step(state, next_batch(tasks, seeds), *rows)
+    finite = finite & step_metrics["train/finite"]
+    step += 1
+    last = step == total_steps
+    log = step % config.log_every_steps == 0 or last
+    evaluate = step % config.eval_every_steps == 0 or last
+    save = step % config.checkpoint_every_steps == 0 or last or overdue
+    if not (log or evaluate or save):
+      continue
+    values, finite_now = jax.device_get((step_metrics, finite))
+    records: dict[int, dict[str, float]] = {i: {} for i, a in enumerate(active) if a}
+    for i in records:
+      if not finite_now[i]:
+        stack[i].error = (f"non-finite loss or gradient at or before step {step}; "
+                          "run stopped")
+    if log:
+      rate = progress.rate(step)
+      for i in records:
+        records[i].update({k: float(v[i]) for k, v in values.items()
+                           if k != "train/finite"})
+        records[i].update(metrics_lib.throughput_metrics(
+            rate, tokens_per_step, num_params, peak_flops, 1))
+    if evaluate:
+      if eval_batches is None:
+        eval_batches = _stacked_eval_batches(tasks, seeds, device)
+      results = _evaluate(model, state, eval_batches)
+      progress.restart_clock(step)
+      for i in records:
+        if stack[i].error is None:
+          stack[i].add_eval(step, results[i])
+          records[i].update(results[i])
+      progress.last_accuracy = max(stack[i].last_eval.get("eval/accuracy", 0.0)
+                                   for i in records)
+      print(f"eval at step {step}: " + ", ".join(
+          f"{_label(stack[i])} {100 * stack[i].last_eval['eval/accuracy']:.2f}%"
+          for i in records if stack[i].last_eval), flush=True)
+    for i, record in records.items():
+      run = stack[i]
+      run.write(step, record)
+      if run.error is None and run.save_due(step, last, save):
+        run.save(step, _take(state, i), tasks[run.config.seed].train_iterator,
+                 time.perf_counter() - start_time)
+      if run.error is not None or run.stopped_early:
         _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
-  return [run.summary for run in runs]
+        rows = None
+    if log:
+      losses = [records[i]["train/loss"] for i in records if stack[i].summary is None]
+      if losses:
+        progress.show(step, rate, float(np.mean(losses)))
+    stopped = [i for i, r in enumerate(stack) if r.summary is not None]
+    if stopped and running() and len(stopped) >= _COMPACT_FRACTION * len(stack):
+      keep = [i for i, r in enumerate(stack) if r.summary is None]
+      state, finite = _take(state, np.asarray(keep)), finite[np.asarray(keep)]
+      stack = [stack[i] for i in keep]
+      rows = None
+      eval_batches = None
+      print(f"{len(stack)} runs left in the stack", flush=True)
+  for run in stack:
+    if run.summary is None:
+      _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from palimpsa_jax import models
+from palimpsa_jax import user_errors
 from palimpsa_jax.training import state as state_lib
 
 CONFIG_FILE = "config.json"
@@ -37,7 +38,7 @@ CORRUPT_DIR = "corrupt_checkpoints"
 PARAMS_DIR = "converted"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, user_errors.UserError):
   """A checkpoint exists but cannot be read (truncated or missing files)."""
 
 
@@ -148,7 +149,7 @@ class Checkpointer:
       steps = ", ".join(str(s) for s, _ in failures)
       raise CheckpointError(
           f"no checkpoint in {self._workdir}/{CHECKPOINT_DIR} restores (steps {steps}); "
-          f"the newest, step {failures[0][0]}: {failures[0][1]}. Move the folder "
+          f"the newest, step {failures[0][0]}: {failures[0][1].rstrip('.:')}. Move the folder "
           "aside to start afresh, or fix the config if it changed.")
     return None, None
 
@@ -236,7 +237,7 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
     hint = f" Other steps there: {sorted(others)}." if others else ""
     raise CheckpointError(
         f"cannot read step {step} of {workdir}/{CHECKPOINT_DIR}/{step}: "
-        f"{_first_line(error).rstrip('.')}.{hint}") from None
+        f"{_first_line(error).rstrip('.:')}.{hint}") from None
   finally:
     manager.close()
   model = models.merge_model(parts.graphdef, restored["model"]["params"],

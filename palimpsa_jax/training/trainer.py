@@ -13,11 +13,11 @@ import optax
 from palimpsa_jax import models
 from palimpsa_jax.configs import base
 from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
-from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
@@ -143,10 +143,7 @@ def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: tasks_lib.T
   if total is None:
     return {}
   total, diagnostics = jax.device_get((total, diagnostics))
-  loss_sum, correct, count = (float(x) for x in total)
-  count = max(count, 1.0)
-  return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count,
-          **{k: float(v) for k, v in diagnostics.items()}}
+  return bookkeeping.eval_metrics(*total, diagnostics)
 
 
 def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> None:
@@ -161,7 +158,8 @@ def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> N
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       started_at: float | None = None) -> dict[str, Any]:
+                       started_at: float | None = None,
+                       should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Trains the configured model, evaluating and checkpointing into `workdir`.
 
   Resumes from the latest checkpoint in `workdir` if there is one (the model,
@@ -175,6 +173,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   (time.time() when the command started; default: this call) to the end of the
   first step (perf/time_to_first_step_s) are logged once, at the first step.
 
+  `should_stop` is polled before every step (e.g. bookkeeping.StopSignals); when
+  it returns True the current step is checkpointed and Interrupted is raised.
+
   Returns:
     The run summary over this and earlier segments of the run (also written
     to workdir/summary.json, see training/run_summary.py): best_accuracy,
@@ -182,12 +183,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     num_params, segments; and, for this segment, compile_s,
     time_to_first_step_s and tokens_per_sec (every step after the first,
     evaluation and checkpointing included).
+
+  Raises:
+    bookkeeping.Interrupted: `should_stop` asked to stop; the step reached is saved.
   """
   start_time = time.perf_counter()
   started_at = time.time() if started_at is None else started_at
   validate_config(config)
   workdir = os.path.abspath(workdir)
-  checkpoint_lib.save_config(config, workdir)
+  bookkeeping.refuse_other_model(config, workdir)
   mesh = sharding_lib.make_mesh(config.mesh)
   rules = sharding_lib.rules_from_config(config.mesh)
   task = tasks_lib.make_task(config, workdir)
@@ -196,10 +200,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh,
       rules,
       init_on_host=config.init_on_host)
-  checkpointer = checkpoint_lib.Checkpointer(
-      workdir, every_steps=config.checkpoint_every_steps,
-      keep=config.keep_checkpoints, async_save=config.async_checkpointing)
-  start_step, state = checkpointer.restore_latest(spec.abstract, task.train_iterator)
+  book = bookkeeping.RunBook(config, workdir)
+  try:
+    return _train(config, workdir, task, spec, mesh, rules, book, start_time, started_at,
+                  should_stop)
+  finally:
+    book.close()
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task,
+           spec: state_lib.TrainStateSpec, mesh: jax.sharding.Mesh, rules: Any,
+           book: bookkeeping.RunBook, start_time: float, started_at: float,
+           should_stop: Callable[[], bool]) -> dict[str, Any]:
+  """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller)."""
+  total_steps = task.total_steps
+  start_step, state = book.restore(spec.abstract, task.train_iterator)
+  checkpoint_lib.save_config(config, workdir)  # once the run is accepted
   if start_step is None:  # a fine-tuning run resumes from its own checkpoints
     start_step = 0
     state = initial_state(spec, config)
@@ -221,85 +237,75 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                       if config.log_diagnostics else None)
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
-  early_stop = config.early_stop_accuracy
-  writer = metrics_lib.MetricWriter(workdir, start_step)
   progress = metrics_lib.Progress(total_steps, start_step)
-  best, best_step, last_eval = run_summary.previous_evals(workdir, start_step)
-  summary_file = run_summary.RunSummary(workdir, start_step)
-  # A resumed run that had already reached the early-stop accuracy is done.
-  stopped_early = best is not None and early_stop is not None and 0 < early_stop <= best
   finite = jnp.array(True)
   step = start_step
   compiled_step, startup, first_step_done = None, {}, None
-  try:
-    while step < total_steps and not stopped_early:
-      batch = sharding_lib.global_batch(
-          tasks_lib.with_lm_targets(next(task.train_iterator)), mesh)
-      if compiled_step is None:
-        compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
-      state, step_metrics = compiled_step(state, batch)
-      finite = finite & step_metrics["train/finite"]
-      step += 1
-      last = step == total_steps
-      record: dict[str, float] = {}
-      if first_step_done is None:
-        jax.block_until_ready(step_metrics)
-        first_step_done = time.perf_counter()
-        startup = metrics_lib.startup_metrics(timing, time.time() - started_at)
-        record.update(startup)
-        progress.show_startup(startup)
-        progress.restart_clock(step)
-      if step % config.log_every_steps == 0 or last:
-        values = jax.device_get(step_metrics)
-        _check_finite(finite, step, values)
-        rate = progress.rate(step)
-        record.update({k: float(v) for k, v in values.items()
-                       if k != "train/finite"})
-        if rate is not None:  # None at the first step (its time is the compile's)
-          record.update(metrics_lib.throughput_metrics(
-              rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
-      if step % config.eval_every_steps == 0 or last:
-        _check_finite(finite, step)  # never score non-finite parameters
-        last_eval = evaluate(eval_step, state, task, mesh, diagnostics_step)
-        record.update(last_eval)
-        progress.restart_clock(step)
-        progress.last_eval_loss = last_eval.get("eval/loss")
-        accuracy = last_eval.get("eval/accuracy")
-        if accuracy is not None:
-          progress.last_accuracy = accuracy
-          if best is None or accuracy > best:
-            best, best_step = accuracy, step
-          stopped_early = early_stop is not None and 0 < early_stop <= accuracy
-      if record:
-        writer.write(step, record)
-        if "train/loss" in record:
-          progress.show(step, record.get("perf/steps_per_sec"), record["train/loss"],
-                        tokens_per_sec=record.get("perf/tokens_per_sec"),
-                        mfu=record.get("perf/mfu"))
-      if step % config.checkpoint_every_steps == 0 or last or stopped_early:
-        _check_finite(finite, step)
-        checkpointer.save(step, state, task.train_iterator, force=True)
-        summary_file.progress(step, time.perf_counter() - start_time)
-  finally:
-    checkpointer.close()
-    writer.close()
+  book.begin(start_step)
+  while step < total_steps and not book.stopped_early:
+    stop, overdue = bookkeeping.agreed(step, config.log_every_steps, should_stop(),
+                                       book.time_due())
+    if stop:
+      _check_finite(finite, step)
+      book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
+      book.close()  # waits for the save
+      raise bookkeeping.Interrupted(step, f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{step}")
+    batch = sharding_lib.global_batch(
+        tasks_lib.with_lm_targets(next(task.train_iterator)), mesh)
+    if compiled_step is None:
+      compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
+    state, step_metrics = compiled_step(state, batch)
+    finite = finite & step_metrics["train/finite"]
+    step += 1
+    last = step == total_steps
+    record: dict[str, float] = {}
+    if first_step_done is None:
+      jax.block_until_ready(step_metrics)
+      first_step_done = time.perf_counter()
+      startup = metrics_lib.startup_metrics(timing, time.time() - started_at)
+      record.update(startup)
+      progress.show_startup(startup)
+      progress.restart_clock(step)
+    if step % config.log_every_steps == 0 or last:
+      values = jax.device_get(step_metrics)
+      _check_finite(finite, step, values)
+      rate = progress.rate(step)
+      record.update({k: float(v) for k, v in values.items()
+                     if k != "train/finite"})
+      if rate is not None:  # None at the first step (its time is the compile's)
+        record.update(metrics_lib.throughput_metrics(
+            rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
+    if step % config.eval_every_steps == 0 or last:
+      _check_finite(finite, step)  # never score non-finite parameters
+      results = evaluate(eval_step, state, task, mesh, diagnostics_step)
+      book.add_eval(step, results)
+      record.update(results)
+      progress.restart_clock(step)
+      progress.last_eval_loss = results.get("eval/loss")
+      if results.get("eval/accuracy") is not None:
+        progress.last_accuracy = results["eval/accuracy"]
+    book.write(step, record)
+    if "train/loss" in record:
+      progress.show(step, record.get("perf/steps_per_sec"), record["train/loss"],
+                    tokens_per_sec=record.get("perf/tokens_per_sec"),
+                    mfu=record.get("perf/mfu"))
+    if book.save_due(step, last, overdue):
+      _check_finite(finite, step)
+      book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
+  book.close()  # the last checkpoint is written before the summary says the run ended
 
   end_time = time.perf_counter()
   after_first = (step - start_step - 1) * task.tokens_per_step
-  summary = summary_file.write(
-      {"best_accuracy": best, "best_step": best_step, "total_steps": total_steps,
-       "stopped_early": stopped_early, "last_eval": last_eval,
-       "num_params": int(num_params),
+  summary = book.finish(
+      {"total_steps": total_steps, "num_params": int(num_params),
        "compile_s": startup.get("perf/compile_s"),
        "time_to_first_step_s": startup.get("perf/time_to_first_step_s"),
        "tokens_per_sec": (after_first / (end_time - first_step_done)
                           if after_first > 0 else None)},
-      final_step=step, wall_time_s=end_time - start_time)
+      step, end_time - start_time)
   if jax.process_index() == 0:
-    best_text = "n/a" if best is None else f"{100 * best:.2f}% at step {best_step}"
-    reason = (f"early stop at accuracy >= {early_stop}" if stopped_early
-              else f"{step}/{total_steps} steps")
-    print(f"final: best eval accuracy {best_text} ({reason}, "
+    best, reason = book.outcome_text(step, total_steps)
+    print(f"final: best eval accuracy {best} ({reason}, "
           f"{summary['wall_time_s']:.0f} s){metrics_lib.summary_details(summary)}",
           flush=True)
   return summary

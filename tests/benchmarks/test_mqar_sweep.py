@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import mqar_sweep as sweep
 from benchmarks import mqar_sweep_report
+from palimpsa_jax.training import bookkeeping
 from tests.training import tiny_lm
 
 
@@ -159,14 +160,16 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
   args = ["--root", str(tmp_path), "--mixers", "mamba2", "--settings", "512:128",
           "--lrs", "1e-2,3e-2", "--seeds", "0,1", "--two_stage"]
   polls = []
-  monkeypatch.setattr(sweep._StopFlag, "__call__", lambda self: len(polls) > 5
+  monkeypatch.setattr(bookkeeping.StopSignals, "__call__", lambda self: len(polls) > 4
                       or polls.append(None))
-  sweep.main(["run", *args])  # stopped after 5 steps: checkpointed, no summaries
+  with pytest.raises(SystemExit) as stopped:  # after 5 steps: checkpointed, no summaries
+    sweep.main(["run", *args])
+  assert stopped.value.code == 130
   runs = sweep.grid(mixers=("mamba2",), settings=((512, 128),), lrs=(1e-2, 3e-2),
                     seeds=(0,))
   assert [sweep.latest_checkpoint(tmp_path / r.name) for r in runs] == [5, 5]
   assert not any(sweep.is_finished(tmp_path, r) for r in runs)
-  monkeypatch.setattr(sweep._StopFlag, "__call__", lambda self: False)
+  monkeypatch.setattr(bookkeeping.StopSignals, "__call__", lambda self: False)
   sweep.main(["run", *args])
   out = capsys.readouterr().out
   assert "2 runs (lr 0.01 s0, lr 0.03 s0) from step 5" in out
@@ -179,14 +182,14 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
   assert "runs (" not in capsys.readouterr().out  # nothing left to train
 
 
-def test_sigterm_sets_the_stop_flag_until_closed():
-  previous = signal.getsignal(signal.SIGTERM)
-  stop = sweep._StopFlag()
-  assert not stop()
-  os.kill(os.getpid(), signal.SIGTERM)
-  assert stop()
-  stop.close()
-  assert signal.getsignal(signal.SIGTERM) is previous
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_sets_the_stop_request_until_closed(signum):
+  previous = signal.getsignal(signum)
+  with bookkeeping.StopSignals() as stop:
+    assert not stop()
+    os.kill(os.getpid(), signum)
+    assert stop() and stop.exit_code == 128 + signum
+  assert signal.getsignal(signum) is previous
 
 
 def test_workers_sharing_a_gpu_allocate_on_demand(monkeypatch):

@@ -153,7 +153,7 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
 
   converted, _, _ = conversion_lib.load_converted(dest)
   new_start, old_start = _new_and_old_leaves(models.split_model(converted)[1])
-  assert len(new_start) == 5  # beta_down kernel, beta_up kernel + bias, b_scale, Ip_log
+  assert len(new_start) == 4  # beta_down kernel, beta_up kernel (no bias), b_scale, Ip_log
   assert all(p[1].key == 1 for p in new_start)
   model, _, step = checkpoint_lib.load_model(str(workdir / "checkpoints" / "2"))
   new, old = _new_and_old_leaves(models.split_model(model)[1])

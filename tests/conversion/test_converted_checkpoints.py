@@ -105,6 +105,6 @@ def test_mqar_suite_on_a_conversion_matches_its_source(tmp_path):
   source = suites.SUITES["mqar"]({**options, "checkpoint": [workdir]})
   converted = suites.SUITES["mqar"]({**options, "checkpoint": [dest]})
   (before,), (after,) = source["evaluations"], converted["evaluations"]
-  assert after["step"] == 0 and after["mixer"] == "mamba2"
+  assert after["step"] == 0 and after["mixer"] == "mamba2+metaplastic[0]"
   np.testing.assert_allclose(after["results"][0]["loss"], before["results"][0]["loss"], rtol=1e-5)
   assert after["results"][0]["accuracy"] == before["results"][0]["accuracy"]

@@ -144,7 +144,9 @@ def _our_destination(tmp_path, config):
 
 @pytest.mark.parametrize("overrides,message", [
     (dict(), "normalises over 2 groups"),
-    (dict(norm_groups=1), "beta_up/bias has no counterpart"),
+    (dict(norm_groups=1, beta_bias=True),
+     "beta_up/bias has no counterpart in the authors' model (their b_proj has no bias; this "
+     "one is not zero: train with config.model.beta_bias=False"),
     (dict(norm_groups=1, beta_bias=False, metaplasticity=False, metaplastic_layers=(1,)),
      "only layers [1] of 3 are metaplastic"),
 ])
@@ -163,7 +165,7 @@ def test_export_errors_name_what_the_authors_lack(tmp_path, overrides, message):
 def test_export_accepts_a_zero_beta_bias(tmp_path):
   config = models.model_config("palimpsa_d", "tiny", num_layers=1, d_model=16, num_heads=2,
                                head_k_dim=8, head_v_dim=8, beta_rank=2, vocab_size=32,
-                               mlp_hidden_dim=32, dtype="float32")
+                               mlp_hidden_dim=32, dtype="float32", beta_bias=True)
   model = models.build_model(config, nnx.Rngs(0))
   bias = model.blocks[0].mixer.beta_up.bias
   bias[...] = jax.numpy.zeros_like(bias[...])

@@ -1,6 +1,7 @@
 """python -m palimpsa_jax.data.prepare and the token-shard pipeline: same rows as on the fly."""
 
 import io
+import os
 import json
 
 import numpy as np
@@ -74,11 +75,15 @@ def test_training_rows_shuffle_per_epoch_and_resume(prepared):
   assert sum(len(list(zip(range(100), iter(d)))) for d in two_hosts) == 200
 
 
-def test_refuses_to_overwrite_and_incomplete_output(prepared, tmp_path):
+def test_refuses_to_overwrite_and_incomplete_output(prepared, tmp_path, capsys):
   root, _, _ = prepared
-  with pytest.raises(FileExistsError, match="already holds prepared tokens"):
+  with pytest.raises(SystemExit) as refused:
     prepare.main(["--files", str(root / "docs.jsonl"), "--tokenizer", "bpe:300",
                   "--output", str(root / "tokens")])
+  assert refused.value.code == 1
+  assert capsys.readouterr().err.startswith("prepare: ")
+  with pytest.raises(FileExistsError, match="already holds prepared tokens"):
+    prepare.prepare(str(root / "docs.jsonl"), "bpe:300", str(root / "tokens"))
   (tmp_path / "tokens_00000.npy").write_bytes(b"")
   with pytest.raises(FileNotFoundError, match="no manifest.json"):
     token_shards.make_shard_dataset(str(tmp_path / "*.npy"), 16, 1, 0)
@@ -95,3 +100,25 @@ def test_tokenizer_of_the_shards_goes_to_the_workdir(prepared, tmp_path):
   other.write_text("{}")
   with pytest.raises(ValueError, match="is not the tokenizer the token shards"):
     token_shards.shard_tokenizer(files, str(other), str(tmp_path))
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_files_without_text_are_refused_before_anything_is_written(tmp_path, capsys, content):
+  (tmp_path / "empty.txt").write_text(content)
+  output = tmp_path / "tokens"
+  with pytest.raises(SystemExit) as refused:
+    prepare.main(["--files", str(tmp_path / "empty.txt"), "--tokenizer", "bpe:300",
+                  "--output", str(output)])
+  assert refused.value.code == 1
+  assert capsys.readouterr().err == (
+      f"prepare: --files={str(tmp_path / 'empty.txt')!r}: the 1 matched file(s) hold no "
+      "text (every document is empty).\n")
+  assert not output.exists()
+
+
+def test_a_trained_tokenizer_is_readable_by_others(tmp_path):
+  tokenizer = tokenizer_lib.train_bpe_tokenizer(iter(["some text " * 20]), 300,
+                                                str(tmp_path / "tokenizer.json"))
+  umask = os.umask(0)
+  os.umask(umask)
+  assert os.stat(tokenizer.path).st_mode & 0o777 == 0o666 & ~umask

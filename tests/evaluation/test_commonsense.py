@@ -28,6 +28,7 @@ from lm_eval.tasks import TaskManager
 
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import commonsense
+from palimpsa_jax import user_errors
 from palimpsa_jax.evaluation import lm as lm_lib
 
 VOCAB = 320
@@ -185,6 +186,10 @@ def test_task_through_lm_eval_and_run(setup, monkeypatch):
   assert "data not available" in result["unavailable"]["tiny_missing"]
   assert "unknown task" in result["unavailable"]["no_such_task"]
   json.dumps(result)
+  with pytest.raises(user_errors.UserError, match=(
+      "no task could be evaluated: tiny_missing: .*data not available.*; no_such_task: ")):
+    commonsense.run({"checkpoint": [checkpoint], "include_path": include_path,
+                     "tasks": "tiny_missing,no_such_task"})
 
 
 def test_generate_until_is_greedy_decoding(setup):

@@ -6,6 +6,7 @@ import pathlib
 
 from flax import nnx
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -78,3 +79,13 @@ def test_errors():
   with pytest.raises(KeyError, match="unknown suite"):
     SUITES["nope"]  # pylint: disable=pointless-statement
   assert set(SUITES) == {"mqar", "lm", "long_context", "commonsense"}
+
+
+def test_a_converted_model_is_named_by_its_source_and_metaplastic_layers():
+  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
+  trained = ml_collections.ConfigDict({"args": {"mixer": "mamba2"},
+                                       "model": models.mqar_model_config("mamba2")})
+  assert mqar_eval.mixer_name(trained) == "mamba2"
+  converted = ml_collections.ConfigDict(
+      {"model": models.mqar_model_config("mamba2", metaplastic_layers=(1,))})
+  assert mqar_eval.mixer_name(converted) == "mamba2+metaplastic[1]"

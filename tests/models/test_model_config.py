@@ -57,7 +57,9 @@ def test_every_parameter_has_logical_axis_names(model):
 
 @pytest.mark.parametrize("model", ["palimpsa_d", "meta_mamba2", "mesanet", "transformer"])
 def test_weight_decay_mask_exclusions(model):
-  state = nnx.state(_abstract(model_config(model, "tiny")), nnx.Param)
+  # With the beta up-projection's bias (not the default), to see that it does not decay.
+  bias = {"beta_bias": True} if model in ("palimpsa_d", "meta_mamba2") else {}
+  state = nnx.state(_abstract(model_config(model, "tiny", **bias)), nnx.Param)
   flat, _ = jax.tree_util.tree_flatten_with_path(weight_decay_mask(state))
   mask = {tuple(getattr(k, "key", None) for k in path
                 if hasattr(k, "key")): decays for path, decays in flat}
@@ -177,3 +179,12 @@ def test_metaplastic_layers_errors():
     with pytest.raises(ValueError, match="needs a mixer in"):
       build_model(model_config(model, "tiny", metaplastic_layers=(0,)),
                   nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("model", ["palimpsa_d", "meta_mamba2"])
+def test_default_beta_up_projection_has_no_bias_as_the_authors(model):
+  state = nnx.state(_abstract(model_config(model, "tiny")), nnx.Param)
+  paths = [tuple(getattr(k, "key", None) for k in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  assert any("beta_up" in p for p in paths)
+  assert not any("beta_up" in p and p[-1] == "bias" for p in paths)

@@ -8,6 +8,7 @@ import pytest
 
 from tests.training import tiny_lm
 from palimpsa_jax.training import batched
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import trainer
@@ -88,9 +89,8 @@ def test_stopped_group_resumes_to_the_uninterrupted_result(tmp_path):
     calls.append(None)
     return len(calls) > 10
   resumed = [tmp_path / f"resumed{i}" for i in range(2)]
-  partial = batched.train_group(configs, [str(d) for d in resumed],
-                                should_stop=stop_after_ten_steps)
-  assert partial == [None, None]
+  with pytest.raises(bookkeeping.Interrupted, match="interrupted at step 10; "):
+    batched.train_group(configs, [str(d) for d in resumed], should_stop=stop_after_ten_steps)
   assert not (resumed[0] / run_summary.SUMMARY_FILE).exists()
   batched.train_group(configs, [str(d) for d in resumed])
   for whole, again in zip(uninterrupted, resumed):

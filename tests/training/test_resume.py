@@ -4,9 +4,13 @@ import json
 import pathlib
 import shutil
 
+import jax
 import pytest
 
 from tests.training import tiny_lm
+from palimpsa_jax.configs import base
+from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import tensorboard
@@ -72,7 +76,7 @@ def test_no_readable_checkpoint_stops_naming_the_directory(tmp_path, finished):
   for step in ("4", "8"):
     _remove_optimizer(workdir / "checkpoints" / step)
   with pytest.raises(checkpoint_lib.CheckpointError,
-                     match=f"no checkpoint in {workdir}/checkpoints restores"):
+                     match=f"no checkpoint in {workdir}/checkpoints restores") as refused:
     trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
   assert not (workdir / "corrupt_checkpoints").exists()
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "8"]
@@ -146,3 +150,61 @@ def test_summary_is_kept_across_segments(tmp_path, finished):
       first["wall_time_s"] + extended["segments"][1]["wall_time_s"])
   assert extended["last_eval"]["eval/loss"] == metrics_lib.read_metrics(
       str(workdir))[-1]["eval/loss"]
+
+
+def test_stop_request_checkpoints_the_step_and_the_rerun_continues_exactly(tmp_path, finished):
+  polls = []
+  def stop_before_step_six():
+    polls.append(None)
+    return len(polls) > 5
+  workdir = tmp_path / "stopped"
+  with pytest.raises(bookkeeping.Interrupted) as stopped:
+    trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir),
+                               should_stop=stop_before_step_six)
+  assert str(stopped.value) == (
+      f"interrupted at step 5; checkpoint saved in {workdir}/checkpoints/5; rerun the same "
+      "command to resume")
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["4", "5"]
+  assert not (workdir / "summary.json").exists()
+  trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
+  assert _losses(workdir) == _losses(finished[0])
+
+
+def test_checkpoint_after_the_time_interval_whatever_the_step_interval(tmp_path):
+  config = tiny_lm.tiny_mqar_config(
+      total_steps=6, checkpoint_every_steps=1000, checkpoint_every_minutes=1e-9,
+      keep_checkpoints=10)
+  trainer.train_and_evaluate(config, str(tmp_path))
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [
+      1, 2, 3, 4, 5, 6]
+
+
+def _tree_bytes(directory: pathlib.Path) -> dict[str, bytes]:
+  return {str(p.relative_to(directory)): p.read_bytes()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_another_model_is_refused_before_anything_is_written(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  before = _tree_bytes(workdir)
+  other = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
+  with pytest.raises(base.ConfigError, match=(
+      r"holds checkpoints of another model: config.model.width=32 \(saved: 16\)\. "
+      "Give a new --workdir")):
+    trainer.train_and_evaluate(other, str(workdir))
+  assert _tree_bytes(workdir) == before
+
+
+def test_a_checkpoint_of_another_structure_is_named_in_one_sentence(tmp_path, finished):
+  config = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
+  checkpointer = checkpoint_lib.Checkpointer(str(finished[0]), every_steps=4, keep=3)
+  abstract = jax.eval_shape(lambda: {
+      "step": jax.numpy.zeros((), jax.numpy.int32),
+      "params": {"embed": {"embedding": jax.numpy.zeros((tiny_lm.VOCAB, 32))}},
+      "model_state": {}, "opt_state": {}})
+  try:
+    with pytest.raises(checkpoint_lib.CheckpointError, match="no checkpoint in") as refused:
+      checkpointer.restore_latest(abstract, tasks_lib.make_task(config, "").train_iterator)
+  finally:
+    checkpointer.close()
+  assert "tree structures do not match. Move the folder aside" in str(refused.value)

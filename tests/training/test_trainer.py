@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import ml_collections
+from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
@@ -279,6 +280,14 @@ def test_lm_task_trains_on_text_files(tmp_path):
   config.model.vocab_size = 100
   with pytest.raises(ValueError, match="vocab_size=100"):
     trainer.train_and_evaluate(config, str(tmp_path / "run2"))
+  assert not (tmp_path / "run2").exists()  # refused before the tokenizer was trained
+  config.model.vocab_size = 300
+  (tmp_path / "empty.txt").write_text("")
+  config.data.train_files = str(tmp_path / "empty.txt")
+  with pytest.raises(text_lib.DataError, match=(
+      r"config.data.train_files='.*empty.txt': the 1 matched file\(s\) hold no text")):
+    trainer.train_and_evaluate(config, str(tmp_path / "run3"))
+  assert not (tmp_path / "run3").exists()
 
 
 def test_lm_task_trains_on_prepared_token_shards(tmp_path):
