@@ -15,6 +15,8 @@ starts from: config.init_from) holds converted/, an Orbax StandardCheckpointer
 item {"params": parameter tree}; see save_params and restore_params.
 """
 
+import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -49,6 +51,46 @@ def _first_line(error: BaseException) -> str:
   lines = str(error).strip().splitlines()
   text = lines[0] if lines else ""
   return f"{type(error).__name__}: {text[:300]}"
+
+
+class _LoopThatFinishesItsTasks(asyncio.SelectorEventLoop):
+  """An event loop whose close() first runs its unfinished tasks to their end.
+
+  Orbax runs each restore in a fresh loop that it closes as soon as the
+  restore's coroutine returns or raises. When one array read fails, the
+  asyncio.gather above it raises at once and the sibling reads keep running
+  as tasks of that loop; closing the loop under them makes each one fail
+  later, in whatever code runs then: TensorStore's completion cannot be
+  delivered ("Event loop is closed"), and the garbage collector's closing of
+  the abandoned coroutine raises. Both are unraisable exceptions (a
+  PytestUnraisableExceptionWarning in another test). Waiting for the reads
+  costs at most the time the full restore would have taken.
+  """
+
+  def close(self) -> None:
+    # A finishing read may start others (a gather of its own that fails): until none is left.
+    while not self.is_running() and not self.is_closed() and (
+        unfinished := asyncio.all_tasks(self)):
+      # return_exceptions: their errors repeat the one the restore raised.
+      self.run_until_complete(asyncio.gather(*unfinished, return_exceptions=True))
+    super().close()
+
+
+class _LoopPolicy(asyncio.DefaultEventLoopPolicy):
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    return _LoopThatFinishesItsTasks()
+
+
+@contextlib.contextmanager
+def _reads_finish_before_their_loop_closes():
+  """Within: every new event loop (so Orbax's restore loop) finishes its tasks before closing."""
+  previous = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_LoopPolicy())
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(previous)
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -104,16 +146,17 @@ class Checkpointer:
 
     The data iterator is restored in place.
     """
-    restored = self._manager.restore(
-        step,
-        args=ocp.args.Composite(
-            model=ocp.args.StandardRestore(
-                {"params": abstract_state["params"],
-                 "model_state": abstract_state["model_state"]}),
-            optimizer=ocp.args.StandardRestore(
-                {"step": abstract_state["step"],
-                 "opt_state": abstract_state["opt_state"]}),
-            data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    with _reads_finish_before_their_loop_closes():
+      restored = self._manager.restore(
+          step,
+          args=ocp.args.Composite(
+              model=ocp.args.StandardRestore(
+                  {"params": abstract_state["params"],
+                   "model_state": abstract_state["model_state"]}),
+              optimizer=ocp.args.StandardRestore(
+                  {"step": abstract_state["step"],
+                   "opt_state": abstract_state["opt_state"]}),
+              data=grain.checkpoint.CheckpointRestore(data_iterator)))
     return {**restored["model"], **restored["optimizer"]}
 
   def restore_latest(self, abstract_state: dict, data_iterator: Any
@@ -183,7 +226,8 @@ def restore_params(dest: str, abstract_params: Any) -> Any:
       the "params" entry of a train state's abstract tree.
   """
   path = epath.Path(os.path.abspath(dest)) / PARAMS_DIR
-  with ocp.StandardCheckpointer() as checkpointer:
+  with (ocp.StandardCheckpointer() as checkpointer,
+        _reads_finish_before_their_loop_closes()):
     return checkpointer.restore(path, {"params": abstract_params})["params"]
 
 
@@ -230,8 +274,9 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
   parts = models.abstract_model(state_lib.run_model_fn(config), config.seed)
   abstract = models.abstract_on_first_local_device(parts)
   try:
-    restored = manager.restore(
-        step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
+    with _reads_finish_before_their_loop_closes():
+      restored = manager.restore(
+          step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
   except Exception as error:  # pylint: disable=broad-exception-caught
     others = [s for s in manager.all_steps() if s != step]
     hint = f" Other steps there: {sorted(others)}." if others else ""
