@@ -124,6 +124,26 @@ def test_exact_when_beta_is_constant_over_v(chunk):
     assert_close_to_reference(approx[0], exact[0], GRAD_TOL)
 
 
+def test_grads_exact_when_beta_k2_is_constant_over_v_and_k():
+  """beta_t[v] = b_t and |k_t[i]| = c_t: Ibar_K is constant over K, so a change of beta
+  moves the rank-1 form exactly as it moves the precision: dbeta agrees as well."""
+  shape = (1, 40, 2, 4, 3)
+  x = make_inputs(38, shape)
+  x["beta"] = np.broadcast_to(x["beta"][..., :1], x["beta"].shape).copy()
+  x["k"] = np.sign(x["k"]) * np.abs(x["k"][..., :1])
+
+  def loss(op, *args):
+    r = op(*args)
+    return jnp.sum(r.out * jnp.asarray(x["v"][..., ::-1])), r.out
+
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(1, 7)), has_aux=True), static_argnums=0)
+  args = _args(x, *DIFF_ARGS[:6])
+  approx = grad(functools.partial(fast_palimpsa, chunk_size=16), *args)
+  exact = grad(palimpsa, *args)
+  assert_close_to_reference(approx[1], exact[1], FLOAT32_TOL)
+  assert_close_to_reference(dict(zip(GRADS, approx[0])), dict(zip(GRADS, exact[0])), GRAD_TOL)
+
+
 def test_beta_none_is_the_exact_op():
   x = make_inputs(31, (1, 40, 2, 4, 4))
   args = _args(x, "q", "k", "v")
