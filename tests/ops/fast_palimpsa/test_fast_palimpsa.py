@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from palimpsa_jax.ops import PalimpsaState, fast_palimpsa, palimpsa
-from palimpsa_jax.ops.fast_palimpsa import reference_fast_palimpsa
+from palimpsa_jax.ops.fast_palimpsa import (fast_palimpsa_decode, init_fast_palimpsa_cache,
+                                           reference_fast_palimpsa)
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 rel_error)
 from tests.ops.palimpsa.palimpsa_suite import DIFF_ARGS, make_inputs, random_cotangents
@@ -257,3 +258,22 @@ def test_bad_input_names_the_argument(case):
   options = {n: x.pop(n) for n in ("initial_state", "implementation", "chunk_size") if n in x}
   with pytest.raises(error, match=name):
     fast_palimpsa(*(x[n] for n in DIFF_ARGS[:6]), segment_ids=x["segment_ids"], **options)
+
+
+def test_decoding_in_pieces_matches_the_whole_sequence():
+  """A prompt in pieces that straddle chunk boundaries, then single tokens, from a given state:
+  the outputs and the exact state of `fast_palimpsa` on the whole sequence."""
+  x = make_inputs(39, (2, 30, 2, 4, 3))
+  ip = jnp.asarray(x["prior_precision"])
+  state = PalimpsaState(*_args(x, "mu0", "precision0"))
+  whole = jax.jit(functools.partial(fast_palimpsa, chunk_size=8))(
+      *_args(x, *SEQUENCES), ip, initial_state=state)
+  decode = jax.jit(functools.partial(fast_palimpsa_decode, chunk_size=8))
+  cache, outs, start = init_fast_palimpsa_cache(state), [], 0
+  for length in (5, 13, 1, 1, 10):
+    out, cache = decode(*(jnp.asarray(x[n][:, start:start + length]) for n in SEQUENCES), ip,
+                        cache)
+    outs.append(out)
+    start += length
+  chex.assert_trees_all_close((jnp.concatenate(outs, 1), cache.state),
+                              (whole.out, whole.state), rtol=1e-5, atol=1e-6)
