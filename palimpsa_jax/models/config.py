@@ -19,7 +19,9 @@ Mixer fields:
   attention: num_heads, head_dim, rope, rope_theta, attention_implementation
     (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
   palimpsa_d and meta_mamba2 also: beta_bias (the beta up-projection has a
-    bias; False in models imported from the authors' PyTorch code).
+    bias; False in models imported from the authors' PyTorch code) and precision
+    ("exact", the default: the Palimpsa op; "rank1": Fast Palimpsa, a rank-1 precision
+    inside chunks of chunk_size, docs/fast_palimpsa.md).
 metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
   what config.metaplasticity says for every layer (a converted Mamba2 /
   NotPalimpsa model, docs/models.md, conversion); () (the default): none beyond it. Only
@@ -95,7 +97,7 @@ def _common(model: str) -> dict:
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
               remat=False, scan_layers=False, implementation="auto",
-              chunk_size=64)
+              chunk_size=64, precision="exact")
 
 
 def _gates(mixer: str) -> dict:
