@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
 
 from benchmarks import results as results_lib  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.data import mqar  # pylint: disable=g-import-not-at-top
-from palimpsa_jax.layers import palimpsa_d  # pylint: disable=g-import-not-at-top
+from palimpsa_jax.layers import recurrent  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.ops import fast_palimpsa, palimpsa  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.training import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
 
@@ -97,8 +97,9 @@ def _tokens(config, batch: int, seed: int) -> np.ndarray:
 def capture_layer_inputs(workdir: str, batch: int, seed: int) -> list[dict[str, np.ndarray]]:
   """The inputs each Palimpsa-D layer of a trained model hands to the op, per layer.
 
-  Runs the model's blocks one by one, eagerly, with the layer's `palimpsa` call wrapped to
-  record its arguments (what the layer computes is unchanged).
+  Runs the model's blocks one by one, eagerly, with the layers' op calls (`palimpsa`, or
+  `fast_palimpsa` in a precision="rank1" model) wrapped to record their arguments (what the
+  layers compute is unchanged).
   """
   model, config, _ = checkpoint_lib.load_model(workdir)
   if config.model.mixer != "palimpsa_d":
@@ -107,16 +108,19 @@ def capture_layer_inputs(workdir: str, batch: int, seed: int) -> list[dict[str, 
   model.eval()
   captured = []
 
-  def recording_op(q, k, v, beta, log_alpha, prior_precision, **kwargs):
-    if beta is None:
-      raise ValueError(f"--checkpoint {workdir}: a layer without metaplasticity (beta=None) "
-                       "has nothing to approximate")
-    captured.append({n: np.asarray(a, np.float32) for n, a in
-                     zip(INPUT_NAMES, (q, k, v, beta, log_alpha, prior_precision))})
-    return palimpsa(q, k, v, beta, log_alpha, prior_precision, **kwargs)
+  def recording(op):
+    def run(q, k, v, beta, log_alpha, prior_precision, **kwargs):
+      if beta is None:
+        raise ValueError(f"--checkpoint {workdir}: a layer without metaplasticity (beta=None) "
+                         "has nothing to approximate")
+      captured.append({n: np.asarray(a, np.float32) for n, a in
+                       zip(INPUT_NAMES, (q, k, v, beta, log_alpha, prior_precision))})
+      return op(q, k, v, beta, log_alpha, prior_precision, **kwargs)
+    return run
 
   h = model._embed(jnp.asarray(_tokens(config, batch, seed)))  # pylint: disable=protected-access
-  with unittest.mock.patch.object(palimpsa_d, "palimpsa", recording_op):
+  with (unittest.mock.patch.object(recurrent, "palimpsa", recording(palimpsa)),
+        unittest.mock.patch.object(recurrent, "fast_palimpsa", recording(fast_palimpsa))):
     for block in model.layer_blocks():
       h, _ = block(h, None, False)
   return captured

@@ -32,10 +32,12 @@ def test_main_prints_the_table_and_writes_a_record(tmp_path):
   assert len(record["table"]["rows"]) == 3
 
 
-def test_capture_records_each_layer_s_op_inputs(monkeypatch):
+@pytest.mark.parametrize("precision", ["exact", "rank1"])
+def test_capture_records_each_layer_s_op_inputs(monkeypatch, precision):
   config = ml_collections.ConfigDict(dict(
       task="mqar", seq_len=16, model=models.mqar_model_config(
-          "palimpsa_d", d_model=16, vocab_size=32, num_heads=2, head_v_dim=8, dtype="float32"),
+          "palimpsa_d", d_model=16, vocab_size=32, num_heads=2, head_v_dim=8, dtype="float32",
+          precision=precision),
       data=dict(vocab_size=32, num_kv_pairs=2, power_a=0.01, random_non_queries=False)))
   model = models.build_model(config.model, nnx.Rngs(0))
   monkeypatch.setattr(fast_palimpsa_error.checkpoint_lib, "load_model",
