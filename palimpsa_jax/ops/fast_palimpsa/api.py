@@ -3,6 +3,7 @@ dispatches to an implementation of the table in implementations.py."""
 
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS
 from palimpsa_jax.ops.fast_palimpsa.validation import validate_fast_palimpsa_args
@@ -39,6 +40,10 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
   """
   validate_fast_palimpsa_args(q, k, v, beta, log_alpha, prior_precision, initial_state,
                               segment_ids, implementation, chunk_size)
+  if context_parallel.active() is not None:
+    # Each shard would start its own chunk grid from the prior: refuse rather than differ.
+    raise ValueError("fast_palimpsa cannot split the sequence over devices (a kernel_sharding "
+                     "with a sequence axis is active); run it with the whole time axis")
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   ip = prior_precision.astype(jnp.float32)

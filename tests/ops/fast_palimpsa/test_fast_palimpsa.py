@@ -10,7 +10,7 @@ from jax.test_util import check_grads
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops import PalimpsaState, fast_palimpsa, palimpsa
+from palimpsa_jax.ops import PalimpsaState, fast_palimpsa, kernel_sharding, palimpsa
 from palimpsa_jax.ops.fast_palimpsa import (fast_palimpsa_decode, init_fast_palimpsa_cache,
                                            reference_fast_palimpsa)
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
@@ -277,3 +277,11 @@ def test_decoding_in_pieces_matches_the_whole_sequence():
     start += length
   chex.assert_trees_all_close((jnp.concatenate(outs, 1), cache.state),
                               (whole.out, whole.state), rtol=1e-5, atol=1e-6)
+
+
+def test_refuses_a_sequence_split_over_devices():
+  x = make_inputs(40, (1, 8, 1, 4, 4))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("sequence",))
+  with kernel_sharding.kernel_sharding(mesh, (), (), "sequence"):
+    with pytest.raises(ValueError, match="cannot split the sequence over devices"):
+      fast_palimpsa(*_args(x, *DIFF_ARGS[:6]))
