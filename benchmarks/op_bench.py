@@ -17,6 +17,8 @@ that leaves elements unwritten fails. Then, after warm-up, over rotating input s
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
 implementation in the same run (>1: this one is faster) and the fraction of the floor
 (docs/gpu_performance.md) reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
+`--impls ... fast_palimpsa` adds rows for Fast Palimpsa (the rank-1 approximation, chunk =
+--chunk-size, its matmul form), checked against its own float64 reference instead.
 A record with the date, device, versions, git ref and the exact command is written to
 benchmarks/records/, and rewritten after every shape: a run stopped early keeps the shapes it
 measured (its record says which it had not reached).
@@ -39,7 +41,8 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 
 from benchmarks import fla_reference
 from benchmarks import results as results_lib
-from palimpsa_jax.ops import palimpsa
+from palimpsa_jax.ops import fast_palimpsa, palimpsa
+from palimpsa_jax.ops.fast_palimpsa import reference_fast_palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
 from palimpsa_jax.ops.palimpsa.api import auto_implementation
 
@@ -64,6 +67,14 @@ SHAPES = {
 FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (docs/gpu_performance.md)
 FWD_BWD_FLOOR_RATE = 1.2e12
 INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
+# The --impls name of Fast Palimpsa's rows: another op, checked against its own reference.
+FAST = "fast_palimpsa"
+
+
+def _fast_op(*args, implementation, **kwargs):
+  """fast_palimpsa's matmul form under op_bench's calling convention."""
+  del implementation
+  return fast_palimpsa(*args, implementation="chunked", **kwargs)
 
 
 def default_implementations() -> list[str]:
@@ -111,10 +122,11 @@ def fwd_bwd_fn(impl, chunk_size, op=palimpsa):
   return f
 
 
-@functools.partial(jax.jit, static_argnames=("with_grads",))
-def _reference(args, cot, with_grads):
+@functools.partial(jax.jit, static_argnames=("with_grads", "fast_chunk"))
+def _reference(args, cot, with_grads, fast_chunk):
   def run(*a):
-    r = reference_palimpsa(*a)
+    r = (reference_palimpsa(*a) if fast_chunk is None
+         else reference_fast_palimpsa(*a, chunk_size=fast_chunk))
     return jnp.sum(r.out * cot), (r.out, r.variance, r.state.mu, r.state.precision)
   if not with_grads:
     return run(*args)[1], None
@@ -122,10 +134,13 @@ def _reference(args, cot, with_grads):
   return res, grads
 
 
-def reference(args, cot, with_grads):
+def reference(args, cot, with_grads, fast_chunk=None):
+  """float64 results (and grads) of reference_palimpsa, or of Fast Palimpsa's reference with
+  chunk fast_chunk."""
   with jax.enable_x64(True):
     a64 = tuple(jnp.asarray(np.asarray(x.astype(jnp.float32)), jnp.float64) for x in args)
-    res, grads = _reference(a64, jnp.asarray(np.asarray(cot), jnp.float64), with_grads)
+    res, grads = _reference(a64, jnp.asarray(np.asarray(cot), jnp.float64), with_grads,
+                            fast_chunk)
     return jax.tree.map(np.asarray, (res, grads))
 
 
@@ -194,20 +209,25 @@ def bench_shape(name, shape, impls, args, log):
   ref_t = int(min(shape[1], max(args.chunk_size, args.max_ref_gib // per_step_gib)))
   trunc = tuple(x[:, :ref_t] if x.ndim >= 3 else x for x in arg_sets[0])
   log(f"[{name}] float64 reference (gradients on the first {ref_t} steps)")
-  ref_res, _ = reference(arg_sets[0], cot, with_grads=False)
-  if not args.variance:
-    ref_res = ref_res[:1] + ref_res[2:]
-  _, ref_grads = reference(trunc, cot[:, :ref_t], with_grads=True)
+  refs = {}
+  for fast_chunk in sorted({args.chunk_size if impl == FAST else None for impl in impls},
+                           key=str):
+    ref_res, _ = reference(arg_sets[0], cot, False, fast_chunk)
+    if not args.variance:
+      ref_res = ref_res[:1] + ref_res[2:]
+    refs[fast_chunk] = (ref_res, reference(trunc, cot[:, :ref_t], True, fast_chunk)[1])
   rows = []
   for impl in impls:
+    ref_res, ref_grads = refs[args.chunk_size if impl == FAST else None]
+    op = _fast_op if impl == FAST else palimpsa
     for mode in ("fwd", "fwd+bwd"):
       materialises = impl == "associative" or (impl == "sequential" and mode == "fwd+bwd")
       if materialises and 6 * state_gib(shape) > args.max_state_gib:
         rows.append((name, shape, impl, mode, None, None, "skipped: stores all T states",
                      None))
         continue
-      fn = (fwd_fn(impl, args.chunk_size, args.variance) if mode == "fwd"
-            else fwd_bwd_fn(impl, args.chunk_size))
+      fn = (fwd_fn(impl, args.chunk_size, args.variance, op) if mode == "fwd"
+            else fwd_bwd_fn(impl, args.chunk_size, op))
       call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
       poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
       if mode == "fwd":

@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compare_implementations", default="",
                       help="comma-separated implementations: Palimpsa-D once with each")
   parser.add_argument("--remat", action="store_true", help="rematerialise each block")
+  parser.add_argument("--precision", default="exact", choices=("exact", "rank1"),
+                      help="palimpsa_d / meta_mamba2: the exact op or Fast Palimpsa "
+                           "(docs/fast_palimpsa.md, chunk = the model's chunk_size)")
   parser.add_argument("--scan_layers", default="off", choices=("on", "off", "both"),
                       help="model.scan_layers: unrolled layers (off; configs/lm.py scans from "
                            "170m up), one scanned layer body (on), or each model both ways")
@@ -216,6 +219,8 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   config.model.implementation = model_implementation(model, implementation)
   config.model.remat = args.remat
   config.model.scan_layers = scan_layers
+  if config.model.mixer in ("palimpsa_d", "meta_mamba2"):
+    config.model.precision = args.precision
   rules = sharding_lib.rules_from_config(config.mesh)
   total_steps = config.total_steps
   spec = state_lib.make_train_state_spec(
@@ -295,7 +300,10 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
   tokens_per_s = args.batch_size * args.seq_len / step_s
   peak = metrics_lib.peak_flops_per_device()
   mfu = (6 * built.num_params * tokens_per_s / (peak * mesh.size)) if peak else None
-  row = {"model": model, "implementation": built.config.model.implementation,
+  implementation = built.config.model.implementation
+  if built.config.model.get("precision", "exact") == "rank1":  # the op is another one
+    implementation = "fast_palimpsa (rank1)"
+  row = {"model": model, "implementation": implementation,
          "scan_layers": scan_layers, "params": built.num_params,
          "layers": int(built.config.model.num_layers),
          "grad_accum_steps": built.grad_accum_steps, "init_s": built.init_s,
@@ -408,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "mesh": dict(mesh.shape), "remat": args.remat,
                   "kernel_sharding": not args.no_kernel_sharding,
-                  "context_parallel": args.context_parallel},
+                  "context_parallel": args.context_parallel, "precision": args.precision},
         notes=[f"bf16 compute, f32 params, configs/lm.py optimizer, remat "
                f"{'on' if args.remat else 'off'}, kernels "
                f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"

@@ -50,6 +50,7 @@ DEFAULTS = dict(
     device_batch=8,  # Most sequences per device and microbatch (gradient accumulation).
     scan_layers=False,  # One scanned block for all layers (fast compile, docs/training.md).
     remat=False,  # Recompute each block's activations in the backward pass.
+    precision="exact",  # "rank1": Fast Palimpsa in palimpsa_d, meta_mamba2 (docs/fast_palimpsa.md).
 )
 
 # docs/models.md, sizes and recipe (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
@@ -101,7 +102,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = parse_args(arg)
   config = base.base_config("lm")
   config.args = args
-  config.model = models.model_config(args.model, args.size, dtype=args.dtype)
+  config.model = models.model_config(args.model, args.size, dtype=args.dtype,
+                                     precision=args.precision)
   config.model.scan_layers = args.scan_layers
   config.model.remat = args.remat
   config.seed = args.seed

@@ -12,6 +12,8 @@ vocabulary 8192, d_model 128, 8 heads (K=16, V=32), 100k/3k examples, batch 128
 (64 at length >= 1024), up to 60 epochs, early stop at 99%. Any argument given
 explicitly overrides the preset. steps=N trains N steps instead of `epochs`
 passes; warmup is a fraction of the steps the run actually takes.
+precision=rank1 runs Fast Palimpsa (palimpsa_d, meta_mamba2; docs/fast_palimpsa.md) with
+chunk_size=C steps per chunk.
 """
 
 import math
@@ -54,6 +56,8 @@ DEFAULTS = dict(
     # choice: TF32 for float32 on recent NVIDIA GPUs), "float32", "tensorfloat32" or
     # "bfloat16" (bfloat16 products, float32 accumulation). Opt-in; the op keeps its own.
     matmul="default",
+    precision="exact",  # "rank1": Fast Palimpsa.
+    chunk_size=64,  # Chunk of the chunked op; with precision=rank1 the approximation's.
 )
 
 # The paper's setting (docs/models.md, MQAR); arguments given explicitly win.
@@ -76,7 +80,8 @@ PAPER = dict(
 
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
-  overrides = dict(dtype=args.dtype, implementation=args.impl, matmul_precision=args.matmul)
+  overrides = dict(dtype=args.dtype, implementation=args.impl, matmul_precision=args.matmul,
+                   precision=args.precision, chunk_size=args.chunk_size)
   if args.mixer in _DELTA_MIXERS and args.heads:
     overrides.update(num_heads=args.heads, head_v_dim=args.head_v or 32)
   if args.mixer in ("meta_mamba2", "mamba2"):

@@ -206,6 +206,11 @@ def authors_model_type(config: ml_collections.ConfigDict) -> str:
     raise ValueError(
         f"config.mixer={config.mixer!r} has no counterpart in the authors' models "
         f"(they have {sorted(_MODEL_TYPE_OF_MIXER)})")
+  if config.get("precision", "exact") != "exact":
+    raise ValueError(
+        f"config.precision={config.precision!r} (Fast Palimpsa) has no counterpart in the "
+        "authors' released models, whose layers run the exact op; export a precision='exact' "
+        "model")
   metaplastic = models.metaplastic_layers(config)
   if metaplastic and len(metaplastic) != config.num_layers:
     raise ValueError(

@@ -12,15 +12,17 @@ from palimpsa_jax.layers.conv import ShortConv
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnostics
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm
-from palimpsa_jax.layers.recurrent import MetaplasticMixer
-from palimpsa_jax.ops import PalimpsaState, palimpsa
+from palimpsa_jax.layers.recurrent import MetaplasticMixer, check_precision
+from palimpsa_jax.ops import PalimpsaState
+from palimpsa_jax.ops.fast_palimpsa import FastPalimpsaCache
 
 
 class MetaMamba2Cache(NamedTuple):
-  """Decode cache: xBC conv state [B, W-1, C] f32, posterior [B, H, P, N]."""
+  """Decode cache: xBC conv state [B, W-1, C] f32 and the memory: the posterior [B, H, P, N]
+  (precision "exact") or Fast Palimpsa's decode cache ("rank1")."""
 
   conv: jax.Array
-  state: PalimpsaState
+  state: PalimpsaState | FastPalimpsaCache
 
 
 class MetaMamba2(MetaplasticMixer):
@@ -36,6 +38,7 @@ class MetaMamba2(MetaplasticMixer):
   metaplasticity=False is Mamba2 exactly (beta = 0, no beta parameters).
   beta_bias=False drops the bias of the low-rank up-projection (as in the
   authors' PyTorch layer).
+  precision="rank1" runs Fast Palimpsa (docs/fast_palimpsa.md) with chunk_size as its chunk.
   """
 
   def __init__(
@@ -47,7 +50,8 @@ class MetaMamba2(MetaplasticMixer):
       dt_init_floor: float = 1e-4, norm_eps: float = 1e-5,
       init_std: float = params_lib.INIT_STD, implementation: str = "auto",
       chunk_size: int = 64, beta_bias: bool = True,
-      norm_groups: int | None = None, dtype=jnp.float32):
+      norm_groups: int | None = None, precision: str = "exact", dtype=jnp.float32):
+    check_precision(precision)
     d_inner = expand * d_model
     if d_inner % head_dim:
       raise ValueError(
@@ -92,18 +96,15 @@ class MetaMamba2(MetaplasticMixer):
     self.d_model = d_model
     self.implementation = implementation
     self.chunk_size = chunk_size
+    self.precision = precision
     self.dtype = dtype
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype=jnp.float32) -> MetaMamba2Cache:
     """Fixed-shape cache; independent of max_length (O(1) per token)."""
     del max_length, dtype
-    shape = (batch_size, self.num_heads, self.head_dim, self.state_dim)
-    ip = self.prior_precision()[None, :, None, None]
-    return MetaMamba2Cache(
-        self.conv.init_state(batch_size),
-        PalimpsaState(jnp.zeros(shape, jnp.float32),
-                      jnp.broadcast_to(ip, shape)))
+    return MetaMamba2Cache(self.conv.init_state(batch_size),
+                           self._initial_memory(batch_size, self.head_dim, self.state_dim))
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
@@ -131,11 +132,9 @@ class MetaMamba2(MetaplasticMixer):
               * jax.nn.softplus(self.b_scale[...])[:, None] * dt[..., None])
       beta = beta.astype(self.dtype)
 
-    result = palimpsa(
-        c, b, v, beta, log_alpha, self.prior_precision(),
-        initial_state=None if cache is None else cache.state,
-        segment_ids=segment_ids, return_variance=return_diagnostics,
-        implementation=implementation, chunk_size=self.chunk_size)
+    result, memory = self._memory(
+        c, b, v, beta, log_alpha, None if cache is None else cache.state, segment_ids,
+        return_diagnostics, implementation)
     out = (result.out.astype(jnp.float32)
            + self.D[...][:, None] * xs.astype(jnp.float32))
     out = self.norm(out.reshape(batch, length, d_inner), z)
@@ -145,4 +144,4 @@ class MetaMamba2(MetaplasticMixer):
       diagnostics = {
           **palimpsa_diagnostics(result, c, self.prior_precision(), y),
           **gate_diagnostics(log_alpha)}
-    return y, MetaMamba2Cache(conv_state, result.state), diagnostics
+    return y, MetaMamba2Cache(conv_state, memory), diagnostics

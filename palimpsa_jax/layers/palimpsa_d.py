@@ -12,17 +12,19 @@ from palimpsa_jax.layers.diagnostics import gate_diagnostics, palimpsa_diagnosti
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm
 from palimpsa_jax.layers.qkv import ConvolvedQKV
-from palimpsa_jax.layers.recurrent import MetaplasticMixer
-from palimpsa_jax.ops import PalimpsaState, palimpsa
+from palimpsa_jax.layers.recurrent import MetaplasticMixer, check_precision
+from palimpsa_jax.ops import PalimpsaState
+from palimpsa_jax.ops.fast_palimpsa import FastPalimpsaCache
 
 
 class PalimpsaDCache(NamedTuple):
-  """Decode cache: conv states [B, W-1, C] f32 and the posterior [B, H, V, K]."""
+  """Decode cache: conv states [B, W-1, C] f32 and the memory: the posterior [B, H, V, K]
+  (precision "exact") or Fast Palimpsa's decode cache ("rank1")."""
 
   q_conv: jax.Array
   k_conv: jax.Array
   v_conv: jax.Array
-  state: PalimpsaState
+  state: PalimpsaState | FastPalimpsaCache
 
 
 class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
@@ -33,6 +35,7 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
   the written value and beta; beta = sigmoid(low-rank(x)) * softplus(b_scale) * s.
   out = palimpsa(...) + D * v, per-head gated RMSNorm (swish gate), out_proj.
   NotPalimpsa has no beta parameters and runs the op's SimpleGLA path.
+  precision="rank1" runs Fast Palimpsa (docs/fast_palimpsa.md) with chunk_size as its chunk.
   beta_bias=False drops the bias of the low-rank up-projection (as in the
   authors' PyTorch layer).
   """
@@ -45,7 +48,8 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
       dt_max: float = 1e-1, dt_init_floor: float = 1e-4,
       norm_eps: float = 1e-6, init_std: float = params_lib.INIT_STD,
       implementation: str = "auto", chunk_size: int = 64,
-      beta_bias: bool = True, dtype=jnp.float32):
+      beta_bias: bool = True, precision: str = "exact", dtype=jnp.float32):
+    check_precision(precision)
     h, kd, vd = num_heads, head_k_dim, head_v_dim
     init = params_lib.normal_init(init_std)
     dense = lambda i, o, names: Dense(i, o, names=names, rngs=rngs,
@@ -75,18 +79,16 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
     self.d_model = d_model
     self.implementation = implementation
     self.chunk_size = chunk_size
+    self.precision = precision
     self.dtype = dtype
 
   def init_cache(self, batch_size: int, max_length: int,
                  dtype=jnp.float32) -> PalimpsaDCache:
     """Fixed-shape cache; independent of max_length (O(1) per token)."""
     del max_length, dtype
-    h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
-    ip = self.prior_precision()[None, :, None, None]
     return PalimpsaDCache(
         *self._initial_conv_states(batch_size),
-        PalimpsaState(jnp.zeros((batch_size, h, vd, kd), jnp.float32),
-                      jnp.broadcast_to(ip, (batch_size, h, vd, kd))))
+        self._initial_memory(batch_size, self.head_v_dim, self.head_k_dim))
 
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
@@ -108,17 +110,15 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
               * jax.nn.softplus(self.b_scale[...])[:, None] * s)
       beta = beta.astype(self.dtype)
 
-    result = palimpsa(
+    result, memory = self._memory(
         q.astype(self.dtype), k.astype(self.dtype), written, beta, log_alpha,
-        self.prior_precision(),
-        initial_state=None if cache is None else cache.state,
-        segment_ids=segment_ids, return_variance=return_diagnostics,
-        implementation=implementation, chunk_size=self.chunk_size)
+        None if cache is None else cache.state, segment_ids, return_diagnostics,
+        implementation)
     out = (result.out.astype(jnp.float32)
            + self.D[...][:, None] * v.astype(jnp.float32))
     g = self.gate_proj(x).reshape(batch, length, h, vd)
     y = self.out_proj(self.out_norm(out, g).reshape(batch, length, h * vd))
-    new_cache = PalimpsaDCache(*conv_states, result.state)
+    new_cache = PalimpsaDCache(*conv_states, memory)
     diagnostics = None
     if return_diagnostics:
       diagnostics = {

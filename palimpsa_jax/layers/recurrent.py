@@ -6,6 +6,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from palimpsa_jax.ops import PalimpsaResult, PalimpsaState, fast_palimpsa, palimpsa
+from palimpsa_jax.ops.fast_palimpsa import fast_palimpsa_decode, init_fast_palimpsa_cache
+
+# How a metaplastic mixer reads its memory: "exact" is the Palimpsa op; "rank1" is Fast
+# Palimpsa, a rank-1 precision inside chunks of the mixer's chunk_size (docs/fast_palimpsa.md).
+PRECISIONS = ("exact", "rank1")
+
+
+def check_precision(precision: str) -> None:
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
+
 
 class RecurrentMixer(nnx.Module):
   """Forward, prefill and single-step decoding around one `_forward`.
@@ -37,9 +49,39 @@ class RecurrentMixer(nnx.Module):
 class MetaplasticMixer(RecurrentMixer):
   """A recurrent mixer on the Palimpsa op, with a `metaplasticity` flag and a frozen Ip_log.
 
-  Subclasses set `self.metaplasticity`, `self.num_heads` and, when metaplastic, the
-  parameter `self.Ip_log` [H].
+  Subclasses set `self.metaplasticity`, `self.num_heads`, `self.precision` (one of
+  PRECISIONS), `self.chunk_size` and, when metaplastic, the parameter `self.Ip_log` [H].
   """
+
+  def _initial_memory(self, batch_size: int, value_dim: int, key_dim: int):
+    """The cache's memory before any token: the prior as a PalimpsaState ("exact") or as a
+    Fast Palimpsa decode cache at a chunk boundary ("rank1")."""
+    shape = (batch_size, self.num_heads, value_dim, key_dim)
+    ip = self.prior_precision()[None, :, None, None]
+    state = PalimpsaState(jnp.zeros(shape, jnp.float32), jnp.broadcast_to(ip, shape))
+    return state if self.precision == "exact" else init_fast_palimpsa_cache(state)
+
+  def _memory(self, q, k, v, beta, log_alpha, memory, segment_ids, return_variance,
+              implementation) -> tuple[PalimpsaResult, Any]:
+    """Runs the op on [B, T, H, .] inputs from the cache's memory (None: the prior).
+
+    Returns (PalimpsaResult, the cache's new memory). "rank1" runs Fast Palimpsa's matmul
+    form on whole sequences and its cached decode from a cache, so that prefill and single
+    steps compute what the whole-sequence forward computes.
+    """
+    ip = self.prior_precision()
+    if self.precision == "exact":
+      result = palimpsa(q, k, v, beta, log_alpha, ip, initial_state=memory,
+                        segment_ids=segment_ids, return_variance=return_variance,
+                        implementation=implementation, chunk_size=self.chunk_size)
+      return result, result.state
+    if memory is None:
+      result = fast_palimpsa(q, k, v, beta, log_alpha, ip, segment_ids=segment_ids,
+                             return_variance=return_variance, chunk_size=self.chunk_size)
+      return result, result.state
+    out, memory = fast_palimpsa_decode(q, k, v, beta, log_alpha, ip, memory,
+                                       chunk_size=self.chunk_size)
+    return PalimpsaResult(out, None, memory.state), memory
 
   def prior_precision(self) -> jax.Array:
     """Ip [H] f32; Ip_log is frozen (no gradient), so Ip stays at its initial value."""

@@ -21,7 +21,9 @@ Mixer fields:
   palimpsa_d and meta_mamba2 also: beta_bias (whether the beta up-projection has a
     bias; False by default, as in the authors' PyTorch models; MQAR models keep the
     bias their published results were measured with; a saved config without the field
-    is from before it existed and had the bias).
+    is from before it existed and had the bias) and precision ("exact", the default: the
+    Palimpsa op; "rank1": Fast Palimpsa, a rank-1 precision inside chunks of chunk_size,
+    docs/fast_palimpsa.md).
 metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
   what config.metaplasticity says for every layer (a converted Mamba2 /
   NotPalimpsa model, docs/models.md, conversion); () (the default): none beyond it. Only
@@ -97,7 +99,7 @@ def _common(model: str) -> dict:
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
               remat=False, scan_layers=False, implementation="auto",
-              chunk_size=64, matmul_precision="default")
+              chunk_size=64, matmul_precision="default", precision="exact")
 
 
 def _gates(mixer: str) -> dict:

@@ -62,6 +62,12 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
     metaplasticity = config.metaplasticity
   dtype = jnp.dtype(config.dtype)
   common = dict(rngs=rngs, init_std=config.init_std, dtype=dtype)
+  # Configs written before the field existed read as "exact".
+  precision = config.get("precision", "exact")
+  if precision != "exact" and config.mixer not in ("palimpsa_d", "meta_mamba2"):
+    raise ValueError(
+        f"precision={precision!r} needs a Palimpsa mixer (palimpsa_d or meta_mamba2); "
+        f"config.mixer is {config.mixer!r}, whose only precision is 'exact'")
   if config.mixer == "attention":
     return Attention(config.d_model, num_heads=config.num_heads,
                      head_dim=config.head_dim, rope=config.rope,
@@ -80,14 +86,14 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
                      head_k_dim=config.head_k_dim,
                      head_v_dim=config.head_v_dim, beta_rank=config.beta_rank,
                      beta_bias=config.get("beta_bias", True),
-                     metaplasticity=metaplasticity, **recurrent)
+                     metaplasticity=metaplasticity, precision=precision, **recurrent)
   if config.mixer == "meta_mamba2":
     return MetaMamba2(config.d_model, expand=config.expand,
                       head_dim=config.head_dim, state_dim=config.state_dim,
                       num_groups=config.num_groups, beta_rank=config.beta_rank,
                       beta_bias=config.get("beta_bias", True),
                       norm_groups=config.get("norm_groups") or None,
-                      metaplasticity=metaplasticity, **recurrent)
+                      metaplasticity=metaplasticity, precision=precision, **recurrent)
   if config.mixer == "gated_deltanet":
     return GatedDeltaNet(config.d_model, num_heads=config.num_heads,
                          head_k_dim=config.head_k_dim,

@@ -1,5 +1,7 @@
-"""Recurrence ops: Palimpsa, its SimpleGLA special case, the gated delta rule and MesaNet."""
+"""Recurrence ops: Palimpsa, its SimpleGLA special case, its rank-1 approximation (Fast
+Palimpsa), the gated delta rule and MesaNet."""
 
+from palimpsa_jax.ops.fast_palimpsa import fast_palimpsa
 from palimpsa_jax.ops.gated_delta import DeltaRuleResult, gated_delta_rule
 from palimpsa_jax.ops.gla import GLAResult, simple_gla
 from palimpsa_jax.ops.mesa import MesaResult, MesaState, mesa_net
@@ -12,6 +14,7 @@ __all__ = [
     "MesaState",
     "PalimpsaResult",
     "PalimpsaState",
+    "fast_palimpsa",
     "gated_delta_rule",
     "mesa_net",
     "palimpsa",

@@ -110,3 +110,17 @@ def test_record_is_rewritten_after_every_shape(monkeypatch, tmp_path):
   record = json.loads(path.read_text())
   assert [row[0] for row in record["table"]["rows"]] == ["first"] * 2 + ["second"] * 2
   assert not any(n.startswith("partial") for n in record["notes"])
+
+
+def test_fast_palimpsa_rows_are_checked_against_their_own_reference():
+  """The fast_palimpsa rows pass against Fast Palimpsa's float64 reference (they would fail
+  against the exact op's: beta varies over V) beside the exact op's rows."""
+  args = argparse.Namespace(dtype="float32", rotate=1, chunk_size=16, max_ref_gib=16.0,
+                            max_state_gib=16.0, variance=True, memory=False, warmup=1,
+                            iters=1)
+  rows = op_bench.bench_shape("tiny", (1, 40, 2, 8, 8), ["chunked", op_bench.FAST], args,
+                              lambda msg: None)
+  assert [(r[2], r[3]) for r in rows] == [
+      ("chunked", "fwd"), ("chunked", "fwd+bwd"), ("fast_palimpsa", "fwd"),
+      ("fast_palimpsa", "fwd+bwd")]
+  assert all(r[4] is not None and r[4] > 0 for r in rows), rows

@@ -60,3 +60,13 @@ def test_main_writes_table_results_and_json(tmp_path, capsys):
   assert record["table"]["columns"][:3] == ["model", "implementation", "scanned"]
   assert record["table"]["rows"][3][:3] == ["palimpsa_d", "chunked", "no"]
   assert json.loads(output.read_text())["rows"][2]["model"] == "palimpsa_d"
+
+
+@pytest.mark.slow  # Compiles two train steps: about a minute on 2 CPU cores.
+def test_precision_rank1_rows_name_fast_palimpsa():
+  argv = ["--models", "palimpsa_d,gated_deltanet", "--precision", "rank1", "--size", "tiny",
+          "--seq_len", "32", "--batch_size", "2", "--steps", "1", "--warmup_steps", "0",
+          "--no_kernel_sharding", "--no_record"]
+  rows = train_throughput.main(argv)["rows"]
+  assert [(r["model"], r["implementation"]) for r in rows] == [
+      ("palimpsa_d", "fast_palimpsa (rank1)"), ("gated_deltanet", "auto")]

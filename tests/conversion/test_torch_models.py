@@ -149,6 +149,8 @@ def _our_destination(tmp_path, config):
      "one is not zero: train with config.model.beta_bias=False"),
     (dict(norm_groups=1, beta_bias=False, metaplasticity=False, metaplastic_layers=(1,)),
      "only layers [1] of 3 are metaplastic"),
+    (dict(norm_groups=1, beta_bias=False, precision="rank1"),
+     "config.precision='rank1' (Fast Palimpsa) has no counterpart"),
 ])
 def test_export_errors_name_what_the_authors_lack(tmp_path, overrides, message):
   config = mamba2_fixtures.tiny_config()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from palimpsa_jax.layers import palimpsa_d as palimpsa_d_module
+from palimpsa_jax.layers import recurrent as recurrent_module
 from palimpsa_jax.models import make_mixer, model_config
 from tests.ops.numerics import FLOAT32_TOL, assert_close_to_reference
 
@@ -137,11 +137,11 @@ def test_not_palimpsa_equals_palimpsa_d_with_zero_beta(monkeypatch):
   assert_close_to_reference(nnx.jit(_apply)(plain, x), nnx.jit(_apply)(full, x), FLOAT32_TOL)
 
   betas = []
-  original = palimpsa_d_module.palimpsa
+  original = recurrent_module.palimpsa
   def recording_palimpsa(*args, **kwargs):
     betas.append(args[3])
     return original(*args, **kwargs)
-  monkeypatch.setattr(palimpsa_d_module, "palimpsa", recording_palimpsa)
+  monkeypatch.setattr(recurrent_module, "palimpsa", recording_palimpsa)
   nnx.eval_shape(lambda m: m(x), plain)
   assert betas == [None]  # NotPalimpsa asks the op for its SimpleGLA path.
 

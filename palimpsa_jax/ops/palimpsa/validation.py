@@ -20,6 +20,14 @@ def validate_palimpsa_args(
       unknown implementation.
   """
   check_options(implementation, chunk_size, IMPLEMENTATIONS)
+  return check_palimpsa_arrays(q, k, v, beta, log_alpha, prior_precision, initial_state,
+                               segment_ids)
+
+
+def check_palimpsa_arrays(q, k, v, beta, log_alpha, prior_precision, initial_state,
+                          segment_ids) -> tuple[int, int, int, int, int]:
+  """The array arguments of `palimpsa` (shared with ops that take the same inputs);
+  returns (B, T, H, K, V). Raises TypeError/ValueError naming the argument."""
   b, t, h, kd, vd = check_sequences(q, k, v, None, segment_ids)
   if beta is not None:
     check_array("beta", beta, (b, t, h, vd), "[B, T, H, V]")
