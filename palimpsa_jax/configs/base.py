@@ -17,6 +17,7 @@ from typing import Any
 import ml_collections
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.configs import config_args
 
 TASKS = ("mqar", "lm")
 class ConfigError(ValueError, user_errors.UserError):
@@ -161,6 +162,21 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict(_group(MESH_FIELDS))
   config.data = ml_collections.ConfigDict(_group(DATA_FIELDS[task]))
   return config
+
+
+def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A config.json written by train.py, in today's spelling (earlier runs' too).
+
+  config.args and config.finetune of earlier versions hold arguments under names since
+  renamed (config_args.RENAMED); they are read under the new names.
+  """
+  saved = dict(saved)
+  renamed = config_args.RENAMED_LM if saved.get("task") == "lm" else None
+  if isinstance(saved.get("args"), dict):
+    saved["args"] = config_args.upgrade_args(saved["args"], renamed)
+  if isinstance(saved.get("finetune"), dict):
+    saved["finetune"] = config_args.upgrade_args(saved["finetune"])
+  return ml_collections.ConfigDict(saved)
 
 
 def _is_type(value: Any, types: tuple[type, ...]) -> bool:

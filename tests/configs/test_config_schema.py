@@ -1,12 +1,15 @@
 """The run config's one table of fields (palimpsa_jax/configs/base.py) and the config files on it."""
 
 import importlib.util
+import json
 import pathlib
 
 import ml_collections
 import pytest
 
 from palimpsa_jax.configs import base
+from palimpsa_jax.configs import config_args
+from palimpsa_jax.training import checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -42,7 +45,7 @@ def test_base_config_holds_every_field_with_its_default(task):
 
 
 @pytest.mark.parametrize("name, arg", [
-    ("mqar", ""), ("mqar", "preset=paper,mixer=mamba2,seq_len=1024,kv=256"),
+    ("mqar", ""), ("mqar", "preset=paper,mixer=mamba2,seq_len=1024,num_kv_pairs=256"),
     ("lm", "size=tiny"), ("lm", "model=mamba2,size=170m"),
 ])
 def test_config_files_set_every_required_field(name, arg):
@@ -94,10 +97,67 @@ def test_cross_field_checks():
   config.data.train_files = ""
   with pytest.raises(ValueError, match=r"^config.data.train_files must be the training text"):
     base.validate(config)
-  config = _config_file("mqar").get_config("examples=16,batch=32")
+  config = _config_file("mqar").get_config("num_train_examples=16,batch_size=32")
   with pytest.raises(ValueError, match="num_train_examples=16 is smaller than config.batch_size"):
     base.validate(config)
   config = _config_file("mqar").get_config()
   config.num_epochs = 0
   with pytest.raises(ValueError, match=r"set config.total_steps \(> 0\) or config.num_epochs"):
     base.validate(config)
+
+
+def _leaves(config: ml_collections.ConfigDict) -> dict[str, object]:
+  """{field name: value} of the run config's fields (config.args and config.finetune aside)."""
+  leaves = {}
+  for key, value in config.items():
+    if key in ("args", "finetune"):
+      continue
+    if isinstance(value, ml_collections.ConfigDict):
+      leaves.update(_leaves(value))
+    else:
+      leaves[key] = value
+  return leaves
+
+
+@pytest.mark.parametrize("name, arg", [
+    ("mqar", ""), ("mqar", "preset=paper,total_steps=7,early_stop_accuracy=0.5"),
+    ("lm", "size=tiny"), ("lm", "size=170m,batch_size=64,learning_rate=1e-3"),
+])
+def test_an_argument_with_a_field_name_sets_that_field(name, arg):
+  config = _config_file(name).get_config(arg)
+  fields = _leaves(config)
+  # An argument at 0 is "not set" (mqar's total_steps: num_epochs passes; num_heads and
+  # head_v_dim: the mixer's own layout); the config file chooses the field then.
+  shared = [k for k in config.args if k in fields and config.args[k] != 0]
+  assert {"learning_rate", "batch_size", "seq_len"} <= set(shared)
+  assert {k: fields[k] for k in shared} == {k: config.args[k] for k in shared}
+  assert not set(config.args) & set(config_args.RENAMED_LM | config_args.RENAMED_FRACTION)
+
+
+@pytest.mark.parametrize("name, old, new", [
+    ("mqar", "lr=1e-3", "learning_rate"), ("mqar", "kv=8", "num_kv_pairs"),
+    ("mqar", "impl=chunked", "implementation"), ("mqar", "warmup=0.1", "warmup_fraction"),
+    ("lm", "size=tiny,steps=5", "total_steps"), ("lm", "size=tiny,warmup=10", "warmup_steps"),
+])
+def test_an_earlier_argument_name_is_refused_naming_the_new_one(name, old, new):
+  with pytest.raises(config_args.ConfigArgumentError) as error:
+    _config_file(name).get_config(old)
+  key = old.rsplit(",", 1)[-1].split("=")[0]
+  assert str(error.value) == f"config argument {key} is now called {new} (e.g. {new}=<value>)."
+
+
+def test_a_config_json_in_the_earlier_spelling_loads_under_todays_names(tmp_path):
+  """config.json of an earlier version: config.args under the names since renamed."""
+  config = _config_file("mqar").get_config("total_steps=7")
+  saved = json.loads(config.to_json_best_effort())
+  old_names = {new: old for old, new in config_args.RENAMED_FRACTION.items()}
+  saved["args"] = {old_names.get(key, key): value for key, value in saved["args"].items()}
+  assert saved["args"]["lr"] == 1e-2 and saved["args"]["steps"] == 7
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  loaded = checkpoint.load_config(str(tmp_path))
+  assert loaded.args.to_dict() == config.args.to_dict()
+  assert loaded.to_json_best_effort() == config.to_json_best_effort()
+  lm = _config_file("lm").get_config("size=tiny")
+  saved = json.loads(lm.to_json_best_effort())
+  saved["args"]["warmup"] = saved["args"].pop("warmup_steps")
+  assert base.from_saved(saved).args.warmup_steps == lm.args.warmup_steps

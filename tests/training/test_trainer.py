@@ -261,7 +261,8 @@ def test_lm_task_trains_on_text_files(tmp_path):
   spec = importlib.util.spec_from_file_location("lm_config", REPO / "configs" / "lm.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config("model=palimpsa_d,size=tiny,seq_len=32,batch=4,steps=6,warmup=2")
+  config = module.get_config(
+      "model=palimpsa_d,size=tiny,seq_len=32,batch_size=4,total_steps=6,warmup_steps=2")
   config.model = ml_collections.ConfigDict({"vocab_size": 300, "width": 16})
   _write_text_docs(tmp_path)
   config.data.train_files = str(tmp_path / "train" / "*.txt")
