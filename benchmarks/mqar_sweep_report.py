@@ -10,7 +10,7 @@ import json
 import pathlib
 
 from benchmarks import results as results_lib
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import config_args
 from palimpsa_jax.training import metrics as metrics_lib
 
 LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",

@@ -22,9 +22,9 @@ import pathlib
 
 import ml_collections
 
-from palimpsa_jax.configs import base
-from palimpsa_jax.configs import config_args
 from palimpsa_jax.conversion import checkpoint
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import config_args
 
 DEFAULTS = dict(
     source="",                # conversion output directory (required)

@@ -26,7 +26,7 @@ many microbatches as keep each device at `device_batch` sequences or fewer
 overrides the size's default. The tokenizer defaults to a byte-level BPE with
 the model's vocabulary size, trained on the training files ("bpe:<vocab>").
 An argument that sets a run-config field has that field's name
-(palimpsa_jax/configs/config_args.py); preset, model, size, tokens and warmup_steps (the
+(palimpsa_jax/run_config/config_args.py); preset, model, size, tokens and warmup_steps (the
 paper's warmup in steps, which sets config.optimizer.warmup_fraction) have none.
 """
 
@@ -35,8 +35,8 @@ import math
 import ml_collections
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import config_args
 
 DEFAULTS = dict(
     preset="",  # "cpu": PRESETS["cpu"] under the explicitly given arguments.
@@ -104,7 +104,7 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The LM run: palimpsa_jax/configs/base.py's fields, set from the arguments."""
+  """The LM run: palimpsa_jax/run_config/base.py's fields, set from the arguments."""
   args = parse_args(arg)
   config = base.base_config("lm")
   config.args = args

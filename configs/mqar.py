@@ -13,7 +13,7 @@ vocabulary 8192, d_model 128, 8 heads (K=16, V=32), 100k/3k examples, batch 128
 (64 at length >= 1024), up to 60 epochs, early stop at 99%. Any argument given
 explicitly overrides the preset. total_steps=N trains N steps instead of `num_epochs`
 passes; warmup_fraction is a fraction of the steps the run actually takes. An argument that
-sets a run-config field has that field's name (palimpsa_jax/configs/config_args.py); preset,
+sets a run-config field has that field's name (palimpsa_jax/run_config/config_args.py); preset,
 mixer, evals_per_epoch and num_heads=0 / head_v_dim=0 (the paper's layout) have none.
 """
 
@@ -22,8 +22,8 @@ import math
 import ml_collections
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import config_args
 
 MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
           "gated_deltanet", "mesanet", "transformer")
@@ -115,7 +115,7 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The MQAR run: palimpsa_jax/configs/base.py's fields, set from the arguments."""
+  """The MQAR run: palimpsa_jax/run_config/base.py's fields, set from the arguments."""
   args = parse_args(arg)
   config = base.base_config("mqar")
   config.args = args

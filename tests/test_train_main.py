@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import config_args
 
 REPO = pathlib.Path(__file__).parents[1]
 

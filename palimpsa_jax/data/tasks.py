@@ -4,7 +4,7 @@
   lm:   packed text files (data/text.py, data/tokenizer.py) or token shards
         prepared beforehand (data/token_shards.py).
 
-Their config fields are checked before a task is made (palimpsa_jax/configs/base.py).
+Their config fields are checked before a task is made (palimpsa_jax/run_config/base.py).
 """
 
 import abc

@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import run_summary

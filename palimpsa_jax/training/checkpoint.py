@@ -30,7 +30,7 @@ from etils import epath
 
 from palimpsa_jax import models
 from palimpsa_jax import user_errors
-from palimpsa_jax.configs import base
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import state as state_lib
 
 CONFIG_FILE = "config.json"

@@ -22,7 +22,7 @@ from absl import app
 from absl import flags
 import ml_collections
 
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import config_args
 
 # Top-level fields that hold a config file's arguments (configs/*.py: args;
 # configs/finetune.py: finetune).

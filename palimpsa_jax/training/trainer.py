@@ -11,8 +11,8 @@ import ml_collections
 import optax
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
 from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
@@ -76,7 +76,7 @@ def initial_state(spec: state_lib.TrainStateSpec,
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises base.ConfigError naming the first bad training field.
 
-  Every field against palimpsa_jax/configs/base.py, then what depends on the
+  Every field against palimpsa_jax/run_config/base.py, then what depends on the
   devices: the mesh, and the batch's split over hosts, microbatches and shards.
   """
   base.validate(config)

@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from palimpsa_jax import user_errors
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import config_args
 
 TASKS = ("mqar", "lm")
 class ConfigError(ValueError, user_errors.UserError):

@@ -1,4 +1,4 @@
-"""The run config's one table of fields (palimpsa_jax/configs/base.py) and the config files on it."""
+"""The run config's one table of fields (palimpsa_jax/run_config/base.py) and the config files on it."""
 
 import importlib.util
 import json
@@ -7,8 +7,8 @@ import pathlib
 import ml_collections
 import pytest
 
-from palimpsa_jax.configs import base
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import config_args
 from palimpsa_jax.training import checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
