@@ -114,7 +114,7 @@ def run_config(run: Run, extra: dict[str, object]):
 
 def planned_steps(config) -> int:
   """Training steps of the run's full schedule."""
-  if config.total_steps > 0:
+  if config.total_steps is not None:
     return config.total_steps
   return config.num_epochs * (config.data.num_train_examples // config.batch_size)
 

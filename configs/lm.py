@@ -22,7 +22,7 @@ the repository's own documentation (docs/*.md, README.md held out), context 128,
 Unless `total_steps` is given, it is ceil(tokens / (batch_size * seq_len)), so changing
 batch_size or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
-(config.grad_accum_steps=0; set it to fix the count). Any argument given explicitly
+(config.grad_accum_steps=None; set it to fix the count). Any argument given explicitly
 overrides the size's default. The tokenizer defaults to a byte-level BPE with
 the model's vocabulary size, trained on the training files ("bpe:<vocab>").
 An argument that sets a run-config field has that field's name
@@ -33,6 +33,7 @@ paper's warmup in steps, which sets config.optimizer.warmup_fraction) have none.
 import math
 
 import ml_collections
+from ml_collections import config_dict
 
 from palimpsa_jax import models
 from palimpsa_jax.run_config import base
@@ -45,7 +46,7 @@ DEFAULTS = dict(
     seq_len=4096,
     batch_size=128,
     tokens=15e9,  # Training tokens; sets steps unless steps is given.
-    total_steps=0,  # 0: ceil(tokens / (batch_size * seq_len)).
+    total_steps=config_dict.placeholder(int),  # None: ceil(tokens / (batch_size * seq_len)).
     learning_rate=3e-3,
     warmup_steps=2000,
     seed=0,
@@ -94,7 +95,7 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
-  if args.total_steps <= 0:
+  if args.total_steps is None:
     if args.tokens <= 0 or args.batch_size <= 0 or args.seq_len <= 0:
       raise ValueError(
           f"tokens, batch_size and seq_len must be positive, got {args.tokens}, "
@@ -115,8 +116,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.seq_len = args.seq_len
   config.batch_size = args.batch_size  # Global, in sequences.
   config.eval_batch_size = args.device_batch  # Global; its logits are [B, T, vocab] f32.
-  # 0: as many microbatches as keep each device at device_batch sequences or fewer.
-  config.grad_accum_steps = 0
+  # None: as many microbatches as keep each device at device_batch sequences or fewer.
+  config.grad_accum_steps = None
   config.device_batch = args.device_batch
   config.total_steps = args.total_steps
 

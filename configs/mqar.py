@@ -20,6 +20,7 @@ mixer, evals_per_epoch and num_heads=0 / head_v_dim=0 (the paper's layout) have 
 import math
 
 import ml_collections
+from ml_collections import config_dict
 
 from palimpsa_jax import models
 from palimpsa_jax.run_config import base
@@ -43,13 +44,13 @@ DEFAULTS = dict(
     num_test_examples=1_000,
     batch_size=32,
     num_epochs=4,
-    total_steps=0,  # 0: num_epochs passes over the training set.
+    total_steps=config_dict.placeholder(int),  # None: num_epochs passes over the training set.
     learning_rate=1e-2,
     warmup_fraction=0.05,  # Fraction of the run's steps.
     seed=0,
     power_a=0.01,
     random_non_queries=False,
-    early_stop_accuracy=0.99,
+    early_stop_accuracy=ml_collections.FieldReference(0.99, field_type=float),  # none: never.
     evals_per_epoch=6,
     dtype="float32",
     implementation="auto",
@@ -108,9 +109,9 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
     raise ValueError(f"matmul_precision must be one of "
                      f"{sorted(models.language_model.MATMUL_PRECISIONS)}, "
                      f"got {args.matmul_precision!r}.")
-  if args.total_steps < 0:
+  if args.total_steps is not None and args.total_steps <= 0:
     raise ValueError(
-        f"total_steps must be >= 0 (0: `num_epochs` passes), got {args.total_steps}.")
+        f"total_steps must be > 0 (or none: `num_epochs` passes), got {args.total_steps}.")
   return args
 
 
@@ -126,7 +127,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_batch_size = max(args.batch_size, 128)
   steps_per_epoch = args.num_train_examples // args.batch_size
   config.num_epochs = args.num_epochs
-  config.total_steps = args.total_steps or -1  # -1: num_epochs passes over the training set.
+  config.total_steps = args.total_steps  # None: num_epochs passes over the training set.
   config.log_every_steps = max(1, steps_per_epoch // 10)
   config.eval_every_steps = max(1, steps_per_epoch // args.evals_per_epoch)
   config.checkpoint_every_steps = max(1, steps_per_epoch)

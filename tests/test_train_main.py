@@ -67,7 +67,7 @@ def test_lm_config_size_defaults(arg, lr, steps, batch):
   config = module.get_config(arg)
   assert config.optimizer.learning_rate == lr and config.total_steps == steps
   assert config.batch_size == batch and config.seq_len == 4096
-  assert config.grad_accum_steps == 0 and config.device_batch > 0
+  assert config.grad_accum_steps is None and config.device_batch > 0
 
 
 def test_train_then_eval_palimpsa_d(tmp_path):
@@ -130,7 +130,7 @@ if __name__ == "__main__":
 
 _SIGINT_CONFIG = ("--config=configs/mqar.py:seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=16,"
                   "num_heads=2,head_v_dim=8,num_train_examples=512,num_test_examples=64,"
-                  "batch_size=16,total_steps=150,early_stop_accuracy=0.0")
+                  "batch_size=16,total_steps=150,early_stop_accuracy=none")
 
 
 def _losses(workdir):

@@ -50,6 +50,10 @@ def upgrade_args(args: dict[str, Any], renamed: dict[str, str] | None = None) ->
 
 
 def _convert(key: str, text: str, default: Any) -> Any:
+  if isinstance(default, ml_collections.FieldReference):  # a setting that may be None
+    if text.lower() == "none":
+      return None
+    return _convert(key, text, default.get_type()())
   if isinstance(default, bool):
     if text.lower() in ("1", "true", "yes"):
       return True
@@ -72,7 +76,8 @@ def parse_config_arg(arg: str | None, renamed: dict[str, str] | None = None,
                      **defaults: Any) -> ml_collections.ConfigDict:
   """Parses "k=v,k=v" into a ConfigDict of `defaults` updated by the arguments.
 
-  Values take the type of their default; unknown keys raise ConfigArgumentError, naming
+  Values take the type of their default (a FieldReference's field type: then also "none");
+  unknown keys raise ConfigArgumentError, naming
   the new spelling of a key in `renamed` (default RENAMED_FRACTION).
   """
   renamed = RENAMED_FRACTION if renamed is None else renamed

@@ -99,21 +99,21 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> int:
-  """config.grad_accum_steps; for 0 ("auto"), the fewest microbatches per step
+  """config.grad_accum_steps; for None (auto), the fewest microbatches per step
   that put at most config.device_batch sequences on each of the batch_shards
   (data x fsdp) devices.
 
   Raises:
-    base.ConfigError: auto without a positive config.device_batch, or no count of
+    base.ConfigError: auto without config.device_batch, or no count of
       microbatches divides config.batch_size that way.
   """
-  if config.grad_accum_steps:
+  if config.grad_accum_steps is not None:
     return config.grad_accum_steps
   limit = config.device_batch
-  if limit <= 0:
+  if limit is None:
     raise base.ConfigError(
-        "config.grad_accum_steps=0 (auto) needs config.device_batch, the most "
-        f"sequences per device and microbatch, > 0; got {limit!r}.")
+        "config.grad_accum_steps=None (auto) needs config.device_batch, the most "
+        "sequences per device and microbatch; it is None.")
   for count in range(1, config.batch_size + 1):
     per_device, rest = divmod(config.batch_size, count * batch_shards)
     if not rest and per_device <= limit:

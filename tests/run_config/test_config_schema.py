@@ -57,11 +57,16 @@ def test_config_files_set_every_required_field(name, arg):
     ("seq_len", 0, "config.seq_len must be a positive int, got 0."),
     ("log_diagnostics", 1, "config.log_diagnostics must be True or False, got 1."),
     ("batch_size", True, "config.batch_size must be a positive int, got True."),
-    ("early_stop_accuracy", 1.5, "config.early_stop_accuracy must be a number in [0, 1]"),
+    ("early_stop_accuracy", 1.5, "config.early_stop_accuracy must be a number in (0, 1]"),
+    ("early_stop_accuracy", 0.0, "config.early_stop_accuracy must be a number in (0, 1], or None"),
+    ("total_steps", 0, "config.total_steps must be a positive int, or None (num_epochs passes)"),
+    ("grad_accum_steps", 0, "config.grad_accum_steps must be a positive int, or None (auto"),
+    ("optimizer.clip_norm", 0.0, "config.optimizer.clip_norm must be a positive float, or None"),
     ("optimizer.b2", 1.0, "config.optimizer.b2 must be in [0, 1), got 1.0."),
     ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate must be > 0, got 0.0."),
     ("optimizer.end_fraction", 2.0, "config.optimizer.end_fraction must be a number in [0, 1]"),
-    ("optimizer.decay_steps", -1, "config.optimizer.decay_steps must be >= 0 (0: total_steps)"),
+    ("optimizer.decay_steps", 0, "config.optimizer.decay_steps must be a positive int, or None "
+     "(total_steps)"),
     ("optimizer.learning_rate", "3e-3", "config.optimizer.learning_rate must be > 0"),
     ("mesh.tensor", 0, "config.mesh.tensor must be a positive int, or -1"),
     ("data.num_kv_pairs", None, "config.data.num_kv_pairs must be a positive int, got None."),
@@ -161,3 +166,31 @@ def test_a_config_json_in_the_earlier_spelling_loads_under_todays_names(tmp_path
   saved = json.loads(lm.to_json_best_effort())
   saved["args"]["warmup"] = saved["args"].pop("warmup_steps")
   assert base.from_saved(saved).args.warmup_steps == lm.args.warmup_steps
+
+
+def test_the_zeros_of_an_earlier_config_json_are_read_as_none():
+  """Earlier versions wrote 0 (total_steps: -1) for a setting that is not set."""
+  config = _config_file("mqar").get_config()
+  saved = json.loads(config.to_json_best_effort())
+  saved.update(total_steps=-1, grad_accum_steps=0, device_batch=0, early_stop_accuracy=0.0)
+  saved["optimizer"].update(decay_steps=0, clip_norm=0.0)
+  loaded = base.from_saved(saved)
+  assert loaded.total_steps is None and loaded.grad_accum_steps is None
+  assert loaded.device_batch is None and loaded.early_stop_accuracy is None
+  assert loaded.optimizer.decay_steps is None and loaded.optimizer.clip_norm is None
+  base.validate(loaded)
+  saved.update(total_steps=7, grad_accum_steps=2, device_batch=4, early_stop_accuracy=0.9)
+  saved["optimizer"].update(decay_steps=9, clip_norm=0.5)
+  loaded = base.from_saved(saved)  # set values stay
+  assert (loaded.total_steps, loaded.grad_accum_steps, loaded.device_batch) == (7, 2, 4)
+  assert (loaded.early_stop_accuracy, loaded.optimizer.decay_steps) == (0.9, 9)
+  assert loaded.optimizer.clip_norm == 0.5
+
+
+def test_a_none_setting_takes_a_value_of_its_type_from_the_command_line():
+  config = base.base_config("mqar")
+  config.total_steps = 5  # as --config.total_steps=5 does: the field is typed
+  config.optimizer.decay_steps = 9
+  with pytest.raises(TypeError):
+    config.total_steps = "5"
+  assert _config_file("mqar").get_config("early_stop_accuracy=none").early_stop_accuracy is None
