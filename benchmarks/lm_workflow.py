@@ -136,7 +136,8 @@ def data_rates(corpus: pathlib.Path, shards: pathlib.Path, seq_len: int, batch: 
 
 def train_command(args, work: pathlib.Path) -> list[str]:
   config = (f"configs/lm.py:model={args.model},size={args.size},seq_len={args.seq_len},"
-            f"batch={args.batch},steps={args.steps},warmup={max(args.steps // 10, 1)}")
+            f"batch_size={args.batch},total_steps={args.steps},"
+            f"warmup_steps={max(args.steps // 10, 1)}")
   return [sys.executable, "train.py", f"--config={config}", f"--workdir={work / 'run'}",
           f"--config.data.train_files={work / 'tokens_train'}/*.npy",
           f"--config.data.eval_files={work / 'tokens_valid'}/*.npy",

@@ -47,7 +47,8 @@ def group_configs(config_arg: str, runs: int) -> list[Any]:
   base = config_arg if "preset=" in config_arg else ",".join(
       filter(None, ["preset=paper", config_arg]))
   rates = mqar_sweep.LEARNING_RATES
-  return [mqar_sweep.mqar_config(f"{base},lr={rates[i % len(rates)]},seed={i // len(rates)}")
+  return [mqar_sweep.mqar_config(
+      f"{base},learning_rate={rates[i % len(rates)]},seed={i // len(rates)}")
           for i in range(runs)]
 
 

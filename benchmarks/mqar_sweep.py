@@ -74,7 +74,7 @@ class Run:
 
   def config_arg(self, extra: dict[str, object]) -> str:
     args = {"preset": "paper", "mixer": self.mixer, "seq_len": self.seq_len,
-            "kv": self.kv, "lr": self.lr, "seed": self.seed, **extra}
+            "num_kv_pairs": self.kv, "learning_rate": self.lr, "seed": self.seed, **extra}
     return ",".join(f"{k}={v}" for k, v in args.items())
 
 
@@ -114,7 +114,7 @@ def run_config(run: Run, extra: dict[str, object]):
 
 def planned_steps(config) -> int:
   """Training steps of the run's full schedule."""
-  if config.total_steps > 0:
+  if config.total_steps is not None:
     return config.total_steps
   return config.num_epochs * (config.data.num_train_examples // config.batch_size)
 
@@ -345,7 +345,7 @@ def main(argv=None) -> None:
   settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
   runs = grid(mixers, settings, [float(x) for x in args.lrs.split(",")],
               [int(x) for x in args.seeds.split(",")])
-  extra = {k: v for k, v in (("examples", args.examples), ("epochs", args.epochs))
+  extra = {k: v for k, v in (("num_train_examples", args.examples), ("num_epochs", args.epochs))
            if v is not None}
   root = args.root.resolve()
   if args.command == "list":

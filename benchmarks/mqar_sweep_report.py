@@ -10,6 +10,7 @@ import json
 import pathlib
 
 from benchmarks import results as results_lib
+from palimpsa_jax.run_config import config_args
 from palimpsa_jax.training import metrics as metrics_lib
 
 LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",
@@ -45,15 +46,15 @@ def collect(root: pathlib.Path) -> list[dict[str, object]]:
   records = []
   for config_path in sorted(root.glob("*/config.json")):
     workdir = config_path.parent
-    args = json.loads(config_path.read_text())["args"]
+    args = config_args.upgrade_args(json.loads(config_path.read_text())["args"])
     finished = (workdir / "summary.json").exists()
     summary = (json.loads((workdir / "summary.json").read_text()) if finished
                else _progress_from_metrics(workdir))
     records.append({
         "name": workdir.name, "mixer": args["mixer"],
-        "seq_len": args["seq_len"], "kv": args["kv"], "lr": args["lr"],
-        "seed": args["seed"], "epochs": args["epochs"],
-        "examples": args["examples"], "batch": args.get("batch"),
+        "seq_len": args["seq_len"], "kv": args["num_kv_pairs"], "lr": args["learning_rate"],
+        "seed": args["seed"], "epochs": args["num_epochs"],
+        "examples": args["num_train_examples"], "batch": args.get("batch_size"),
         "finished": finished, "best_accuracy": summary["best_accuracy"],
         "best_step": summary["best_step"], "final_step": summary["final_step"],
         "stopped_early": summary["stopped_early"],

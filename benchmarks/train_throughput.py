@@ -166,7 +166,7 @@ def load_lm_config(model: str, args: argparse.Namespace) -> ml_collections.Confi
   spec.loader.exec_module(module)
   device_batch = f",device_batch={args.device_batch}" if args.device_batch else ""
   return module.get_config(f"model={model},size={args.size},seq_len={args.seq_len},"
-                           f"batch={args.batch_size}{device_batch}")
+                           f"batch_size={args.batch_size}{device_batch}")
 
 
 def model_implementation(model: str, requested: str) -> str:

@@ -2,8 +2,8 @@
 
   python -m palimpsa_jax.conversion --source runs/mamba2 --dest runs/conv \
       --layers auto:1 --init paper
-  python train.py --config configs/finetune.py:source=runs/conv,steps=200,lr=3e-4,\
-new_params_only_steps=50 --workdir runs/conv
+  python train.py --config configs/finetune.py:source=runs/conv,total_steps=200,\
+learning_rate=3e-4,new_params_only_steps=50 --workdir runs/conv
 
 <source> must be a "paper" init conversion: a "zero" init one is an equivalence
 check (it computes the source function exactly, and its new parameters have
@@ -12,7 +12,7 @@ The model config comes from <source>/conversion.json and the first run starts
 at step 0 from <source>/converted with a fresh optimizer (config.init_from);
 later runs in the same workdir resume from its own checkpoints. The data and
 the rest of the training setup come from configs/<task>.py: every argument not
-listed in DEFAULTS below is passed to it (e.g. seq_len=64,kv=8 for MQAR).
+listed in DEFAULTS below is passed to it (e.g. seq_len=64,num_kv_pairs=8 for MQAR).
 Keep that file's seed to evaluate on the pretraining run's MQAR test set.
 """
 
@@ -22,16 +22,16 @@ import pathlib
 
 import ml_collections
 
-from palimpsa_jax.configs import base
-from palimpsa_jax.configs import config_args
 from palimpsa_jax.conversion import checkpoint
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import config_args
 
 DEFAULTS = dict(
     source="",                # conversion output directory (required)
     task="mqar",              # base config: configs/<task>.py
-    steps=200,                # a short schedule
-    lr=3e-4,                  # lower than pretraining (configs/mqar.py: 1e-2 cpu, 1e-3 paper)
-    warmup=0.05,              # fraction of steps
+    total_steps=200,          # a short schedule
+    learning_rate=3e-4,       # lower than pretraining (configs/mqar.py: 1e-2 cpu, 1e-3 paper)
+    warmup_fraction=0.05,     # fraction of steps
     end_fraction=0.1,         # cosine to 10% of the peak
     new_params_only_steps=0,  # first steps train only beta_down/up, b_scale
     evals=4,                  # evaluations over the run
@@ -57,12 +57,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError("configs/finetune.py needs source=<conversion output directory>.")
   if args.task not in base.TASKS:
     raise ValueError(f"task must be one of {base.TASKS}, got {args.task!r}.")
-  for name in ("steps", "evals"):
+  for name in ("total_steps", "evals"):
     if args[name] <= 0:
       raise ValueError(f"{name} must be positive, got {args[name]}.")
-  if not 0 <= args.new_params_only_steps <= args.steps:
+  if not 0 <= args.new_params_only_steps <= args.total_steps:
     raise ValueError(
-        f"new_params_only_steps must be in [0, steps={args.steps}], got "
+        f"new_params_only_steps must be in [0, total_steps={args.total_steps}], got "
         f"{args.new_params_only_steps}.")
 
   config = _base_config(args.task, ",".join(rest))
@@ -74,14 +74,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "cannot make metaplastic; convert again with --init paper.")
   config.init_from = os.path.abspath(args.source)
   config.finetune = args
-  config.total_steps = args.steps
+  config.total_steps = args.total_steps
   config.num_epochs = 0
   config.early_stop_accuracy = None  # same number of steps for every model compared
-  config.log_every_steps = max(1, args.steps // 20)
-  config.eval_every_steps = max(1, args.steps // args.evals)
-  config.checkpoint_every_steps = args.steps
-  config.optimizer.learning_rate = args.lr
-  config.optimizer.warmup_fraction = args.warmup
+  config.log_every_steps = max(1, args.total_steps // 20)
+  config.eval_every_steps = max(1, args.total_steps // args.evals)
+  config.checkpoint_every_steps = args.total_steps
+  config.optimizer.learning_rate = args.learning_rate
+  config.optimizer.warmup_fraction = args.warmup_fraction
   config.optimizer.end_fraction = args.end_fraction
   config.optimizer.new_params_only_steps = args.new_params_only_steps
   return config

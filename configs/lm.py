@@ -19,32 +19,36 @@ preset=cpu is a first run of a couple of minutes on a CPU: the tiny Palimpsa-D (
 the repository's own documentation (docs/*.md, README.md held out), context 128, batch 8,
 300 steps (docs/training.md, "A first LM run on a CPU").
 170m, 760m and 2.7b scan their layers with remat (scan_layers, remat); tiny unrolls them.
-Unless `steps` is given, steps = ceil(tokens / (batch * seq_len)), so changing
-batch or seq_len keeps the token budget. The global batch is accumulated over as
+Unless `total_steps` is given, it is ceil(tokens / (batch_size * seq_len)), so changing
+batch_size or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
-(config.grad_accum_steps=0; set it to fix the count). Any argument given explicitly
+(config.grad_accum_steps=None; set it to fix the count). Any argument given explicitly
 overrides the size's default. The tokenizer defaults to a byte-level BPE with
 the model's vocabulary size, trained on the training files ("bpe:<vocab>").
+An argument that sets a run-config field has that field's name
+(palimpsa_jax/run_config/config_args.py); preset, model, size, tokens and warmup_steps (the
+paper's warmup in steps, which sets config.optimizer.warmup_fraction) have none.
 """
 
 import math
 
 import ml_collections
+from ml_collections import config_dict
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
-from palimpsa_jax.configs import config_args
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import config_args
 
 DEFAULTS = dict(
     preset="",  # "cpu": PRESETS["cpu"] under the explicitly given arguments.
     model="palimpsa_d",
     size="170m",
     seq_len=4096,
-    batch=128,
+    batch_size=128,
     tokens=15e9,  # Training tokens; sets steps unless steps is given.
-    steps=0,  # 0: ceil(tokens / (batch * seq_len)).
-    lr=3e-3,
-    warmup=2000,
+    total_steps=config_dict.placeholder(int),  # None: ceil(tokens / (batch_size * seq_len)).
+    learning_rate=3e-3,
+    warmup_steps=2000,
     seed=0,
     dtype="bfloat16",
     device_batch=8,  # Most sequences per device and microbatch (gradient accumulation).
@@ -58,16 +62,20 @@ DEFAULTS = dict(
 # less memory that compiles in seconds instead of minutes (docs/training.md, "Scanned
 # layers"). tiny (CPU smoke tests) stays unrolled.
 SIZE_DEFAULTS = {
-    "tiny": dict(seq_len=512, batch=16, tokens=2000 * 16 * 512, lr=3e-3,
-                 warmup=200, device_batch=16),
-    "170m": dict(tokens=15e9, lr=3e-3, device_batch=8, scan_layers=True, remat=True),
-    "760m": dict(tokens=30e9, lr=1.25e-3, device_batch=8, scan_layers=True, remat=True),
-    "2.7b": dict(tokens=30e9, lr=8e-4, device_batch=4, scan_layers=True, remat=True),
+    "tiny": dict(seq_len=512, batch_size=16, tokens=2000 * 16 * 512, learning_rate=3e-3,
+                 warmup_steps=200, device_batch=16),
+    "170m": dict(tokens=15e9, learning_rate=3e-3, device_batch=8, scan_layers=True,
+                 remat=True),
+    "760m": dict(tokens=30e9, learning_rate=1.25e-3, device_batch=8, scan_layers=True,
+                 remat=True),
+    "2.7b": dict(tokens=30e9, learning_rate=8e-4, device_batch=4, scan_layers=True,
+                 remat=True),
 }
 
 
 PRESETS = {
-    "cpu": dict(size="tiny", seq_len=128, batch=8, steps=300, warmup=30, dtype="float32"),
+    "cpu": dict(size="tiny", seq_len=128, batch_size=8, total_steps=300, warmup_steps=30,
+                dtype="float32"),
 }
 # preset=cpu's data: files that ship with the repository (run from its root).
 CPU_TRAIN_FILES, CPU_EVAL_FILES = "docs/*.md", "README.md"
@@ -75,7 +83,7 @@ CPU_TRAIN_FILES, CPU_EVAL_FILES = "docs/*.md", "README.md"
 
 def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   """Arguments with the preset's and then the size's defaults under the explicitly given ones."""
-  args = config_args.parse_config_arg(arg, **DEFAULTS)
+  args = config_args.parse_config_arg(arg, config_args.RENAMED_LM, **DEFAULTS)
   given = config_args.given_keys(arg)
   if args.preset not in ("", *PRESETS):
     raise ValueError(f"preset must be one of {tuple(PRESETS)} or empty, got {args.preset!r}.")
@@ -88,17 +96,17 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
-  if args.steps <= 0:
-    if args.tokens <= 0 or args.batch <= 0 or args.seq_len <= 0:
+  if args.total_steps is None:
+    if args.tokens <= 0 or args.batch_size <= 0 or args.seq_len <= 0:
       raise ValueError(
-          f"tokens, batch and seq_len must be positive, got {args.tokens}, "
-          f"{args.batch} and {args.seq_len}.")
-    args.steps = math.ceil(args.tokens / (args.batch * args.seq_len))
+          f"tokens, batch_size and seq_len must be positive, got {args.tokens}, "
+          f"{args.batch_size} and {args.seq_len}.")
+    args.total_steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
   return args
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The LM run: palimpsa_jax/configs/base.py's fields, set from the arguments."""
+  """The LM run: palimpsa_jax/run_config/base.py's fields, set from the arguments."""
   args = parse_args(arg)
   config = base.base_config("lm")
   config.args = args
@@ -108,19 +116,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.remat = args.remat
   config.seed = args.seed
   config.seq_len = args.seq_len
-  config.batch_size = args.batch  # Global, in sequences.
+  config.batch_size = args.batch_size  # Global, in sequences.
   config.eval_batch_size = args.device_batch  # Global; its logits are [B, T, vocab] f32.
-  # 0: as many microbatches as keep each device at device_batch sequences or fewer.
-  config.grad_accum_steps = 0
+  # None: as many microbatches as keep each device at device_batch sequences or fewer.
+  config.grad_accum_steps = None
   config.device_batch = args.device_batch
-  config.total_steps = args.steps
+  config.total_steps = args.total_steps
 
   # config.data.train_files is required: glob(s) of text files or of .npy token shards.
   config.data.tokenizer = f"bpe:{config.model.vocab_size}"
 
-  config.optimizer.learning_rate = args.lr
+  config.optimizer.learning_rate = args.learning_rate
   # The paper's warmup steps as a share of the run, which follows its actual length.
-  config.optimizer.warmup_fraction = min(1.0, args.warmup / args.steps)
+  config.optimizer.warmup_fraction = min(1.0, args.warmup_steps / args.total_steps)
   config.optimizer.end_fraction = 0.1
   config.optimizer.b2 = 0.95
   config.optimizer.eps = 1e-15

@@ -7,7 +7,7 @@
   layers
   ops
   pallas_kernels (the kernels)
-  data, configs, user_errors (the ground: they import neither each other's floors nor any
+  data, run_config, user_errors (the ground: they import neither each other's floors nor any
   above, except user_errors, the base of every floor's refusals)
 
 Floors are whole subpackages of palimpsa_jax (plus the top-level pallas_kernels package), so
@@ -27,7 +27,7 @@ PACKAGES = ("palimpsa_jax", "pallas_kernels")
 # Higher numbers are higher floors.
 FLOORS = {
     "data": 0,
-    "configs": 0,
+    "run_config": 0,
     "user_errors": 0,
     "pallas_kernels": 1,
     "ops": 2,

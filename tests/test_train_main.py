@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from palimpsa_jax.run_config import config_args
+
 REPO = pathlib.Path(__file__).parents[1]
 
 
@@ -34,9 +36,10 @@ def test_dry_run_prints_parameter_table_and_count():
 
 
 def test_bad_config_argument_fails_clearly():
-  result = _run("train.py", "--config=configs/mqar.py:kv=abc", "--dry_run", check=False)
+  result = _run("train.py", "--config=configs/mqar.py:num_kv_pairs=abc", "--dry_run", check=False)
   assert result.returncode == 1 and result.stderr.strip() == (
-      "--config=configs/mqar.py:kv=abc: config argument kv='abc' must be an int.")
+      "--config=configs/mqar.py:num_kv_pairs=abc: config argument num_kv_pairs='abc' must be "
+      "an int.")
   result = _run("train.py", "--config=configs/mqar.py:mixer=lstm", "--dry_run", check=False)
   assert result.returncode == 1 and "mixer must be one of" in result.stderr
   assert "Traceback" not in result.stderr
@@ -53,8 +56,8 @@ def test_refused_config_field_is_one_line(tmp_path):
 @pytest.mark.parametrize("arg, lr, steps, batch", [
     ("size=170m", 3e-3, 28_611, 128),             # docs/models.md, sizes and recipe: 15B tokens
     ("size=760m", 1.25e-3, 57_221, 128),          # 30B tokens, 0.5M per step
-    ("size=760m,batch=256", 1.25e-3, 28_611, 256),  # same token budget
-    ("size=760m,lr=1e-3,steps=10", 1e-3, 10, 128),  # explicit arguments win
+    ("size=760m,batch_size=256", 1.25e-3, 28_611, 256),  # same token budget
+    ("size=760m,learning_rate=1e-3,total_steps=10", 1e-3, 10, 128),  # explicit arguments win
 ])
 def test_lm_config_size_defaults(arg, lr, steps, batch):
   import importlib.util  # pylint: disable=g-import-not-at-top
@@ -64,7 +67,7 @@ def test_lm_config_size_defaults(arg, lr, steps, batch):
   config = module.get_config(arg)
   assert config.optimizer.learning_rate == lr and config.total_steps == steps
   assert config.batch_size == batch and config.seq_len == 4096
-  assert config.grad_accum_steps == 0 and config.device_batch > 0
+  assert config.grad_accum_steps is None and config.device_batch > 0
 
 
 def test_train_then_eval_palimpsa_d(tmp_path):
@@ -72,8 +75,9 @@ def test_train_then_eval_palimpsa_d(tmp_path):
   workdir = tmp_path / "run"
   out = _run(
       "train.py",
-      "--config=configs/mqar.py:seq_len=16,kv=2,vocab=32,d_model=16,heads=2,"
-      "head_v=8,examples=64,test_examples=32,batch=16,epochs=2,evals_per_epoch=1",
+      "--config=configs/mqar.py:seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=16,num_heads=2,"
+      "head_v_dim=8,num_train_examples=64,num_test_examples=32,batch_size=16,num_epochs=2,"
+      "evals_per_epoch=1",
       "--config.eval_batch_size=32", f"--workdir={workdir}",
       f"--compilation_cache_dir={tmp_path / 'cache'}").stdout
   assert "steps/s" in out and "first step after" in out
@@ -82,6 +86,12 @@ def test_train_then_eval_palimpsa_d(tmp_path):
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
   assert records[-1]["step"] == 8 and "eval/accuracy" in records[-1]
   assert 0 <= records[-1]["diag/layer0/metaplastic_fraction"] <= 1
+  # eval.py reads a config.json of an earlier version, whose arguments had other names.
+  saved = json.loads((workdir / "config.json").read_text())
+  old_names = {new: old for old, new in config_args.RENAMED_FRACTION.items()}
+  saved["args"] = {old_names.get(k, k): v for k, v in saved["args"].items()}
+  assert {"kv", "lr", "impl"} <= set(saved["args"])
+  (workdir / "config.json").write_text(json.dumps(saved))
   out = _run("eval.py", "--suite=mqar", f"--workdir={workdir}", "--num_examples=32",
              "--mqar_settings=32:4", "--compilation_cache_dir=").stdout
   assert "accuracy" in out
@@ -101,7 +111,7 @@ def test_cpu_lm_preset_trains_on_the_repository_docs_and_its_model_exports(tmp_p
   spec = importlib.util.spec_from_file_location("lm", REPO / "configs" / "lm.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config("preset=cpu,steps=4")
+  config = module.get_config("preset=cpu,total_steps=4")
   assert (config.model.model, config.model.size, config.seq_len, config.batch_size) == (
       "palimpsa_d", "tiny", 128, 8)
   assert (config.data.train_files, config.data.eval_files) == ("docs/*.md", "README.md")
@@ -118,8 +128,9 @@ if __name__ == "__main__":
   sys.exit(pytest.main([__file__, "-q"]))
 
 
-_SIGINT_CONFIG = ("--config=configs/mqar.py:seq_len=16,kv=2,vocab=32,d_model=16,heads=2,"
-                  "head_v=8,examples=512,test_examples=64,batch=16,steps=150,early_stop=0.0")
+_SIGINT_CONFIG = ("--config=configs/mqar.py:seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=16,"
+                  "num_heads=2,head_v_dim=8,num_train_examples=512,num_test_examples=64,"
+                  "batch_size=16,total_steps=150,early_stop_accuracy=none")
 
 
 def _losses(workdir):

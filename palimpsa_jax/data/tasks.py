@@ -4,7 +4,7 @@
   lm:   packed text files (data/text.py, data/tokenizer.py) or token shards
         prepared beforehand (data/token_shards.py).
 
-Their config fields are checked before a task is made (palimpsa_jax/configs/base.py).
+Their config fields are checked before a task is made (palimpsa_jax/run_config/base.py).
 """
 
 import abc
@@ -56,7 +56,7 @@ class MqarTask(Task):
         shard_index=shard_index, shard_count=shard_count)
     self.train_iterator = iter(self.train_dataset)
     steps_per_epoch = data.num_train_examples // config.batch_size
-    self.total_steps = (config.total_steps if config.total_steps > 0
+    self.total_steps = (config.total_steps if config.total_steps is not None
                         else config.num_epochs * steps_per_epoch)
     self.tokens_per_step = config.batch_size * config.seq_len
     test = pipeline.pad_rows(

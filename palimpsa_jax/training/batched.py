@@ -45,7 +45,7 @@ from palimpsa_jax.training import steps as steps_lib
 from palimpsa_jax.training import trainer
 
 # Fields in which the runs of a group may differ.
-RUN_FIELDS = ("seed", "optimizer.learning_rate", "args.lr", "args.seed")
+RUN_FIELDS = ("seed", "optimizer.learning_rate", "args.learning_rate", "args.seed")
 # Stopped runs leave the stack once they are at least this fraction of it.
 _COMPACT_FRACTION = 0.25
 

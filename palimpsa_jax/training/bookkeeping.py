@@ -35,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import run_summary
@@ -216,7 +216,7 @@ class RunBook:
 
   def _reaches_early_stop(self, accuracy: float) -> bool:
     early_stop = self.config.early_stop_accuracy
-    return early_stop is not None and 0 < early_stop <= accuracy
+    return early_stop is not None and early_stop <= accuracy
 
   def add_eval(self, step: int, results: dict[str, float]) -> None:
     """Records an evaluation: the latest, the best accuracy so far, the early stop."""

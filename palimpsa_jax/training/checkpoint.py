@@ -32,6 +32,7 @@ from etils import epath
 
 from palimpsa_jax import models
 from palimpsa_jax import user_errors
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import state as state_lib
 
 CONFIG_FILE = "config.json"
@@ -102,12 +103,12 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The configuration saved in `workdir` by train.py."""
+  """The configuration saved in `workdir` by train.py (an earlier version's in today's spelling)."""
   path = epath.Path(workdir) / CONFIG_FILE
   if not path.exists():
     raise FileNotFoundError(
         f"{path} not found: is {workdir!r} a workdir written by train.py?")
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
+  return base.from_saved(json.loads(path.read_text()))
 
 
 class Checkpointer:

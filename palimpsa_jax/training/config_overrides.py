@@ -3,11 +3,12 @@
   app.run(main, flags_parser=config_overrides.parse_flags)
 
 An override of a field that does not exist stops with one line naming it and
-the nearest known fields. An override of config.args (or config.finetune) is
-refused: those record the config file's arguments, from which the other fields
+the nearest known fields, or the field an earlier spelling is now called
+(`--config.lr` -> --config.optimizer.learning_rate). An override of config.args
+(or config.finetune) is refused: those record the config file's arguments, from which the other fields
 were already derived, so changing them afterwards would change nothing but
 config.json; the message gives the config-argument form that does work.
-A config file that refuses its arguments (`--config=configs/mqar.py:kv=abc`)
+A config file that refuses its arguments (`--config=configs/mqar.py:num_kv_pairs=abc`)
 stops with its one-line message, not the file's traceback. Wrong override types
 are reported by absl's flag parser ("FATAL Flags parsing error: ..."), also in
 a couple of lines.
@@ -20,6 +21,8 @@ import sys
 from absl import app
 from absl import flags
 import ml_collections
+
+from palimpsa_jax.run_config import config_args
 
 # Top-level fields that hold a config file's arguments (configs/*.py: args;
 # configs/finetune.py: finetune).
@@ -58,6 +61,7 @@ def _argument_form(config_arg: str | None, key: str, value: str | None) -> str:
 def argument_field_message(path: str, value: str | None, config_arg: str | None) -> str:
   """Why `--config.<path>` (under an argument field) is refused, and what to write."""
   field, _, key = path.partition(".")
+  key = config_args.RENAMED.get(key, key)
   return (
       f"--config.{path} would not change the run: config.{field} records the "
       "arguments of the config file, from which the other fields were derived. "
@@ -75,8 +79,7 @@ def _paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
   return paths
 
 
-def unknown_field_message(config: ml_collections.ConfigDict, path: str,
-                          value: str | None = None, config_arg: str | None = None) -> str | None:
+def unknown_field_message(config: ml_collections.ConfigDict, path: str) -> str | None:
   """A one-line message if `path` is not a field of `config`; None if it is."""
   node, walked = config, []
   for part in path.split("."):
@@ -89,18 +92,20 @@ def unknown_field_message(config: ml_collections.ConfigDict, path: str,
     walked.append(part)
   else:
     return None
+  fields = [p for p in _paths(config) if p.split(".")[0] not in ARGUMENT_FIELDS]
+  if part in config_args.RENAMED:  # an earlier spelling
+    new = config_args.RENAMED[part]
+    where = [f"--config.{p}" for p in fields if p.split(".")[-1] == new]
+    return (f"--config.{path}: no such config field; {part} is now called {new}"
+            f"{': ' + ', '.join(where) if where else ''}.")
   prefix = "".join(f"{p}." for p in walked)
   near = [prefix + key for key in difflib.get_close_matches(part, list(node), n=3)]
   if not near:  # the same name elsewhere in the config
-    near = [p for p in _paths(config) if p.split(".")[0] not in ARGUMENT_FIELDS
-            and difflib.SequenceMatcher(None, part, p.split(".")[-1]).ratio() >= 0.8][:3]
-  suggestions = [f"--config.{p}" for p in near]
-  suggestions += [
-      f"the config argument {key} ({_argument_form(config_arg, key, value)})"
-      for key in difflib.get_close_matches(part, list(config.get("args") or {}), n=1,
-                                           cutoff=0.6)]
-  if suggestions:
-    return f"--config.{path}: no such config field; nearest: {', '.join(suggestions)}."
+    near = [p for p in fields
+            if difflib.SequenceMatcher(None, part, p.split(".")[-1]).ratio() >= 0.8][:3]
+  if near:
+    return (f"--config.{path}: no such config field; nearest: "
+            f"{', '.join(f'--config.{p}' for p in near)}.")
   return (f"--config.{path}: no such config field; the fields of "
           f"{'.'.join(['config', *walked])} are {', '.join(sorted(node))}.")
 
@@ -108,7 +113,7 @@ def unknown_field_message(config: ml_collections.ConfigDict, path: str,
 def _error_line(error: Exception) -> str:
   """The message of the error ml_collections re-raised with the config file's traceback."""
   last = str(error).strip().splitlines()[-1].strip()
-  return re.sub(r"^\w+(Error|Exception): ", "", last)
+  return re.sub(r"^[\w.]+(Error|Exception): ", "", last)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -131,8 +136,8 @@ def parse_flags(argv: list[str]) -> list[str]:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError):  # ml_collections' error for a missing field
     config = flags.FLAGS["config"].parser.parse(config_arg)
-    for path, value in found.items():
-      message = unknown_field_message(config, path, value, config_arg)
+    for path in found:
+      message = unknown_field_message(config, path)
       if message:
         sys.exit(message)
     raise

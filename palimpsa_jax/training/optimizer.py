@@ -18,7 +18,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
 
   Args:
     config: the optimizer config (learning_rate, end_fraction, decay_steps: the
-      cosine's horizon, warmup included; 0 means total_steps. Fixing it lets a
+      cosine's horizon, warmup included; None means total_steps. Fixing it lets a
       run be extended without changing its past schedule. warmup_fraction:
       the warmup's share of that horizon, so that warmup follows the run's
       actual length).
@@ -26,7 +26,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
   """
   if total_steps <= 0:
     raise ValueError(f"total_steps must be positive, got {total_steps}.")
-  horizon = config.decay_steps if config.decay_steps > 0 else total_steps
+  horizon = config.decay_steps if config.decay_steps is not None else total_steps
   warmup = round(config.warmup_fraction * horizon)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0,
@@ -55,7 +55,7 @@ def make_optimizer(config: ml_collections.ConfigDict, total_steps: int,
     schedule = learning_rate_schedule(config, total_steps)
   adamw = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
                       weight_decay=config.weight_decay, mask=weight_decay_mask)
-  if config.clip_norm > 0:
+  if config.clip_norm is not None:
     return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
   return adamw
 

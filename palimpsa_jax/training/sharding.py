@@ -26,8 +26,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from palimpsa_jax.configs import base
 from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.run_config import base
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")

@@ -11,8 +11,8 @@ import ml_collections
 import optax
 
 from palimpsa_jax import models
-from palimpsa_jax.configs import base
 from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
@@ -76,7 +76,7 @@ def initial_state(spec: state_lib.TrainStateSpec,
 def validate_config(config: ml_collections.ConfigDict) -> None:
   """Raises base.ConfigError naming the first bad training field.
 
-  Every field against palimpsa_jax/configs/base.py, then what depends on the
+  Every field against palimpsa_jax/run_config/base.py, then what depends on the
   devices: the mesh, and the batch's split over hosts, microbatches and shards.
   """
   base.validate(config)
@@ -99,21 +99,21 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 
 def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> int:
-  """config.grad_accum_steps; for 0 ("auto"), the fewest microbatches per step
+  """config.grad_accum_steps; for None (auto), the fewest microbatches per step
   that put at most config.device_batch sequences on each of the batch_shards
   (data x fsdp) devices.
 
   Raises:
-    base.ConfigError: auto without a positive config.device_batch, or no count of
+    base.ConfigError: auto without config.device_batch, or no count of
       microbatches divides config.batch_size that way.
   """
-  if config.grad_accum_steps:
+  if config.grad_accum_steps is not None:
     return config.grad_accum_steps
   limit = config.device_batch
-  if limit <= 0:
+  if limit is None:
     raise base.ConfigError(
-        "config.grad_accum_steps=0 (auto) needs config.device_batch, the most "
-        f"sequences per device and microbatch, > 0; got {limit!r}.")
+        "config.grad_accum_steps=None (auto) needs config.device_batch, the most "
+        "sequences per device and microbatch; it is None.")
   for count in range(1, config.batch_size + 1):
     per_device, rest = divmod(config.batch_size, count * batch_shards)
     if not rest and per_device <= limit:
@@ -125,7 +125,7 @@ def grad_accum_steps(config: ml_collections.ConfigDict, batch_shards: int) -> in
 
 
 def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: tasks_lib.Task,
-             mesh: jax.sharding.Mesh,
+             placement: sharding_lib.MeshContext,
              diagnostics_step: Callable[..., dict] | None = None
              ) -> dict[str, float]:
   """Mean loss and accuracy over the task's evaluation batches (one host sync).
@@ -135,7 +135,7 @@ def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: tasks_lib.T
   """
   total, diagnostics = None, {}
   for batch in task.eval_batches():
-    batch = sharding_lib.global_batch(batch, mesh)
+    batch = sharding_lib.global_batch(batch, placement.mesh, placement.rules)
     if diagnostics_step is not None and total is None:
       diagnostics = diagnostics_step(state["params"], state["model_state"], batch)
     sums = eval_step(state["params"], state["model_state"], batch)
@@ -192,24 +192,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   validate_config(config)
   workdir = os.path.abspath(workdir)
   bookkeeping.refuse_other_model(config, workdir)
-  mesh = sharding_lib.make_mesh(config.mesh)
-  rules = sharding_lib.rules_from_config(config.mesh)
+  placement = sharding_lib.mesh_context(config.mesh)
   task = tasks_lib.make_task(config, workdir)
   total_steps = task.total_steps
   spec = state_lib.make_train_state_spec(
-      state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps), mesh,
-      rules,
-      init_on_host=config.init_on_host)
+      state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps),
+      placement.mesh, placement.rules, init_on_host=config.init_on_host)
   book = bookkeeping.RunBook(config, workdir)
   try:
-    return _train(config, workdir, task, spec, mesh, rules, book, start_time, started_at,
+    return _train(config, workdir, task, spec, placement, book, start_time, started_at,
                   should_stop)
   finally:
     book.close()
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task,
-           spec: state_lib.TrainStateSpec, mesh: jax.sharding.Mesh, rules: Any,
+           spec: state_lib.TrainStateSpec, placement: sharding_lib.MeshContext,
            book: bookkeeping.RunBook, start_time: float, started_at: float,
            should_stop: Callable[[], bool]) -> dict[str, Any]:
   """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller)."""
@@ -224,10 +222,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
       print(f"resumed from {workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
             flush=True)
 
-  replicated = sharding_lib.replicated(mesh)
-  kernel_context = sharding_lib.kernel_context(mesh, rules)
+  replicated = sharding_lib.replicated(placement.mesh)
+  kernel_context = placement.kernel_context
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
-  accum = grad_accum_steps(config, sharding_lib.batch_shards(mesh))
+  accum = grad_accum_steps(config, sharding_lib.batch_shards(placement.mesh))
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated, accum,
       kernel_context)
@@ -251,7 +249,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
       book.close()  # waits for the save
       raise bookkeeping.Interrupted(step, f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{step}")
     batch = sharding_lib.global_batch(
-        tasks_lib.with_lm_targets(next(task.train_iterator)), mesh)
+        tasks_lib.with_lm_targets(next(task.train_iterator)), placement.mesh, placement.rules)
     if compiled_step is None:
       compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
     state, step_metrics = compiled_step(state, batch)
@@ -277,7 +275,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
             rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
     if step % config.eval_every_steps == 0 or last:
       _check_finite(finite, step)  # never score non-finite parameters
-      results = evaluate(eval_step, state, task, mesh, diagnostics_step)
+      results = evaluate(eval_step, state, task, placement, diagnostics_step)
       book.add_eval(step, results)
       record.update(results)
       progress.restart_clock(step)

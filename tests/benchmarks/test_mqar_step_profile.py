@@ -8,7 +8,7 @@ from benchmarks import mqar_step_profile
 
 
 def test_group_configs_take_the_paper_preset_and_the_rates_and_seeds():
-  configs = mqar_step_profile.group_configs("mixer=mamba2,examples=512", 5)
+  configs = mqar_step_profile.group_configs("mixer=mamba2,num_train_examples=512", 5)
   assert [c.optimizer.learning_rate for c in configs] == [1e-3, 2.15e-3, 4.64e-3, 1e-2, 1e-3]
   assert [c.seed for c in configs] == [0, 0, 0, 0, 1]
   assert configs[0].seq_len == 512 and configs[0].data.vocab_size == 8192  # the paper's
@@ -19,7 +19,8 @@ def test_group_configs_take_the_paper_preset_and_the_rates_and_seeds():
 def test_cpu_run_writes_json_and_record(tmp_path):
   out = tmp_path / "profile.json"
   result = mqar_step_profile.main([
-      "--config", "preset=cpu,examples=256,test_examples=32", "--runs", "2", "--steps", "2",
+      "--config", "preset=cpu,num_train_examples=256,num_test_examples=32", "--runs", "2",
+      "--steps", "2",
       "--trace_steps", "1", "--top", "4", "--trace_dir", str(tmp_path / "trace"),
       "--output", str(out), "--records", str(tmp_path / "records")])
   saved = json.loads(out.read_text())

@@ -15,8 +15,9 @@ from tests.training import tiny_lm
 def _fake_run(root, run, accuracy):
   workdir = root / run.name
   workdir.mkdir(parents=True)
-  args = {"mixer": run.mixer, "seq_len": run.seq_len, "kv": run.kv, "lr": run.lr,
-          "seed": run.seed, "epochs": 2, "examples": 1000}
+  args = {"mixer": run.mixer, "seq_len": run.seq_len, "num_kv_pairs": run.kv,
+          "learning_rate": run.lr, "seed": run.seed, "num_epochs": 2,
+          "num_train_examples": 1000}
   (workdir / "config.json").write_text(json.dumps({"args": args}))
   (workdir / "summary.json").write_text(json.dumps(
       {"best_accuracy": accuracy, "best_step": 10, "final_step": 20,
@@ -28,9 +29,10 @@ def test_grid_and_shards():
   assert len(runs) == 5 * 2 * 4 * 3 == len({r.name for r in runs})
   shards = [sweep.shard(runs, f"{i}/3") for i in range(3)]
   assert sorted(r.name for s in shards for r in s) == sorted(r.name for r in runs)
-  arg = runs[0].config_arg({"epochs": 4})
-  assert arg.startswith("preset=paper,mixer=palimpsa_d,seq_len=512,kv=128,lr=0.001")
-  assert arg.endswith("epochs=4")
+  arg = runs[0].config_arg({"num_epochs": 4})
+  assert arg.startswith(
+      "preset=paper,mixer=palimpsa_d,seq_len=512,num_kv_pairs=128,learning_rate=0.001")
+  assert arg.endswith("num_epochs=4")
   with pytest.raises(ValueError, match="i/n"):
     sweep.shard(runs, "3")
 
@@ -122,7 +124,7 @@ def test_status_counts_runs_steps_and_gpu_time_left(tmp_path, capsys):
   # The unmeasured cell first: it borrows the rate of a later one.
   runs = sweep.grid(mixers=("palimpsa_d", "mamba2"), settings=((512, 128),),
                     lrs=(1e-3, 1e-2), seeds=(0,))
-  extra = {"examples": 1280, "epochs": 10}  # 100 steps per run
+  extra = {"num_train_examples": 1280, "num_epochs": 10}  # 100 steps per run
   done, running = runs[2:]
   (tmp_path / done.name).mkdir()
   _write_summary(tmp_path, done, 0.99, 40, final_step=40)
@@ -154,7 +156,7 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
   def tiny_config(run, extra):
     del extra
     return tiny_lm.tiny_mqar_config(**{
-        "optimizer.learning_rate": run.lr, "seed": run.seed, "args.lr": run.lr,
+        "optimizer.learning_rate": run.lr, "seed": run.seed, "args.learning_rate": run.lr,
         "args.seed": run.seed, "args.mixer": run.mixer})
   monkeypatch.setattr(sweep, "run_config", tiny_config)
   args = ["--root", str(tmp_path), "--mixers", "mamba2", "--settings", "512:128",

@@ -9,6 +9,7 @@ from benchmarks import results as results_lib
 def _fake_run(root, name, mixer, lr, seed, accuracy, final_step, epochs=60, finished=False):
   workdir = root / name
   workdir.mkdir(parents=True)
+  # The argument names of earlier versions (kv, lr, ...), as the recorded sweeps hold them.
   args = {"mixer": mixer, "seq_len": 512, "kv": 128, "lr": lr, "seed": seed,
           "epochs": epochs, "examples": 100000}
   (workdir / "config.json").write_text(json.dumps({"args": args}))

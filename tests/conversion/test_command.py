@@ -135,8 +135,8 @@ def test_converted_model_finetunes_through_train_py_and_resumes(
   folder, _, _ = hf_source
   dest = str(tmp_path / "conv")
   command.run_conversion(folder, dest, "1", "paper", verbose=False)
-  arg = (f"source={dest},steps=4,new_params_only_steps=2,evals=2,seq_len=16,kv=2,"
-         "vocab=32,batch=8,examples=64,test_examples=16")
+  arg = (f"source={dest},total_steps=4,new_params_only_steps=2,evals=2,seq_len=16,num_kv_pairs=2,"
+         "vocab_size=32,batch_size=8,num_train_examples=64,num_test_examples=16")
   config = _finetune_config(arg)
   assert config.init_from == dest and list(config.model.metaplastic_layers) == [1]
   assert config.total_steps == 4 and config.early_stop_accuracy is None
@@ -184,13 +184,13 @@ def test_finetune_config_errors(hf_source, tmp_path):
   folder, _, _ = hf_source
   dest = str(tmp_path / "conv")
   command.run_conversion(folder, dest, "1", "paper", verbose=False)
-  for bad, match in (("steps=0", "steps must be positive"),
-                     ("steps=20,new_params_only_steps=30", "new_params_only_steps"),
+  for bad, match in (("total_steps=0", "steps must be positive"),
+                     ("total_steps=20,new_params_only_steps=30", "new_params_only_steps"),
                      ("task=speech", "task must be")):
     with pytest.raises(ValueError, match=match):
       _finetune_config(f"source={dest},{bad}")
   with pytest.raises(ValueError, match="needs source="):
-    _finetune_config("steps=5")
+    _finetune_config("total_steps=5")
   zero = tmp_path / "zero"
   zero.mkdir()
   record = json.loads((tmp_path / "conv" / "conversion.json").read_text())

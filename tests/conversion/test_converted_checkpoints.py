@@ -96,7 +96,7 @@ def test_mqar_suite_on_a_conversion_matches_its_source(tmp_path):
   spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  run_config = module.get_config("seq_len=16,kv=2")
+  run_config = module.get_config("seq_len=16,num_kv_pairs=2")
   config = _tiny(run_config.model.vocab_size)
   workdir, dest = str(tmp_path / "run"), str(tmp_path / "conv")
   fx.write_workdir(workdir, config, fx.random_params(config, seed=3), run_config)

@@ -192,8 +192,9 @@ def test_imported_model_finetunes_and_exports_from_the_train_py_workdir(tmp_path
   spec = importlib.util.spec_from_file_location("finetune_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config(f"source={dest},steps=2,evals=1,seq_len=16,kv=2,vocab=32,batch=4,"
-                             "examples=16,test_examples=8")
+  config = module.get_config(f"source={dest},total_steps=2,evals=1,seq_len=16,num_kv_pairs=2,"
+                             "vocab_size=32,batch_size=4,num_train_examples=16,"
+                             "num_test_examples=8")
   config.eval_batch_size, config.log_diagnostics = 8, False
   workdir = str(tmp_path / "ft")
   assert trainer.train_and_evaluate(config, workdir)["final_step"] == 2

@@ -196,8 +196,8 @@ def test_suites_on_a_trained_checkpoint(setup, tmp_path):
   spec = importlib.util.spec_from_file_location("lm_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config("model=palimpsa_d,size=tiny,seq_len=16,batch=2,steps=2,warmup=1,"
-                             "dtype=float32")
+  config = module.get_config("model=palimpsa_d,size=tiny,seq_len=16,batch_size=2,total_steps=2,"
+                             "warmup_steps=1,dtype=float32")
   config.model.vocab_size = VOCAB
   config.data.train_files = setup.files
   config.data.eval_files = ""

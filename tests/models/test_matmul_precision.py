@@ -37,7 +37,8 @@ def _dot_precisions(jaxpr) -> list:
 
 
 def _step_dots(matmul: str) -> list:
-  config = _mqar_config(f"seq_len=16,kv=2,vocab=32,d_model=32,heads=2,matmul={matmul}")
+  config = _mqar_config(f"seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=32,num_heads=2,"
+                        f"matmul_precision={matmul}")
   graphdef, params, model_state = models.split_model(
       models.build_model(config.model, nnx.Rngs(0)))
   tx = optax.sgd(1e-2)
@@ -82,8 +83,8 @@ def test_the_op_runs_under_no_default_precision(monkeypatch):
 
 
 def test_bad_matmul_precision_names_the_argument():
-  with pytest.raises(ValueError, match="matmul must be one of"):
-    _mqar_config("matmul=tf32")
+  with pytest.raises(ValueError, match="matmul_precision must be one of"):
+    _mqar_config("matmul_precision=tf32")
   config = models.mqar_model_config("palimpsa_d", d_model=32, vocab_size=32,
                                     matmul_precision="half")
   with pytest.raises(ValueError, match="config.matmul_precision must be one of"):

@@ -25,7 +25,7 @@ def _tiny_model(monkeypatch):
 
 def _tiny_config(lr, seed, **overrides):
   return tiny_lm.tiny_mqar_config(
-      **{"optimizer.learning_rate": lr, "seed": seed, "args.lr": lr,
+      **{"optimizer.learning_rate": lr, "seed": seed, "args.learning_rate": lr,
          "args.seed": seed}, **overrides)
 
 
@@ -122,9 +122,10 @@ def _mqar_config(arg):
 @pytest.mark.parametrize("mixer", ["palimpsa_d"])
 def test_real_mixer_group_equals_each_run_alone(tmp_path, monkeypatch, mixer):
   monkeypatch.undo()  # the project's model, not the tiny one
-  common = (f"mixer={mixer},seq_len=16,kv=2,vocab=32,d_model=32,heads=2,examples=64,"
-            "test_examples=32,batch=16,epochs=2,evals_per_epoch=2")
-  configs = [_mqar_config(f"{common},lr={lr},seed={seed}") for lr, seed in RUNS[:2]]
+  common = (f"mixer={mixer},seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=32,num_heads=2,"
+            "num_train_examples=64,num_test_examples=32,batch_size=16,num_epochs=2,"
+            "evals_per_epoch=2")
+  configs = [_mqar_config(f"{common},learning_rate={lr},seed={seed}") for lr, seed in RUNS[:2]]
   singles, group = _train_both(tmp_path, configs)
   for single, batch in zip(singles, group):
     _assert_same_run(single, batch)

@@ -22,7 +22,8 @@ def _config_module(name):
 
 def _dry_run(*overrides):
   return subprocess.run(
-      [sys.executable, "train.py", "--config=configs/mqar.py:kv=8", *overrides, "--dry_run"],
+      [sys.executable, "train.py", "--config=configs/mqar.py:num_kv_pairs=8", *overrides,
+       "--dry_run"],
       cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -32,11 +33,26 @@ def test_misspelled_fields_get_one_line_with_the_nearest_names():
   assert result.stderr.strip() == (
       "--config.optimizer.learning_rat: no such config field; nearest: "
       "--config.optimizer.learning_rate.")
-  result = _dry_run("--config.lrr=1")
+  result = _dry_run("--config.learning_rat=1")
   assert result.returncode != 0
   assert result.stderr.strip() == (
-      "--config.lrr: no such config field; nearest: the config argument lr "
-      "(--config=configs/mqar.py:kv=8,lr=1).")
+      "--config.learning_rat: no such config field; nearest: "
+      "--config.optimizer.learning_rate.")
+
+
+def test_an_earlier_spelling_names_the_new_one_in_one_line():
+  result = _dry_run("--config.lr=1")
+  assert result.returncode != 0
+  assert result.stderr.strip() == (
+      "--config.lr: no such config field; lr is now called learning_rate: "
+      "--config.optimizer.learning_rate.")
+  result = subprocess.run(
+      [sys.executable, "train.py", "--config=configs/mqar.py:kv=8,lr=1e-3", "--dry_run"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert result.stderr.strip() == (
+      "--config=configs/mqar.py:kv=8,lr=1e-3: config argument kv is now called num_kv_pairs "
+      "(e.g. num_kv_pairs=<value>).")
 
 
 def test_wrong_type_is_short():
@@ -47,10 +63,11 @@ def test_wrong_type_is_short():
 
 
 def test_overriding_a_config_argument_is_refused_with_the_working_form():
-  result = _dry_run("--config.args.lr=0.5")
+  result = _dry_run("--config.args.lr=0.5")  # under an earlier name too
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1].endswith(
-      "Give it as a config argument instead: --config=configs/mqar.py:kv=8,lr=0.5")
+      "Give it as a config argument instead: "
+      "--config=configs/mqar.py:num_kv_pairs=8,learning_rate=0.5")
 
 
 def test_unknown_field_messages():
@@ -82,11 +99,11 @@ def _warmup(config, total_steps):
 
 def test_mqar_steps_argument():
   assert _warmup(_config_module("mqar").get_config(), 2500) == 125  # 5% of 4 epochs
-  config = _config_module("mqar").get_config("steps=200")
+  config = _config_module("mqar").get_config("total_steps=200")
   assert config.total_steps == 200
   assert _warmup(config, 200) == 10  # 5% of the run
-  with pytest.raises(ValueError, match="steps must be >= 0"):
-    _config_module("mqar").get_config("steps=-1")
+  with pytest.raises(ValueError, match="total_steps must be > 0"):
+    _config_module("mqar").get_config("total_steps=-1")
 
 
 @pytest.mark.parametrize("name, arg, warmup_of_200", [

@@ -10,8 +10,9 @@ import json
 import chex
 import pytest
 
-_CONFIG = ("--config=configs/mqar.py:mixer=palimpsa_d,seq_len=16,kv=2,vocab=32,d_model=16,"
-           "heads=2,head_v=8,examples=64,test_examples=32,batch=16,epochs=2")
+_CONFIG = ("--config=configs/mqar.py:mixer=palimpsa_d,seq_len=16,num_kv_pairs=2,vocab_size=32,"
+           "d_model=16,num_heads=2,head_v_dim=8,num_train_examples=64,num_test_examples=32,"
+           "batch_size=16,num_epochs=2")
 _FLAGS = ("--config.eval_batch_size=32", "--config.log_every_steps=1",
           "--config.eval_every_steps=4", "--config.checkpoint_every_steps=4",
           "--config.optimizer.decay_steps=16", "--config.log_diagnostics=False")

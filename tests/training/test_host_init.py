@@ -17,7 +17,7 @@ assert jax.device_count() == 4
 mesh = sharding_lib.make_mesh(
     ml_collections.ConfigDict({"data": 1, "fsdp": 2, "tensor": 2}))
 optimizer = ml_collections.ConfigDict(dict(
-    learning_rate=1e-2, warmup_fraction=0.1, decay_steps=0, end_fraction=0.1, b1=0.9,
+    learning_rate=1e-2, warmup_fraction=0.1, decay_steps=None, end_fraction=0.1, b1=0.9,
     b2=0.95, eps=1e-15, weight_decay=0.1, clip_norm=1.0))
 states = []
 for init_on_host in (False, True):

@@ -18,7 +18,7 @@ from palimpsa_jax.training import state as state_lib
 
 def _optimizer_config(**overrides):
   config = ml_collections.ConfigDict(dict(
-      learning_rate=1e-2, warmup_fraction=1 / 11, decay_steps=0, end_fraction=0.1,
+      learning_rate=1e-2, warmup_fraction=1 / 11, decay_steps=None, end_fraction=0.1,
       b1=0.9, b2=0.95, eps=1e-15, weight_decay=0.1, clip_norm=1.0))
   config.update(overrides)
   return config

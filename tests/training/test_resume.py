@@ -10,8 +10,8 @@ import jax
 import pytest
 
 from tests.training import tiny_lm
-from palimpsa_jax.configs import base
 from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib

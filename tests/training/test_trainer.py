@@ -212,7 +212,7 @@ def test_batch_must_split_over_the_batch_shards(monkeypatch):
     (16, 1, 16, 1),
 ])
 def test_auto_grad_accum_steps(batch, shards, device_batch, expected):
-  config = tiny_lm.tiny_mqar_config(batch_size=batch, grad_accum_steps=0,
+  config = tiny_lm.tiny_mqar_config(batch_size=batch, grad_accum_steps=None,
                                     device_batch=device_batch)
   assert trainer.grad_accum_steps(config, shards) == expected
   config.grad_accum_steps = 4
@@ -220,19 +220,19 @@ def test_auto_grad_accum_steps(batch, shards, device_batch, expected):
 
 
 def test_auto_grad_accum_steps_errors():
-  config = tiny_lm.tiny_mqar_config(batch_size=12, grad_accum_steps=0)
+  config = tiny_lm.tiny_mqar_config(batch_size=12, grad_accum_steps=None)
   with pytest.raises(ValueError, match="needs config.device_batch"):
     trainer.grad_accum_steps(config, 1)
   config.device_batch = 1
   with pytest.raises(ValueError, match="cannot be split"):
     trainer.grad_accum_steps(config, 8)
-  config.grad_accum_steps = -1
-  with pytest.raises(ValueError, match="positive int or 0"):
+  config.grad_accum_steps = 0
+  with pytest.raises(ValueError, match=r"positive int, or None \(auto"):
     trainer.validate_config(config)
 
 
 def test_lm_task_needs_total_steps(tmp_path):
-  config = tiny_lm.tiny_mqar_config(task="lm", total_steps=-1, num_epochs=2)
+  config = tiny_lm.tiny_mqar_config(task="lm", total_steps=None, num_epochs=2)
   with pytest.raises(ValueError, match="config.total_steps must be > 0"):
     trainer.train_and_evaluate(config, str(tmp_path))
 
@@ -261,7 +261,8 @@ def test_lm_task_trains_on_text_files(tmp_path):
   spec = importlib.util.spec_from_file_location("lm_config", REPO / "configs" / "lm.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config("model=palimpsa_d,size=tiny,seq_len=32,batch=4,steps=6,warmup=2")
+  config = module.get_config(
+      "model=palimpsa_d,size=tiny,seq_len=32,batch_size=4,total_steps=6,warmup_steps=2")
   config.model = ml_collections.ConfigDict({"vocab_size": 300, "width": 16})
   _write_text_docs(tmp_path)
   config.data.train_files = str(tmp_path / "train" / "*.txt")
@@ -314,7 +315,7 @@ def test_lm_task_trains_on_prepared_token_shards(tmp_path):
 
 @pytest.mark.parametrize("overrides", [
     dict(grad_accum_steps=2),
-    dict(grad_accum_steps=0, device_batch=8),  # auto: 16 sequences -> 2 x 8
+    dict(grad_accum_steps=None, device_batch=8),  # auto: 16 sequences -> 2 x 8
 ])
 def test_gradient_accumulation_matches_full_batch(tmp_path, uninterrupted, overrides):
   config = tiny_lm.resumable_mqar_config(4, **overrides)

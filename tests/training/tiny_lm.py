@@ -70,10 +70,10 @@ def tiny_mqar_config(**overrides) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   module.model_config = lambda args: ml_collections.ConfigDict(
-      {"vocab_size": args.vocab, "width": args.d_model})
+      {"vocab_size": args.vocab_size, "width": args.d_model})
   config = module.get_config(
-      f"seq_len=16,kv=2,vocab={VOCAB},d_model=16,examples=256,test_examples=64,"
-      "batch=16,epochs=2,lr=1e-2,evals_per_epoch=2")
+      f"seq_len=16,num_kv_pairs=2,vocab_size={VOCAB},d_model=16,num_train_examples=256,"
+      "num_test_examples=64,batch_size=16,num_epochs=2,learning_rate=1e-2,evals_per_epoch=2")
   config.eval_batch_size = 32
   config.async_checkpointing = False
   config.log_diagnostics = False

@@ -6,6 +6,10 @@ its arguments). `validate` checks a config field by field, once, when a run star
 (training/trainer.py's validate_config) and raises ConfigError naming the first bad field and
 what it expects. The checks that need the devices (mesh, batch shards) stay in the trainer.
 
+A setting that may be "not set" is None there (total_steps: num_epochs passes; grad_accum_steps:
+auto; device_batch, decay_steps, clip_norm, early_stop_accuracy: none), never a 0 that means
+something else; `from_saved` reads the zeros that earlier versions wrote for these as None.
+
 The groups config.model (checked by the model builder), config.args and config.finetune (the
 config file's own arguments, already checked when parsed) are not described here.
 """
@@ -17,6 +21,7 @@ from typing import Any
 import ml_collections
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.run_config import config_args
 
 TASKS = ("mqar", "lm")
 class ConfigError(ValueError, user_errors.UserError):
@@ -56,6 +61,12 @@ def _fraction(default: Any) -> Field:
   return Field(default, (float,), lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
+def _positive_or_none(default: Any, kind: type, none: str) -> Field:
+  """A positive `kind`, or None meaning `none`."""
+  return Field(default, (kind, type(None)), lambda v: v is None or v > 0,
+               f"a positive {kind.__name__}, or None ({none})")
+
+
 def _mesh_axis(default: int) -> Field:
   return Field(default, (int,), lambda v: v == -1 or v > 0,
                "a positive int, or -1 for the remaining devices")
@@ -68,12 +79,12 @@ FIELDS = {
     "seq_len": _positive_int(REQUIRED),
     "batch_size": _positive_int(REQUIRED),  # Global, in sequences.
     "eval_batch_size": _positive_int(REQUIRED),  # Global, in sequences.
-    # 0: as many microbatches as keep each device at device_batch sequences or fewer.
-    "grad_accum_steps": Field(1, (int,), lambda v: v >= 0, "a positive int or 0 (auto)"),
-    # Most sequences per device and microbatch for grad_accum_steps=0; 0: not set.
-    "device_batch": Field(0, (int,), lambda v: v >= 0, "an int >= 0 (0: not set)"),
-    # <= 0: num_epochs passes over the training set (MQAR only).
-    "total_steps": Field(REQUIRED, (int,), _any, "an int (<= 0: num_epochs passes)"),
+    # None: as many microbatches as keep each device at device_batch sequences or fewer.
+    "grad_accum_steps": _positive_or_none(1, int, "auto: from device_batch"),
+    # Most sequences per device and microbatch for grad_accum_steps=None.
+    "device_batch": _positive_or_none(None, int, "not set"),
+    # None: num_epochs passes over the training set (MQAR only).
+    "total_steps": _positive_or_none(None, int, "num_epochs passes"),
     "num_epochs": Field(0, (int,), lambda v: v >= 0, "an int >= 0"),
     "log_every_steps": _positive_int(50),
     "eval_every_steps": _positive_int(1000),
@@ -89,10 +100,9 @@ FIELDS = {
     # compilers take minutes for the per-parameter random init), True, False.
     "init_on_host": Field("auto", (bool, str), lambda v: v in (True, False, "auto"),
                           "'auto', True or False"),
-    # Stop once an evaluation reaches this accuracy; 0: never; None: never (and no
-    # early-stop record).
-    "early_stop_accuracy": Field(0.0, (float, type(None)), lambda v: v is None or 0 <= v <= 1,
-                                 "a number in [0, 1] (0: never stop early) or None"),
+    # Stop once an evaluation reaches this accuracy; None: never.
+    "early_stop_accuracy": Field(None, (float, type(None)), lambda v: v is None or 0 < v <= 1,
+                                 "a number in (0, 1], or None (never stop early)"),
     # A conversion output whose parameters start the run (configs/finetune.py); "": none.
     "init_from": Field("", (str,), _any, "a directory, or '' for a fresh initialisation"),
 }
@@ -100,14 +110,14 @@ FIELDS = {
 OPTIMIZER_FIELDS = {
     "learning_rate": Field(REQUIRED, (float,), lambda v: v > 0, "> 0"),
     "warmup_fraction": _fraction(0.0),  # Of the schedule's horizon (decay_steps).
-    # The cosine's horizon, warmup included; 0: total_steps.
-    "decay_steps": Field(0, (int,), lambda v: v >= 0, ">= 0 (0: total_steps)"),
+    # The cosine's horizon, warmup included; None: total_steps.
+    "decay_steps": _positive_or_none(None, int, "total_steps"),
     "end_fraction": _fraction(0.0),  # The final learning rate, as a fraction of the peak.
     "b1": Field(0.9, (float,), lambda v: 0 <= v < 1, "in [0, 1)"),
     "b2": Field(0.999, (float,), lambda v: 0 <= v < 1, "in [0, 1)"),
     "eps": Field(1e-8, (float,), lambda v: v >= 0, ">= 0"),
     "weight_decay": Field(0.1, (float,), lambda v: v >= 0, ">= 0"),
-    "clip_norm": Field(1.0, (float,), _any, "a number (<= 0: no clipping)"),
+    "clip_norm": _positive_or_none(1.0, float, "no clipping"),
     # Fine-tuning: the first steps train only the new metaplastic parameters.
     "new_params_only_steps": Field(0, (int,), lambda v: v >= 0, "an int >= 0"),
 }
@@ -147,6 +157,8 @@ def _group(fields: dict[str, Field]) -> dict[str, Any]:
     default = None if field.default is REQUIRED else field.default
     if name == "init_on_host":  # "auto" or a bool: a field of no single type.
       default = ml_collections.FieldReference(default, field_type=object)
+    elif default is None and type(None) in field.types:  # typed, so --config.<name>=5 parses
+      default = ml_collections.config_dict.placeholder(field.types[0])
     values[name] = default
   return values
 
@@ -161,6 +173,37 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict(_group(MESH_FIELDS))
   config.data = ml_collections.ConfigDict(_group(DATA_FIELDS[task]))
   return config
+
+
+# Fields where earlier versions wrote a 0 (or less) for today's None: (group, name, "unset" test).
+_EARLIER_ZEROS = (
+    (None, "total_steps", lambda v: v <= 0), (None, "grad_accum_steps", lambda v: v == 0),
+    (None, "device_batch", lambda v: v == 0), (None, "early_stop_accuracy", lambda v: v == 0),
+    ("optimizer", "decay_steps", lambda v: v == 0), ("optimizer", "clip_norm", lambda v: v <= 0),
+)
+
+
+def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A config.json written by train.py, in today's spelling (earlier runs' too).
+
+  config.args and config.finetune of earlier versions hold arguments under names since
+  renamed (config_args.RENAMED); they are read under the new names. Their 0 for a setting
+  that is not set (_EARLIER_ZEROS) is read as None.
+  """
+  saved = dict(saved)
+  if isinstance(saved.get("optimizer"), dict):
+    saved["optimizer"] = dict(saved["optimizer"])
+  for group, name, unset in _EARLIER_ZEROS:
+    fields = saved.get(group, {}) if group else saved
+    value = fields.get(name) if isinstance(fields, dict) else None
+    if isinstance(value, (int, float)) and unset(value):
+      fields[name] = None
+  renamed = config_args.RENAMED_LM if saved.get("task") == "lm" else None
+  if isinstance(saved.get("args"), dict):
+    saved["args"] = config_args.upgrade_args(saved["args"], renamed)
+  if isinstance(saved.get("finetune"), dict):
+    saved["finetune"] = config_args.upgrade_args(saved["finetune"])
+  return ml_collections.ConfigDict(saved)
 
 
 def _is_type(value: Any, types: tuple[type, ...]) -> bool:
@@ -196,11 +239,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if "model" not in config:
     raise ConfigError("config.model is missing; expected the model config "
                      "(models/config.py).")
-  if config.total_steps <= 0 and config.num_epochs <= 0:
+  if config.total_steps is None and config.num_epochs <= 0:
     raise ConfigError(
         "set config.total_steps (> 0) or config.num_epochs (> 0); got "
         f"total_steps={config.total_steps}, num_epochs={config.num_epochs}.")
-  if config.task == "lm" and config.total_steps <= 0:
+  if config.task == "lm" and config.total_steps is None:
     raise ConfigError(
         "the lm task streams its data without epochs: config.total_steps must be "
         f"> 0, got {config.total_steps} (config.num_epochs is ignored).")
