@@ -41,24 +41,13 @@ def log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
-def positive_ints(text: str) -> list[int]:
-  """argparse type: comma-separated integers >= 1."""
-  try:
-    values = [int(v) for v in text.split(",") if v.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
-  if not values or min(values) < 1:
-    raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {text!r}")
-  return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", default=",".join(MODELS),
                       help=f"comma-separated, from {models.config.MODELS}")
   parser.add_argument("--size", default="170m", choices=models.config.SIZES)
-  parser.add_argument("--batches", type=positive_ints, default=[1, 64])
-  parser.add_argument("--prompt_lengths", type=positive_ints, default=[512, 8192])
+  parser.add_argument("--batches", type=results_lib.positive_ints, default=[1, 64])
+  parser.add_argument("--prompt_lengths", type=results_lib.positive_ints, default=[512, 8192])
   parser.add_argument("--new_tokens", type=int, default=32,
                       help="new tokens per sequence (>= 2)")
   parser.add_argument("--output", default="", help="JSON file for the results")

@@ -39,21 +39,11 @@ INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
 COLUMNS = ("out",) + tuple(f"d{n}" for n in INPUT_NAMES)
 
 
-def _int_list(text: str) -> list[int]:
-  try:
-    values = [int(x) for x in text.split(",")]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
-  if not values or min(values) < 1:
-    raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {text!r}")
-  return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--chunks", type=_int_list, default=[16, 32, 64],
+  parser.add_argument("--chunks", type=results_lib.positive_ints, default=[16, 32, 64],
                       help="chunk sizes (default 16,32,64)")
-  parser.add_argument("--shape", type=_int_list, default=[2, 256, 4, 16, 16],
+  parser.add_argument("--shape", type=results_lib.positive_ints, default=[2, 256, 4, 16, 16],
                       help="B,T,H,K,V of the synthetic inputs (default %(default)s)")
   parser.add_argument("--checkpoint", default=None,
                       help="a train.py workdir of a Palimpsa-D model: adds its layers' inputs")

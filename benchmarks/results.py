@@ -31,6 +31,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = pathlib.Path(__file__).with_name("records")
 
 
+def positive_ints(text: str) -> list[int]:
+  """argparse type: comma-separated integers >= 1."""
+  try:
+    values = [int(v) for v in text.split(",") if v.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {text!r}")
+  return values
+
+
 def add_record_flags(parser: argparse.ArgumentParser) -> None:
   """--records DIR (where the run's record goes) and --no_record: every benchmark's two flags."""
   parser.add_argument("--records", default=str(RECORDS),

@@ -7,7 +7,8 @@ from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS
 from palimpsa_jax.ops.fast_palimpsa.validation import validate_fast_palimpsa_args
-from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
+from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
+                                          initial_mean_and_precision)
 
 
 def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None,
@@ -47,12 +48,7 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   ip = prior_precision.astype(jnp.float32)
-  if initial_state is None:
-    mu0 = jnp.zeros((b, h, vd, kd), jnp.float32)
-    prec0 = jnp.broadcast_to(ip[None, :, None, None], (b, h, vd, kd))
-  else:
-    mu0 = initial_state.mu.astype(jnp.float32)
-    prec0 = initial_state.precision.astype(jnp.float32)
+  mu0, prec0 = initial_mean_and_precision(initial_state, ip, b, vd, kd)
   if beta is None:
     beta = jnp.zeros_like(v)
   starts = None if segment_ids is None else segment_starts(segment_ids, b, t)

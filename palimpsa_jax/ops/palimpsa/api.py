@@ -12,7 +12,8 @@ from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.palimpsa.implementations import (IMPLEMENTATIONS, KERNELS,
                                                        KernelUnavailable)
-from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
+from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
+                                          initial_mean_and_precision)
 from palimpsa_jax.ops.palimpsa.validation import validate_palimpsa_args
 
 
@@ -71,12 +72,7 @@ def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
   if beta is None and initial_state is None:
     return _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, implementation,
                             chunk_size)
-  if initial_state is None:
-    mu0 = jnp.zeros((b, h, vd, kd), jnp.float32)
-    prec0 = jnp.broadcast_to(ip[None, :, None, None], (b, h, vd, kd))
-  else:
-    mu0 = initial_state.mu.astype(jnp.float32)
-    prec0 = initial_state.precision.astype(jnp.float32)
+  mu0, prec0 = initial_mean_and_precision(initial_state, ip, b, vd, kd)
   if beta is None:
     beta = jnp.zeros_like(v)
 

@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 class PalimpsaState(NamedTuple):
@@ -27,3 +28,18 @@ class PalimpsaResult(NamedTuple):
   out: jax.Array
   variance: jax.Array | None
   state: PalimpsaState
+
+
+def initial_mean_and_precision(initial_state: PalimpsaState | None, ip: jax.Array, batch: int,
+                               value_dim: int, key_dim: int) -> tuple[jax.Array, jax.Array]:
+  """(mu0, precision0), each [B, H, V, K] float32: the given state, or the prior (0, Ip).
+
+  ip: [H] float32 prior precision.
+  """
+  if initial_state is None:
+    heads = ip.shape[0]
+    mu0 = jnp.zeros((batch, heads, value_dim, key_dim), jnp.float32)
+    prec0 = jnp.broadcast_to(ip[None, :, None, None], mu0.shape)
+    return mu0, prec0
+  return (initial_state.mu.astype(jnp.float32),
+          initial_state.precision.astype(jnp.float32))
