@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.common import chunk_masks, pad_time, to_chunks
+from palimpsa_jax.ops.palimpsa.linear_form import scan_chunk_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -25,14 +26,7 @@ def _boundary_states(k, v, beta, end_weight, chunk_decay, m0, ibar0):
   w = end_weight[..., None]
   dm = jnp.einsum("bnhcv,bnhck->nbhvk", v * w, k, precision=_HIGHEST)
   dibar = jnp.einsum("bnhcv,bnhck->nbhvk", beta * w, k * k, precision=_HIGHEST)
-
-  def step(state, x):
-    m, ibar = state
-    p, dm_n, dibar_n = x
-    p = p[..., None, None]
-    return (p * m + dm_n, p * ibar + dibar_n), state
-
-  final, starts = jax.lax.scan(step, (m0, ibar0), (jnp.moveaxis(chunk_decay, 1, 0), dm, dibar))
+  starts, final = scan_chunk_states(jnp.moveaxis(chunk_decay, 1, 0), dm, dibar, m0, ibar0)
   return jax.tree.map(lambda s: jnp.moveaxis(s, 0, 1), starts), final
 
 

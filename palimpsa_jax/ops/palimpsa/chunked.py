@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.palimpsa.linear_form import readout
+from palimpsa_jax.ops.palimpsa.linear_form import readout, scan_chunk_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # The backward recomputes the states of N / _BACKWARD_GROUPS chunks at a time.
@@ -45,15 +45,7 @@ def _start_states(k, v, beta, gate, m0, ibar0):
   w = jnp.concatenate([suffix[1:], jnp.ones_like(suffix[:1])], axis=0)[..., None]
   dm = jnp.einsum("cnbhv,cnbhk->nbhvk", v * w, k, precision=_HIGHEST)
   dibar = jnp.einsum("cnbhv,cnbhk->nbhvk", beta * w, k * k, precision=_HIGHEST)
-
-  def step(carry, x):
-    m, ibar = carry
-    p, dm_n, dibar_n = x
-    p = p[..., None, None]
-    return (p * m + dm_n, p * ibar + dibar_n), (m, ibar)
-
-  final, starts = jax.lax.scan(step, (m0, ibar0), (suffix[0], dm, dibar))
-  return starts, final
+  return scan_chunk_states(suffix[0], dm, dibar, m0, ibar0)
 
 
 def _walk(q, k, v, beta, gate, ip, m_starts, ibar_starts, return_variance):

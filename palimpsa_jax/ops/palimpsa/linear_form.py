@@ -20,3 +20,23 @@ def readout(m: jax.Array, ibar: jax.Array, ip: jax.Array, q: jax.Array, return_v
   out = jnp.sum(m * r * q[..., None, :], axis=-1)
   var = jnp.sum(r * (q * q)[..., None, :], axis=-1) if return_variance else None
   return out, var
+
+
+def scan_chunk_states(chunk_decay: jax.Array, dm: jax.Array, dibar: jax.Array, m0: jax.Array,
+                      ibar0: jax.Array) -> tuple[tuple[jax.Array, jax.Array],
+                                                 tuple[jax.Array, jax.Array]]:
+  """The state entering every chunk, from each chunk's decay and writes.
+
+  chunk_decay [N, ...] (the chunk's product of gates); dm, dibar [N, ..., V, K] (the chunk's
+  decay-weighted writes); (m0, ibar0) [..., V, K] the state before the first chunk.
+  Returns ((m_starts, ibar_starts) [N, ..., V, K], (m_final, ibar_final) [..., V, K]).
+  """
+
+  def step(state, x):
+    m, ibar = state
+    p, dm_n, dibar_n = x
+    p = p[..., None, None]
+    return (p * m + dm_n, p * ibar + dibar_n), state
+
+  final, starts = jax.lax.scan(step, (m0, ibar0), (chunk_decay, dm, dibar))
+  return starts, final
