@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compare_implementations", default="",
                       help="comma-separated implementations: Palimpsa-D once with each")
   parser.add_argument("--remat", action="store_true", help="rematerialise each block")
+  parser.add_argument("--remat_saves", default="nothing",
+                      choices=sorted(models.language_model.REMAT_SAVES),
+                      help="what a rematerialised block keeps (model.remat_saves)")
   parser.add_argument("--precision", default="exact", choices=("exact", "rank1"),
                       help="palimpsa_d / meta_mamba2: the exact op or Fast Palimpsa "
                            "(docs/fast_palimpsa.md, chunk = the model's chunk_size)")
@@ -218,6 +221,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   config = load_lm_config(model, args)
   config.model.implementation = model_implementation(model, implementation)
   config.model.remat = args.remat
+  config.model.remat_saves = args.remat_saves
   config.model.scan_layers = scan_layers
   if config.model.mixer in ("palimpsa_d", "meta_mamba2"):
     config.model.precision = args.precision
@@ -391,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seq_len": args.seq_len, "batch_size": args.batch_size,
             "tokens_per_step": args.batch_size * args.seq_len,
             "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "remat": args.remat, "kernel_sharding": not args.no_kernel_sharding,
+            "remat": args.remat, "remat_saves": args.remat_saves,
+            "kernel_sharding": not args.no_kernel_sharding,
             "context_parallel": args.context_parallel}
   rows = []
   for index, (model, implementation, scan) in enumerate(plan):
@@ -415,10 +420,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         command, date=now, device=device_kind, num_devices=len(devices), table=table,
         settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "mesh": dict(mesh.shape), "remat": args.remat,
+                  "remat_saves": args.remat_saves,
                   "kernel_sharding": not args.no_kernel_sharding,
                   "context_parallel": args.context_parallel, "precision": args.precision},
         notes=[f"bf16 compute, f32 params, configs/lm.py optimizer, remat "
-               f"{'on' if args.remat else 'off'}, kernels "
+               f"{'on, saving ' + args.remat_saves if args.remat else 'off'}, kernels "
                f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"
                f"{', context-parallel path' if args.context_parallel else ''}; "
                f"{args.warmup_steps} warm-up steps, then {args.steps} steps queued (step ms, "

@@ -9,6 +9,7 @@ from palimpsa_jax.layers.meta_mamba2 import MetaMamba2, MetaMamba2Cache
 from palimpsa_jax.layers.mlp import SwiGLU, swiglu_hidden_dim
 from palimpsa_jax.layers.norms import GatedRMSNorm, RMSNorm, l2_normalize
 from palimpsa_jax.layers.palimpsa_d import PalimpsaD, PalimpsaDCache
+from palimpsa_jax.layers.readout import READOUT
 from palimpsa_jax.layers.rope import apply_rope
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "MetaMamba2Cache",
     "PalimpsaD",
     "PalimpsaDCache",
+    "READOUT",
     "RMSNorm",
     "ShortConv",
     "SwiGLU",

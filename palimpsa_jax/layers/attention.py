@@ -10,6 +10,7 @@ from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.layers.checks import check_mixer_input
 from palimpsa_jax.layers.diagnostics import rms
 from palimpsa_jax.layers.linear import Dense
+from palimpsa_jax.layers.readout import named_readout
 from palimpsa_jax.layers.rope import apply_rope
 
 
@@ -110,7 +111,7 @@ class Attention(nnx.Module):
       o = jax.nn.dot_product_attention(
           q, k, v, mask=(same & causal)[:, None],
           implementation=self.implementation)
-    y = self._out(o)
+    y = self._out(named_readout(o))
     if return_diagnostics:
       return y, {"output_rms": rms(y)}
     return y

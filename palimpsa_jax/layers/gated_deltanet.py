@@ -12,6 +12,7 @@ from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
 from palimpsa_jax.layers.linear import Dense
 from palimpsa_jax.layers.norms import GatedRMSNorm
 from palimpsa_jax.layers.qkv import ConvolvedQKV
+from palimpsa_jax.layers.readout import named_readout
 from palimpsa_jax.layers.recurrent import RecurrentMixer
 from palimpsa_jax.ops import gated_delta_rule
 
@@ -91,7 +92,7 @@ class GatedDeltaNet(ConvolvedQKV, RecurrentMixer):
         segment_ids=segment_ids, implementation=implementation,
         chunk_size=self.chunk_size)
     g = self.gate_proj(x).reshape(batch, length, h, vd)
-    y = self.out_proj(self.out_norm(result.out, g).reshape(batch, length,
+    y = self.out_proj(self.out_norm(named_readout(result.out), g).reshape(batch, length,
                                                           h * vd))
     diagnostics = None
     if return_diagnostics:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from palimpsa_jax.layers.readout import named_readout
 from palimpsa_jax.ops import PalimpsaResult, PalimpsaState, fast_palimpsa, palimpsa
 from palimpsa_jax.ops.fast_palimpsa import fast_palimpsa_decode, init_fast_palimpsa_cache
 
@@ -74,11 +75,11 @@ class MetaplasticMixer(RecurrentMixer):
       result = palimpsa(q, k, v, beta, log_alpha, ip, initial_state=memory,
                         segment_ids=segment_ids, return_variance=return_variance,
                         implementation=implementation, chunk_size=self.chunk_size)
-      return result, result.state
+      return result._replace(out=named_readout(result.out)), result.state
     if memory is None:
       result = fast_palimpsa(q, k, v, beta, log_alpha, ip, segment_ids=segment_ids,
                              return_variance=return_variance, chunk_size=self.chunk_size)
-      return result, result.state
+      return result._replace(out=named_readout(result.out)), result.state
     out, memory = fast_palimpsa_decode(q, k, v, beta, log_alpha, ip, memory,
                                        chunk_size=self.chunk_size)
     return PalimpsaResult(out, None, memory.state), memory

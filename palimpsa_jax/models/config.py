@@ -5,8 +5,9 @@ A model config is a flat ml_collections.ConfigDict. Shared fields:
   "attention"),
   metaplasticity, metaplastic_layers, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
   norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
-  scan_layers (one stacked, scanned block; see LanguageModel), implementation,
-  chunk_size.
+  remat_saves (what a rematerialised block keeps: "nothing", "matmuls" or
+  "matmuls_and_readouts"; see LanguageModel), scan_layers (one stacked, scanned block;
+  see LanguageModel), implementation, chunk_size.
 Mixer fields:
   palimpsa_d / gated_deltanet: num_heads, head_k_dim, head_v_dim, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor (+ beta_rank for
@@ -98,7 +99,7 @@ def _common(model: str) -> dict:
               metaplastic_layers=(),
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
-              remat=False, scan_layers=False, implementation="auto",
+              remat=False, remat_saves="nothing", scan_layers=False, implementation="auto",
               chunk_size=64, matmul_precision="default", precision="exact")
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from palimpsa_jax.layers import (Attention, GatedDeltaNet, KVCache, MesaNet,
+from palimpsa_jax.layers import (READOUT, Attention, GatedDeltaNet, KVCache, MesaNet,
                                  MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.models import head_loss
@@ -23,6 +23,18 @@ LAYERS_AXIS = "layers"
 # NVIDIA GPUs runs float32 matmuls as TF32 (docs/gpu_performance.md).
 MATMUL_PRECISIONS = {"default": None, "float32": "F32_F32_F32",
                      "tensorfloat32": "TF32_TF32_F32", "bfloat16": "BF16_BF16_F32"}
+# config.remat_saves -> what a rematerialised block keeps from its forward pass; the
+# rest is recomputed in the backward. "nothing": only the block's input. "matmuls":
+# also every matmul's output (its dots without batch dimensions). "matmuls_and_readouts":
+# also each mixer's readout (layers.READOUT), so a recurrent op's forward pass is not
+# run again (its custom-VJP residuals, e.g. boundary states, still are).
+_DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+REMAT_SAVES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "matmuls": _DOTS,
+    "matmuls_and_readouts": jax.checkpoint_policies.save_from_both_policies(
+        _DOTS, jax.checkpoint_policies.save_only_these_names(READOUT)),
+}
 
 
 def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -220,6 +232,11 @@ class LanguageModel(nnx.Module):
     self.residual_dtype = (jnp.dtype(jnp.float32) if config.residual_in_fp32
                            else self.dtype)
     self.remat = config.remat
+    saves = config.get("remat_saves", "nothing")
+    if saves not in REMAT_SAVES:
+      raise ValueError(f"config.remat_saves must be one of {sorted(REMAT_SAVES)}, "
+                       f"got {saves!r}")
+    self.remat_policy = REMAT_SAVES[saves]
     precision = config.get("matmul_precision", "default")
     if precision not in MATMUL_PRECISIONS:
       raise ValueError(f"config.matmul_precision must be one of {sorted(MATMUL_PRECISIONS)}, "
@@ -315,7 +332,7 @@ class LanguageModel(nnx.Module):
       return block(h, segment_ids, return_diagnostics)
 
     if self.remat:
-      run = nnx.remat(run)
+      run = nnx.remat(run, policy=self.remat_policy)
     if self.scan_layers:
       h, stacked = nnx.scan(
           lambda h, block: run(block, h), in_axes=(nnx.Carry, 0),

@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from palimpsa_jax.models import build_model, model_config
+from palimpsa_jax.models.language_model import REMAT_SAVES
 from palimpsa_jax.training import sharding as sharding_lib
 from tests.ops.numerics import assert_close_to_reference
 
@@ -71,6 +73,40 @@ def test_scanned_diagnostics_are_per_layer_and_remat_keeps_the_gradients():
   plain = nnx.to_pure_dict(grad(scanned))
   scanned.remat = True
   chex.assert_trees_all_close(nnx.to_pure_dict(grad(scanned)), plain, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("saves", sorted(REMAT_SAVES))
+def test_every_remat_policy_keeps_the_gradients(saves):
+  scanned, _, config = scanned_and_unrolled("palimpsa_d")
+  tokens = tokens_for(config)
+  grad = nnx.jit(nnx.grad(lambda m: jnp.mean(m(tokens))))
+  plain = nnx.to_pure_dict(grad(scanned))
+  scanned.remat, scanned.remat_policy = True, REMAT_SAVES[saves]
+  chex.assert_trees_all_close(nnx.to_pure_dict(grad(scanned)), plain, rtol=1e-5, atol=1e-8)
+
+
+def saved_shapes(model, capsys) -> list[tuple[int, ...]]:
+  """The shapes of what the backward of mean(model(tokens)) keeps from the forward."""
+  graphdef, state = nnx.split(model)
+  tokens = jnp.zeros((BATCH, LENGTH), jnp.int32)
+  capsys.readouterr()
+  print_saved_residuals(lambda state: jnp.mean(nnx.merge(graphdef, state)(tokens)), state)
+  lines = capsys.readouterr().out.splitlines()
+  return [tuple(int(n) for n in line.split("[")[1].split("]")[0].split(",") if n)
+          for line in lines if "from the argument" not in line and "[" in line]
+
+
+def test_remat_policies_keep_what_they_name(capsys):
+  scanned, _, config = scanned_and_unrolled("palimpsa_d")
+  scanned.remat = True
+  kept = {}
+  for saves, policy in REMAT_SAVES.items():
+    scanned.remat_policy = policy
+    kept[saves] = saved_shapes(scanned, capsys)
+  readout = (NUM_LAYERS, BATCH, LENGTH, config.num_heads, config.head_v_dim)
+  assert len(kept["matmuls"]) > len(kept["nothing"])
+  assert readout not in kept["matmuls"]
+  assert readout in kept["matmuls_and_readouts"]
 
 
 def test_scanned_decoding_equals_forward():
