@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.data.mqar import IGNORE_INDEX
+from pallas_kernels import head_loss_triton
+from pallas_kernels.common import next_power_of_two, round_up
 
 # Logit elements (float32) one slice may hold: 64 MiB, small next to the whole
 # logits at the project's shapes yet large enough that each slice's matmuls keep
@@ -34,7 +36,8 @@ def num_slices(batch: int, length: int, vocab: int) -> int:
   return length
 
 
-def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array
+def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array, *,
+                       implementation: str = "xla", interpret: bool = False
                        ) -> tuple[jax.Array, jax.Array]:
   """Per-position cross-entropy and argmax hit of the logits h @ table^T.
 
@@ -49,6 +52,10 @@ def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array
     where ignored). Gradients flow to h and table through nll; as in the
     unfused head, the backward rounds the logits' cotangent to h's dtype before
     its two matmuls.
+
+  implementation: "xla" (slices of positions, above) or "pallas_gpu" (Pallas
+  Triton kernels that keep each tile of logits on chip, pallas_kernels/head_loss_triton.py;
+  d up to MAX_WIDTH; interpret=True runs them on CPU).
   """
   if h.ndim != 3 or table.ndim != 2 or h.shape[-1] != table.shape[-1]:
     raise ValueError(
@@ -59,7 +66,12 @@ def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array
     raise ValueError(f"table must have h's dtype {h.dtype}, got {table.dtype}")
   # The backward is traced after the caller's forward; it takes the matmul precision
   # in force now (jax.default_matmul_precision), as autodiff's own matmuls would.
-  return _head_cross_entropy(h, table, targets, jax.config.jax_default_matmul_precision)
+  precision = jax.config.jax_default_matmul_precision
+  if implementation == "pallas_gpu":
+    return _pallas_cross_entropy(h, table, targets, precision, interpret)
+  if implementation != "xla":
+    raise ValueError(f"implementation must be 'xla' or 'pallas_gpu', got {implementation!r}")
+  return _head_cross_entropy(h, table, targets, precision)
 
 
 def _to_slices(x: jax.Array, count: int) -> jax.Array:
@@ -151,3 +163,61 @@ def _head_cross_entropy_bwd(precision, residuals, cotangents):
 
 
 _head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
+
+
+def _kernel_precision(precision, dtype, interpret: bool):
+  """The kernels' dot algorithm for jax.default_matmul_precision's value: what XLA would
+  run (float32: TF32 products unless float32 or highest is asked for; bfloat16 as given);
+  plain products in interpret mode, where the CPU runs them exactly."""
+  if interpret or dtype != jnp.float32:
+    return None
+  if precision in ("float32", "highest", "F32_F32_F32", jax.lax.Precision.HIGHEST):
+    return jax.lax.DotAlgorithmPreset.F32_F32_F32
+  if precision in ("bfloat16", "BF16_BF16_F32"):
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+  return jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+
+
+def _pallas_cross_entropy(h, table, targets, precision, interpret):
+  """head_cross_entropy through pallas_kernels.head_loss_triton: pads, flattens, unpads."""
+  batch, length, width = h.shape
+  vocab = table.shape[0]
+  padded_width = max(16, next_power_of_two(width))
+  if padded_width > head_loss_triton.MAX_WIDTH:
+    raise ValueError(f"implementation='pallas_gpu' takes d up to "
+                     f"{head_loss_triton.MAX_WIDTH}, got {width}; use 'xla'")
+  n = batch * length
+  rows = round_up(n, head_loss_triton.BLOCK_N)
+  h2 = jnp.pad(h.reshape(n, width), ((0, rows - n), (0, padded_width - width)))
+  table2 = jnp.pad(table, ((0, round_up(vocab, head_loss_triton.BLOCK_V) - vocab),
+                           (0, padded_width - width)))
+  flat_targets = jnp.pad(targets.reshape(n), (0, rows - n), constant_values=IGNORE_INDEX)
+  nll, correct = _pallas_loss(h2, table2, flat_targets, vocab,
+                              _kernel_precision(precision, h.dtype, interpret), interpret)
+  return nll[:n].reshape(batch, length), correct[:n].reshape(batch, length)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _pallas_loss(h, table, targets, vocab, precision, interpret):
+  return _pallas_loss_fwd(h, table, targets, vocab, precision, interpret)[0]
+
+
+def _pallas_loss_fwd(h, table, targets, vocab, precision, interpret):
+  valid = targets != IGNORE_INDEX
+  safe_targets = jnp.where(valid, targets, 0).astype(jnp.int32)
+  lse, picked, argmax = head_loss_triton.forward(h, table, safe_targets, vocab=vocab,
+                                                 precision=precision, interpret=interpret)
+  nll = jnp.where(valid, lse - picked, 0.0)
+  correct = valid & (argmax == safe_targets)
+  return (nll, correct), (h, table, safe_targets, valid, lse)
+
+
+def _pallas_loss_bwd(vocab, precision, interpret, residuals, cotangents):
+  h, table, safe_targets, valid, lse = residuals
+  weight = jnp.where(valid, cotangents[0], 0.0).astype(jnp.float32)
+  dh, d_table = head_loss_triton.backward(h, table, safe_targets, lse, weight, vocab=vocab,
+                                          precision=precision, interpret=interpret)
+  return dh, d_table.astype(table.dtype), None
+
+
+_pallas_loss.defvjp(_pallas_loss_fwd, _pallas_loss_bwd)
