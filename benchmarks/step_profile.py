@@ -27,7 +27,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import ml_collections
 
 if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -282,11 +281,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "--size", args.size, "--seq_len", str(args.seq_len), "--batch_size",
       str(args.batch_size), "--num_devices", "1"] + (["--remat"] if args.remat else []))
   devices = jax.devices()[:1]
-  mesh = train_throughput.sharding_lib.make_mesh(
-      ml_collections.ConfigDict(dict(train_throughput.MESHES["data"], rules=())), devices)
+  where = train_throughput.placement(throughput_args, devices)
   label = f"{args.model} ({args.implementation})"
   built = train_throughput.build_train_step(args.model, args.implementation,
-                                            args.scan_layers, throughput_args, mesh, label)
+                                            args.scan_layers, throughput_args, where, label)
   train_throughput.log(f"{label} compiled in {built.compile_s:.1f} s; "
                        f"{args.warmup_steps} warm-up + {args.steps} traced steps ...")
   state = built.state

@@ -206,16 +206,20 @@ class BuiltStep(NamedTuple):
   peak_gib: float | None
 
 
-def kernel_context(args: argparse.Namespace, mesh: jax.sharding.Mesh,
-                   rules: sharding_lib.Rules) -> steps_lib.KernelContext:
-  """The context the step is traced in (--no_kernel_sharding, --context_parallel)."""
+def placement(args: argparse.Namespace,
+              devices: list[jax.Device]) -> sharding_lib.MeshContext:
+  """--mesh over `devices` with the default rules, and the kernel context the step is traced
+  in (--context_parallel; none with --no_kernel_sharding)."""
+  mesh_config = ml_collections.ConfigDict(dict(MESHES[args.mesh], rules=()))
+  context = sharding_lib.mesh_context(mesh_config, devices,
+                                      context_parallel=args.context_parallel)
   if args.no_kernel_sharding:
-    return contextlib.nullcontext
-  return sharding_lib.kernel_context(mesh, rules, context_parallel=args.context_parallel)
+    context = context._replace(kernel_context=contextlib.nullcontext)
+  return context
 
 
 def build_train_step(model: str, implementation: str, scan_layers: bool,
-                     args: argparse.Namespace, mesh: jax.sharding.Mesh,
+                     args: argparse.Namespace, where: sharding_lib.MeshContext,
                      label: str) -> BuiltStep:
   """Builds the model's state and batch and compiles its train step (configs/lm.py)."""
   config = load_lm_config(model, args)
@@ -225,7 +229,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   config.model.scan_layers = scan_layers
   if config.model.mixer in ("palimpsa_d", "meta_mamba2"):
     config.model.precision = args.precision
-  rules = sharding_lib.rules_from_config(config.mesh)
+  mesh, rules = where.mesh, where.rules
   total_steps = config.total_steps
   spec = state_lib.make_train_state_spec(
       state_lib.run_model_fn(config), config.seed,
@@ -234,7 +238,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   accum = trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh))
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, spec.shardings,
-      sharding_lib.replicated(mesh), accum, kernel_context(args, mesh, rules))
+      sharding_lib.replicated(mesh), accum, where.kernel_context)
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
 
   start = time.perf_counter()
@@ -272,10 +276,10 @@ def batch_that_fits(built: BuiltStep, batch_size: int) -> int | None:
 
 
 def bench_model(model: str, implementation: str, scan_layers: bool,
-                args: argparse.Namespace, mesh: jax.sharding.Mesh,
+                args: argparse.Namespace, where: sharding_lib.MeshContext,
                 label: str) -> dict[str, Any]:
   """Builds, compiles and times one model; returns its result row."""
-  built = build_train_step(model, implementation, scan_layers, args, mesh, label)
+  built = build_train_step(model, implementation, scan_layers, args, where, label)
   log(f"{label} compiled in {built.compile_s:.1f} s; {args.warmup_steps} warm-up + "
       f"{args.steps} synced + {args.steps} queued steps ...")
 
@@ -303,7 +307,7 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
 
   tokens_per_s = args.batch_size * args.seq_len / step_s
   peak = metrics_lib.peak_flops_per_device()
-  mfu = (6 * built.num_params * tokens_per_s / (peak * mesh.size)) if peak else None
+  mfu = (6 * built.num_params * tokens_per_s / (peak * where.mesh.size)) if peak else None
   implementation = built.config.model.implementation
   if built.config.model.get("precision", "exact") == "rank1":  # the op is another one
     implementation = "fast_palimpsa (rank1)"
@@ -378,8 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.batch_size % len(devices):
     raise ValueError(f"--batch_size={args.batch_size} must be a multiple of the "
                      f"{len(devices)} devices")
-  mesh_config = ml_collections.ConfigDict(dict(MESHES[args.mesh], rules=()))
-  mesh = sharding_lib.make_mesh(mesh_config, devices)
+  where = placement(args, devices)
+  mesh = where.mesh
   device_kind = devices[0].device_kind
   log(f"{device_kind} x{len(devices)} ({jax.default_backend()}), jax {jax.__version__}, "
       f"mesh {dict(mesh.shape)}, batch {args.batch_size} x {args.seq_len} tokens")
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   for index, (model, implementation, scan) in enumerate(plan):
     label = (f"[{index + 1}/{len(plan)}] {model} ({implementation}, "
              f"{'scanned' if scan else 'unrolled'})")
-    rows.append(bench_model(model, implementation, scan, args, mesh, label))
+    rows.append(bench_model(model, implementation, scan, args, where, label))
     add_baseline_ratios(rows)
     result["rows"] = rows
     if args.output:  # After every model, so that a cut-short run keeps its rows.

@@ -47,8 +47,8 @@ def test_figures_are_those_of_the_queued_steps(monkeypatch, model, step_seconds,
   monkeypatch.setattr(train_throughput.metrics_lib, "peak_flops_per_device", lambda: 1e12)
   args = train_throughput.parse_args(["--seq_len", "64", "--batch_size", "2", "--steps", "3",
                                       "--warmup_steps", "1"])
-  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-  row = train_throughput.bench_model(model, "chunked", True, args, mesh, model)
+  row = train_throughput.bench_model(model, "chunked", True, args,
+                                     train_throughput.placement(args, jax.devices()[:1]), model)
   assert (row["synced_ms_min"], row["synced_ms_median"], row["synced_ms_max"]) == pytest.approx(
       tuple(1e3 * s for s in synced))
   assert row["step_ms"] == pytest.approx(1e3 * step_s)
