@@ -36,6 +36,9 @@ def num_slices(batch: int, length: int, vocab: int) -> int:
   return length
 
 
+IMPLEMENTATIONS = ("xla", "pallas_gpu")
+
+
 def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array, *,
                        implementation: str = "xla", interpret: bool = False
                        ) -> tuple[jax.Array, jax.Array]:
@@ -70,7 +73,7 @@ def head_cross_entropy(h: jax.Array, table: jax.Array, targets: jax.Array, *,
   if implementation == "pallas_gpu":
     return _pallas_cross_entropy(h, table, targets, precision, interpret)
   if implementation != "xla":
-    raise ValueError(f"implementation must be 'xla' or 'pallas_gpu', got {implementation!r}")
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   return _head_cross_entropy(h, table, targets, precision)
 
 

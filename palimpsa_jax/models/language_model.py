@@ -242,6 +242,10 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"config.matmul_precision must be one of {sorted(MATMUL_PRECISIONS)}, "
                        f"got {precision!r}")
     self.matmul_algorithm = MATMUL_PRECISIONS[precision]
+    self.head_loss = config.get("head_loss", "xla")
+    if self.head_loss not in head_loss.IMPLEMENTATIONS:
+      raise ValueError(f"config.head_loss must be one of {head_loss.IMPLEMENTATIONS}, "
+                       f"got {self.head_loss!r}")
 
   def _matmul_precision(self):
     """The context the forward pass is traced in: config.matmul_precision's algorithm
@@ -312,7 +316,8 @@ class LanguageModel(nnx.Module):
             f"targets must be [B, {'P' if positions is not None else 'T'}] = "
             f"{h.shape[:2]}, got {targets.shape}")
       return head_loss.head_cross_entropy(self.final_norm(h),
-                                          self.embed[...].astype(self.dtype), targets)
+                                          self.embed[...].astype(self.dtype), targets,
+                                          implementation=self.head_loss)
 
   def _hidden(self, tokens, segment_ids, positions, return_diagnostics):
     """The residual stream after the last block (at positions, if given) and the

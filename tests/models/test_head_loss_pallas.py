@@ -5,9 +5,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from palimpsa_jax.data.mqar import IGNORE_INDEX
-from palimpsa_jax.models import head_loss
+from palimpsa_jax.models import build_model, head_loss, model_config
 from tests.models.test_head_loss import _unfused, _value_and_grads
 from tests.ops.numerics import BFLOAT16_TOL, assert_close_to_reference
 
@@ -58,3 +59,36 @@ def test_pallas_refuses_wide_heads_and_unknown_implementations():
     head_loss.head_cross_entropy(*wide, implementation="pallas_gpu", interpret=True)
   with pytest.raises(ValueError, match="implementation must be"):
     head_loss.head_cross_entropy(h, table, targets, implementation="cuda")
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_model_config_head_loss_selects_the_kernels(interpret, monkeypatch):
+  """config.head_loss="pallas_gpu" gives the model's token losses of "xla" (MQAR's d of 128)."""
+  calls = []
+  original = head_loss.head_cross_entropy
+
+  def recording(h, table, targets, *, implementation):
+    calls.append(implementation)
+    return original(h, table, targets, implementation=implementation,
+                    interpret=interpret and implementation == "pallas_gpu")
+
+  monkeypatch.setattr(head_loss, "head_cross_entropy", recording)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 512)
+  targets = jnp.roll(tokens, -1, axis=1).at[:, -1].set(IGNORE_INDEX)
+  results = {}
+  for implementation in head_loss.IMPLEMENTATIONS:
+    config = model_config("palimpsa_d", "tiny", dtype="float32", num_layers=1,
+                          head_loss=implementation)
+    lm = build_model(config, nnx.Rngs(0))
+    with jax.default_matmul_precision("highest"):
+      results[implementation] = nnx.jit(lambda m: m.token_losses(tokens, targets))(lm)
+  assert calls == list(head_loss.IMPLEMENTATIONS)
+  chex.assert_trees_all_equal(results["pallas_gpu"][1], results["xla"][1])
+  assert_close_to_reference({"nll": results["pallas_gpu"][0]}, {"nll": results["xla"][0]},
+                            1e-5 if interpret else BFLOAT16_TOL)
+
+
+def test_model_refuses_an_unknown_head_loss():
+  config = model_config("palimpsa_d", "tiny", head_loss="cuda")
+  with pytest.raises(ValueError, match="config.head_loss must be one of"):
+    build_model(config, nnx.Rngs(0))
