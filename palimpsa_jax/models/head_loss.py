@@ -11,6 +11,10 @@ and a vocabulary of 8,192 holds 512 MiB of them.
 Slices are strided (slice j holds positions j, j + S, j + 2S, ... of every
 row, for S slices), so a sequence axis split over devices stays split inside
 each slice and the batch axis is never cut.
+
+implementation="pallas_gpu" computes the same with Pallas kernels that keep every
+tile of logits on chip (pallas_kernels/head_loss_triton.py; one NVIDIA GPU, d up to
+256); the models take it with config.head_loss.
 """
 
 import functools
