@@ -5,8 +5,9 @@
         --no_record                                          # a CPU smoke run
 
 For hidden states [B, T, d] and a table [vocab, d] (--shape B,T,d,vocab, float32 unless
---dtype), times the forward and the forward+backward of mean(nll) for: `unfused` (the whole
-float32 logits, then log-softmax: what the models computed before models/head_loss.py),
+--dtype), times the mean cross-entropy and its value and gradients for: `unfused` (the whole
+float32 logits, then training.steps.cross_entropy_sums: what the models computed before
+models/head_loss.py),
 `xla` (head_loss's slices of positions) and `pallas_gpu` (head_loss's Pallas kernels), each
 queued back to back (op_bench.time_queued) on rotating inputs, and checks each against
 `unfused` (relative L2 error of the loss and both gradients) before timing. Prints a table with
@@ -14,7 +15,6 @@ each time's ratio to the fastest in this run; the record goes to --records.
 """
 
 import argparse
-import functools
 import pathlib
 import shlex
 import sys
@@ -30,24 +30,20 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
 from benchmarks import results as results_lib
 from benchmarks.op_bench import time_queued
 from palimpsa_jax.models import head_loss, language_model
+from palimpsa_jax.training import steps as steps_lib
 # pylint: enable=wrong-import-position
 
 IMPLEMENTATIONS = ("unfused", "xla", "pallas_gpu")
 MQAR_PAPER = (128, 128, 128, 8192)  # Query positions of a batch of 128, d_model 128.
 
 
-def unfused(h, table, targets):
-  """nll and hits from the whole float32 logits (the models' loss before head_loss)."""
-  logits = language_model.tied_head_logits(h, table)
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-  return nll, jnp.argmax(logits, axis=-1) == targets
-
-
-def loss_fn(implementation: str):
-  if implementation == "unfused":
-    return unfused
-  return functools.partial(head_loss.head_cross_entropy, implementation=implementation)
+def mean_loss(implementation: str):
+  """(h, table, targets) -> the mean cross-entropy, computed by `implementation`."""
+  if implementation == "unfused":  # The whole float32 logits, as evaluation computes them.
+    return lambda h, table, targets: steps_lib.cross_entropy_sums(
+        language_model.tied_head_logits(h, table), targets)[0] / targets.size
+  return lambda h, table, targets: jnp.mean(head_loss.head_cross_entropy(
+      h, table, targets, implementation=implementation)[0])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -87,15 +83,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   arg_sets = [inputs(args.shape, dtype, seed) for seed in range(3)]
-  reference = jax.jit(jax.value_and_grad(
-      lambda h, table, targets: jnp.mean(unfused(h, table, targets)[0]),
-      argnums=(0, 1)))(*arg_sets[0])
+  reference = jax.jit(jax.value_and_grad(mean_loss("unfused"), argnums=(0, 1)))(*arg_sets[0])
   rows = []
   for name in args.implementations:
-    fn = loss_fn(name)
-    forward = jax.jit(lambda h, table, targets, fn=fn: fn(h, table, targets)[0])
-    value_and_grads = jax.jit(jax.value_and_grad(
-        lambda h, table, targets, fn=fn: jnp.mean(fn(h, table, targets)[0]), argnums=(0, 1)))
+    forward = jax.jit(mean_loss(name))
+    value_and_grads = jax.jit(jax.value_and_grad(mean_loss(name), argnums=(0, 1)))
     value, grads = value_and_grads(*arg_sets[0])
     errors = [relative_error(value, reference[0])] + [
         relative_error(g, r) for g, r in zip(grads, reference[1])]

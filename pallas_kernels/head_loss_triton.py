@@ -119,6 +119,11 @@ def _dtable_kernel(h_ref, table_ref, targets_ref, lse_ref, weight_ref, dtable_re
   dtable_ref[...] = acc
 
 
+def _whole(x):
+  """A BlockSpec giving every program all of x."""
+  return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
 def _params(interpret):
   return None if interpret else plgpu_triton.CompilerParams(num_warps=_NUM_WARPS,
                                                             num_stages=_NUM_STAGES)
@@ -132,10 +137,9 @@ def forward(h, table, targets, *, vocab: int, precision, interpret: bool):
   n, width = h.shape
   rows = pl.BlockSpec((BLOCK_N, width), lambda i: (i, 0))
   row = pl.BlockSpec((BLOCK_N,), lambda i: (i,))
-  whole_table = pl.BlockSpec(table.shape, lambda i: (0, 0))
   kernel = functools.partial(_forward_kernel, vocab=vocab, precision=precision)
   return pl.pallas_call(
-      kernel, grid=(n // BLOCK_N,), in_specs=[rows, whole_table, row],
+      kernel, grid=(n // BLOCK_N,), in_specs=[rows, _whole(table), row],
       out_specs=[row, row, row],
       out_shape=[jax.ShapeDtypeStruct((n,), jnp.float32)] * 2
       + [jax.ShapeDtypeStruct((n,), jnp.int32)],
@@ -152,18 +156,17 @@ def backward(h, table, targets, lse, weight, *, vocab: int, precision, interpret
   vp = table.shape[0]
   rows = pl.BlockSpec((BLOCK_N, width), lambda i: (i, 0))
   row = pl.BlockSpec((BLOCK_N,), lambda i: (i,))
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)
   dh = pl.pallas_call(
       functools.partial(_dh_kernel, vocab=vocab, precision=precision),
-      grid=(n // BLOCK_N,), in_specs=[rows, whole(table), row, row, row], out_specs=rows,
+      grid=(n // BLOCK_N,), in_specs=[rows, _whole(table), row, row, row], out_specs=rows,
       out_shape=jax.ShapeDtypeStruct(h.shape, h.dtype),
       compiler_params=_params(interpret), interpret=interpret, name="head_loss_dh",
   )(h, table, targets, lse, weight)
   cols = pl.BlockSpec((BLOCK_V, width), lambda j: (j, 0))
   dtable = pl.pallas_call(
       functools.partial(_dtable_kernel, vocab=vocab, num_rows=n, precision=precision),
-      grid=(vp // BLOCK_V,), in_specs=[whole(h), cols, whole(targets), whole(lse),
-                                       whole(weight)],
+      grid=(vp // BLOCK_V,), in_specs=[_whole(h), cols, _whole(targets), _whole(lse),
+                                       _whole(weight)],
       out_specs=cols, out_shape=jax.ShapeDtypeStruct((vp, width), jnp.float32),
       compiler_params=_params(interpret), interpret=interpret, name="head_loss_dtable",
   )(h, table, targets, lse, weight)
