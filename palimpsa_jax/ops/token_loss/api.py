@@ -31,6 +31,8 @@ def token_loss(h: jax.Array, table: jax.Array, targets: jax.Array,
   """
   validate_token_loss_args(h, table, targets, weights, implementation)
   counted, weights = _counted(weights, targets.shape)
+  # A custom backward is traced after the caller's forward: it takes the matmul precision in
+  # force now, as autodiff's own matmuls would.
   nll, correct = IMPLEMENTATIONS[implementation](
       h, table, targets, counted, precision=jax.config.jax_default_matmul_precision)
   return _with_sums(nll, correct, weights)
