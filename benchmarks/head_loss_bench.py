@@ -1,17 +1,16 @@
-"""The tied head's cross-entropy, value and gradients, in each implementation.
+"""The token loss (palimpsa_jax/ops/token_loss), value and gradients, in each implementation.
 
     python benchmarks/head_loss_bench.py                     # MQAR's paper shape, on the GPU
-    python benchmarks/head_loss_bench.py --shape 4,64,64,512 --implementations unfused,xla \
+    python benchmarks/head_loss_bench.py --shape 4,64,64,512 --implementations logits,sliced \
         --no_record                                          # a CPU smoke run
 
 For hidden states [B, T, d] and a table [vocab, d] (--shape B,T,d,vocab, float32 unless
---dtype), times the mean cross-entropy and its value and gradients for: `unfused` (the whole
-float32 logits, then training.steps.cross_entropy_sums: what the models computed before
-models/head_loss.py),
-`xla` (head_loss's slices of positions) and `pallas_gpu` (head_loss's Pallas kernels), each
-queued back to back (op_bench.time_queued) on rotating inputs, and checks each against
-`unfused` (relative L2 error of the loss and both gradients) before timing. Prints a table with
-each time's ratio to the fastest in this run; the record goes to --records.
+--dtype), times the mean cross-entropy and its value and gradients for each implementation of
+the op's table: `logits` (the whole float32 logits) and `sliced` (a slice of positions at a
+time), each queued back to back (op_bench.time_queued) on rotating inputs, and checks each
+against the op's float64 reference (relative L2 error of the loss and both gradients) before
+timing. Prints a table with each time's ratio to the fastest in this run; the record goes to
+--records.
 """
 
 import argparse
@@ -22,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 if __package__ in (None, ""):  # Run as a script: the repository's packages.
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -29,21 +29,27 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
 # pylint: disable=wrong-import-position
 from benchmarks import results as results_lib
 from benchmarks.op_bench import time_queued
-from palimpsa_jax.models import head_loss, language_model
-from palimpsa_jax.training import steps as steps_lib
+from palimpsa_jax.ops.token_loss import token_loss
+from palimpsa_jax.ops.token_loss.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.token_loss.reference import token_loss_reference
 # pylint: enable=wrong-import-position
 
-IMPLEMENTATIONS = ("unfused", "xla", "pallas_gpu")
 MQAR_PAPER = (128, 128, 128, 8192)  # Query positions of a batch of 128, d_model 128.
 
 
 def mean_loss(implementation: str):
   """(h, table, targets) -> the mean cross-entropy, computed by `implementation`."""
-  if implementation == "unfused":  # The whole float32 logits, as evaluation computes them.
-    return lambda h, table, targets: steps_lib.cross_entropy_sums(
-        language_model.tied_head_logits(h, table), targets)[0] / targets.size
-  return lambda h, table, targets: jnp.mean(head_loss.head_cross_entropy(
-      h, table, targets, implementation=implementation)[0])
+  return lambda h, table, targets: token_loss(
+      h, table, targets, implementation=implementation).loss_sum / targets.size
+
+
+def reference_value_and_grads(h, table, targets):
+  """The float64 reference's mean cross-entropy and its gradients (h, table)."""
+  with jax.enable_x64(True):
+    h, table = (jnp.asarray(x, jnp.float64) for x in (h, table))
+    mean = lambda h, table: token_loss_reference(
+        h, table, targets, jnp.ones(targets.shape, jnp.float64)).loss_sum / targets.size
+    return jax.device_get(jax.jit(jax.value_and_grad(mean, argnums=(0, 1)))(h, table))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       default=list(MQAR_PAPER), help="B,T,d,vocab")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
-                      help=f"comma-separated, from {IMPLEMENTATIONS}")
+                      help=f"comma-separated, from {tuple(IMPLEMENTATIONS)}")
   parser.add_argument("--iters", type=int, default=20, help="calls queued per timing")
   results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
@@ -61,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.implementations = [i.strip() for i in args.implementations.split(",") if i.strip()]
   unknown = sorted(set(args.implementations) - set(IMPLEMENTATIONS))
   if unknown:
-    parser.error(f"--implementations: unknown {unknown}; known: {IMPLEMENTATIONS}")
+    parser.error(f"--implementations: unknown {unknown}; known: {tuple(IMPLEMENTATIONS)}")
   return args
 
 
@@ -75,15 +81,15 @@ def inputs(shape, dtype, seed):
 
 
 def relative_error(x, ref) -> float:
-  x, ref = jnp.asarray(x, jnp.float32), jnp.asarray(ref, jnp.float32)
-  return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   arg_sets = [inputs(args.shape, dtype, seed) for seed in range(3)]
-  reference = jax.jit(jax.value_and_grad(mean_loss("unfused"), argnums=(0, 1)))(*arg_sets[0])
+  reference = reference_value_and_grads(*arg_sets[0])
   rows = []
   for name in args.implementations:
     forward = jax.jit(mean_loss(name))
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     record = results_lib.make_record(
         "head_loss_bench", title, command, table=table,
         settings={"shape": list(args.shape), "dtype": args.dtype},
-        notes=["errors: relative L2 against the unfused loss of the same inputs; times: "
+        notes=["errors: relative L2 against the float64 reference on the same inputs; times: "
                f"{args.iters} calls queued back to back, median of 3 batches"])
     print(f"wrote {results_lib.write_record(record, args.records)}", file=sys.stderr)
   return {"rows": rows, "table": table}

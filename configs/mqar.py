@@ -60,9 +60,6 @@ DEFAULTS = dict(
     # choice: TF32 for float32 on recent NVIDIA GPUs), "float32", "tensorfloat32" or
     # "bfloat16" (bfloat16 products, float32 accumulation). Opt-in; the op keeps its own.
     matmul_precision="default",
-    # The loss's implementation (models' config.head_loss): "xla" (slices of positions) or
-    # "pallas_gpu" (Pallas kernels that never write the logits; one NVIDIA GPU, d <= 256).
-    head_loss="xla",
     precision="exact",  # "rank1": Fast Palimpsa.
     chunk_size=64,  # Chunk of the chunked op; with precision=rank1 the approximation's.
 )
@@ -88,8 +85,7 @@ PAPER = dict(
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
   overrides = dict(dtype=args.dtype, implementation=args.implementation,
-                   matmul_precision=args.matmul_precision, head_loss=args.head_loss,
-                   precision=args.precision,
+                   matmul_precision=args.matmul_precision, precision=args.precision,
                    chunk_size=args.chunk_size)
   if args.mixer in _DELTA_MIXERS and args.num_heads:
     overrides.update(num_heads=args.num_heads, head_v_dim=args.head_v_dim or 32)
@@ -118,9 +114,6 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
     raise ValueError(f"matmul_precision must be one of "
                      f"{sorted(models.language_model.MATMUL_PRECISIONS)}, "
                      f"got {args.matmul_precision!r}.")
-  if args.head_loss not in models.head_loss.IMPLEMENTATIONS:
-    raise ValueError(f"head_loss must be one of {models.head_loss.IMPLEMENTATIONS}, "
-                     f"got {args.head_loss!r}.")
   if args.total_steps is not None and args.total_steps <= 0:
     raise ValueError(
         f"total_steps must be > 0 (or none: `num_epochs` passes), got {args.total_steps}.")

@@ -17,13 +17,13 @@ from typing import Any
 
 from flax import nnx
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import checkpoints
+from palimpsa_jax.ops.token_loss import logits_token_loss
 from palimpsa_jax.training import sharding as sharding_lib
 
 DEFAULT_BATCH_SIZE = 8
@@ -61,11 +61,8 @@ class ModelScorer:
 
   def _score_logits(self, state, tokens, segment_ids, targets):
     model = nnx.merge(self._graphdef, state)
-    logits = model(tokens, segment_ids=segment_ids).astype(jnp.float32)
-    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    picked = target_logits - jax.nn.logsumexp(logits, axis=-1)
-    greedy = jnp.argmax(logits, axis=-1) == targets
-    return picked, greedy
+    loss = logits_token_loss(model(tokens, segment_ids=segment_ids), targets)
+    return -loss.nll, loss.correct
 
   def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray,
                targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,7 @@
 """MQAR evaluation of trained checkpoints on freshly generated test sets."""
 
 from collections.abc import Mapping, Sequence
+import functools
 import math
 from typing import Any
 
@@ -9,6 +10,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from palimpsa_jax import models
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
 from palimpsa_jax.evaluation import checkpoints
@@ -24,27 +26,28 @@ _TEST_SEED_OFFSET = 1_000_003
 
 def accuracy_on(model: nnx.Module, inputs: np.ndarray, targets: np.ndarray,
                 batch_size: int) -> dict[str, float]:
-  """Query accuracy and mean query cross-entropy of `model`.
+  """Query accuracy and mean query cross-entropy of `model`, as the trainer evaluates them.
+
+  The batches hold the query positions, as the trainer's MQAR test batches do
+  (data/tasks.py), and each goes through the trainer's own evaluation sums
+  (training.steps.eval_sums: the model's token_losses at those positions).
 
   Args:
-    model: NNX language model; model(tokens [B, T]) -> logits [B, T, vocab].
+    model: NNX language model with token_losses (models.LanguageModel).
     inputs: [N, T] int32 MQAR inputs.
     targets: [N, T] int32 (IGNORE_INDEX where not a query).
     batch_size: examples per forward pass (the last batch is padded).
   """
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def sums(state, tokens, batch_targets):
-    logits = nnx.merge(graphdef, state)(tokens)
-    return jax.numpy.stack(steps_lib.cross_entropy_sums(logits, batch_targets))
-
-  padded = pipeline.pad_rows({"tokens": inputs, "targets": targets}, batch_size,
-                             {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX})
+  graphdef, params, model_state = models.split_model(model)
+  sums = jax.jit(functools.partial(steps_lib.eval_sums, graphdef))
+  padded = pipeline.pad_rows(
+      {"tokens": inputs, "targets": targets,
+       "positions": mqar_lib.target_positions(targets)}, batch_size,
+      {"tokens": 0, "targets": mqar_lib.IGNORE_INDEX, "positions": 0})
   total = 0.0
   for start in range(0, len(padded["tokens"]), batch_size):
-    total = total + sums(state, padded["tokens"][start:start + batch_size],
-                         padded["targets"][start:start + batch_size])
+    total = total + sums(params, model_state,
+                         {name: rows[start:start + batch_size] for name, rows in padded.items()})
   loss_sum, correct, count = (float(x) for x in jax.device_get(total))
   return {"accuracy": correct / count, "loss": loss_sum / count,
           "num_queries": int(count)}

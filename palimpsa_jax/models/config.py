@@ -7,8 +7,7 @@ A model config is a flat ml_collections.ConfigDict. Shared fields:
   norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
   remat_saves (what a rematerialised block keeps: "nothing", "matmuls" or
   "matmuls_and_readouts"; see LanguageModel), scan_layers (one stacked, scanned block;
-  see LanguageModel), implementation, chunk_size, matmul_precision, head_loss (the
-  training loss's implementation, models.head_loss: "xla" or "pallas_gpu").
+  see LanguageModel), implementation, chunk_size, matmul_precision.
 Mixer fields:
   palimpsa_d / gated_deltanet: num_heads, head_k_dim, head_v_dim, conv_kernel,
     A_init, A_init_range, dt_min, dt_max, dt_init_floor (+ beta_rank for
@@ -101,7 +100,7 @@ def _common(model: str) -> dict:
               norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
               init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
               remat=False, remat_saves="nothing", scan_layers=False, implementation="auto",
-              chunk_size=64, matmul_precision="default", head_loss="xla", precision="exact")
+              chunk_size=64, matmul_precision="default", precision="exact")
 
 
 def _gates(mixer: str) -> dict:

@@ -1,7 +1,6 @@
 """Language model: embedding, mixer blocks, final norm, tied head."""
 
 import contextlib
-import functools
 from typing import Any
 
 import jax
@@ -12,7 +11,7 @@ from flax import nnx
 from palimpsa_jax.layers import (READOUT, Attention, GatedDeltaNet, KVCache, MesaNet,
                                  MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
 from palimpsa_jax.layers import params as params_lib
-from palimpsa_jax.models import head_loss
+from palimpsa_jax.ops.token_loss import TokenLoss, head_logits, token_loss
 
 Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | MesaNet | Attention
 METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
@@ -155,41 +154,6 @@ class Block(nnx.Module):
     return h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
 
 
-def tied_head_logits(h: jax.Array, table: jax.Array) -> jax.Array:
-  """Logits [B, T, vocab] float32 of h [B, T, d] against table [vocab, d].
-
-  The products accumulate in float32. The backward rounds the logits' cotangent to
-  h's dtype, so with bf16 compute both gradient matmuls run in bf16 (accumulated in
-  float32); plain autodiff would promote them to float32 matmuls against the float32
-  cotangent, which on an H200 took 5 ms of a 174 ms Palimpsa-D 170M step. The
-  backward's matmuls take the matmul precision in force at the call, as the forward's.
-  """
-  return _tied_head_logits(h, table, jax.config.jax_default_matmul_precision)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _tied_head_logits(h, table, precision):
-  return jnp.einsum("btd,vd->btv", h, table, precision=precision,
-                    preferred_element_type=jnp.float32)
-
-
-def _tied_head_fwd(h, table, precision):
-  return _tied_head_logits(h, table, precision), (h, table)
-
-
-def _tied_head_bwd(precision, residuals, d_logits):
-  h, table = residuals
-  g = d_logits.astype(h.dtype)
-  dh = jnp.einsum("btv,vd->btd", g, table, precision=precision,
-                  preferred_element_type=jnp.float32)
-  d_table = jnp.einsum("btv,btd->vd", g, h, precision=precision,
-                       preferred_element_type=jnp.float32)
-  return dh.astype(h.dtype), d_table.astype(table.dtype)
-
-
-_tied_head_logits.defvjp(_tied_head_fwd, _tied_head_bwd)
-
-
 class LanguageModel(nnx.Module):
   """Decoder-only LM with a head tied to the token embedding.
 
@@ -242,10 +206,6 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"config.matmul_precision must be one of {sorted(MATMUL_PRECISIONS)}, "
                        f"got {precision!r}")
     self.matmul_algorithm = MATMUL_PRECISIONS[precision]
-    self.head_loss = config.get("head_loss", "xla")
-    if self.head_loss not in head_loss.IMPLEMENTATIONS:
-      raise ValueError(f"config.head_loss must be one of {head_loss.IMPLEMENTATIONS}, "
-                       f"got {self.head_loss!r}")
 
   def _matmul_precision(self):
     """The context the forward pass is traced in: config.matmul_precision's algorithm
@@ -273,7 +233,7 @@ class LanguageModel(nnx.Module):
         self.residual_dtype)
 
   def _logits(self, h):
-    return tied_head_logits(self.final_norm(h), self.embed[...].astype(self.dtype))
+    return head_logits(self.final_norm(h), self.embed[...].astype(self.dtype))
 
   def __call__(self, tokens: jax.Array, *,
                segment_ids: jax.Array | None = None,
@@ -291,23 +251,23 @@ class LanguageModel(nnx.Module):
       logits = self._logits(h)
     return (logits, diagnostics) if return_diagnostics else logits
 
-  def token_losses(self, tokens: jax.Array, targets: jax.Array, *,
+  def token_losses(self, tokens: jax.Array, targets: jax.Array,
+                   weights: jax.Array | None = None, *,
                    segment_ids: jax.Array | None = None,
-                   positions: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array]:
-    """Cross-entropy of the next-token targets, without the whole logits in memory.
+                   positions: jax.Array | None = None) -> TokenLoss:
+    """The next-token loss of __call__'s logits, without the whole logits in memory.
 
     Args:
       tokens: [B, T] int.
       targets: [B, T] int, or [B, P] with positions: the targets there.
-        IGNORE_INDEX marks positions that do not count.
+      weights: bool mask or non-negative floats of targets' shape: the targets that count
+        (None: all); the token_loss op's argument.
       segment_ids: [B, T] int or None, as in __call__.
       positions: [B, P] int or None, as in __call__.
 
     Returns:
-      (nll [B, T or P] float32, 0 where ignored; correct [B, T or P] bool,
-      whether the logits' argmax is the target): those of __call__'s logits,
-      computed slice by slice (models.head_loss).
+      ops.token_loss.TokenLoss: per-position nll and argmax hits [B, T or P], and their
+      weighted sums, from the final hidden states and the tied embedding.
     """
     with self._matmul_precision():
       h, _ = self._hidden(tokens, segment_ids, positions, False)
@@ -315,9 +275,8 @@ class LanguageModel(nnx.Module):
         raise ValueError(
             f"targets must be [B, {'P' if positions is not None else 'T'}] = "
             f"{h.shape[:2]}, got {targets.shape}")
-      return head_loss.head_cross_entropy(self.final_norm(h),
-                                          self.embed[...].astype(self.dtype), targets,
-                                          implementation=self.head_loss)
+      return token_loss(self.final_norm(h), self.embed[...].astype(self.dtype), targets,
+                        weights)
 
   def _hidden(self, tokens, segment_ids, positions, return_diagnostics):
     """The residual stream after the last block (at positions, if given) and the

@@ -1,11 +1,12 @@
 """Recurrence ops: Palimpsa, its SimpleGLA special case, its rank-1 approximation (Fast
-Palimpsa), the gated delta rule and MesaNet."""
+Palimpsa), the gated delta rule and MesaNet; and the token loss of a tied output head."""
 
 from palimpsa_jax.ops.fast_palimpsa import fast_palimpsa
 from palimpsa_jax.ops.gated_delta import DeltaRuleResult, gated_delta_rule
 from palimpsa_jax.ops.gla import GLAResult, simple_gla
 from palimpsa_jax.ops.mesa import MesaResult, MesaState, mesa_net
 from palimpsa_jax.ops.palimpsa import PalimpsaResult, PalimpsaState, palimpsa
+from palimpsa_jax.ops.token_loss import TokenLoss, logits_token_loss, token_loss
 
 __all__ = [
     "DeltaRuleResult",
@@ -14,9 +15,12 @@ __all__ = [
     "MesaState",
     "PalimpsaResult",
     "PalimpsaState",
+    "TokenLoss",
     "fast_palimpsa",
     "gated_delta_rule",
+    "logits_token_loss",
     "mesa_net",
     "palimpsa",
     "simple_gla",
+    "token_loss",
 ]

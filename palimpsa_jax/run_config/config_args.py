@@ -5,7 +5,8 @@ One spelling per setting: an argument that sets a run-config field has that fiel
 Arguments without a field of their own (preset, mixer, size, tokens, warmup_steps, ...) are
 documented in their config file. RENAMED maps the spellings of earlier versions to today's:
 a command that uses one is refused naming the new one, and a saved config.json that holds one
-is read under the new one (`upgrade_args`).
+is read under the new one (`upgrade_args`). REMOVED lists arguments that no longer exist: a
+command that gives one is refused saying why; a saved config.json keeps it as a record.
 """
 
 from typing import Any
@@ -29,6 +30,11 @@ RENAMED = {
     "test_examples": "num_test_examples",
     "heads": "num_heads",
     "head_v": "head_v_dim",
+}
+# Earlier arguments with no successor -> why they went.
+REMOVED = {
+    "head_loss": "the token loss has one implementation for training now "
+                 "(palimpsa_jax/ops/token_loss)",
 }
 # configs/lm.py's `warmup` counted steps, the others' a fraction of the run.
 RENAMED_LM = {**RENAMED, "warmup": "warmup_steps"}
@@ -90,6 +96,8 @@ def parse_config_arg(arg: str | None, renamed: dict[str, str] | None = None,
     key, text = (s.strip() for s in item.split("=", 1))
     if key not in defaults and renamed.get(key) in defaults:
       raise ConfigArgumentError(renamed_message(key, renamed[key]))
+    if key not in defaults and key in REMOVED:
+      raise ConfigArgumentError(f"config argument {key} was removed: {REMOVED[key]}.")
     if key not in defaults:
       raise ConfigArgumentError(
           f"unknown config argument {key!r}; known: {sorted(defaults)}.")

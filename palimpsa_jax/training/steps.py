@@ -26,46 +26,22 @@ def _traced_within(kernel_context: KernelContext, fn: Callable) -> Callable:
   return wrapped
 
 
-def cross_entropy_sums(logits: jax.Array, targets: jax.Array
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Summed token cross-entropy, correct predictions and counted targets.
-
-  Args:
-    logits: [B, T, vocab] (any float dtype; computed in f32).
-    targets: [B, T] int; IGNORE_INDEX marks positions that do not count.
-
-  Returns:
-    (loss_sum, correct, count) f32 scalars.
-  """
-  logits = logits.astype(jnp.float32)
-  valid = targets != IGNORE_INDEX
-  safe_targets = jnp.where(valid, targets, 0)
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(log_probs, safe_targets[..., None], axis=-1)[..., 0]
-  loss_sum = jnp.sum(jnp.where(valid, nll, 0.0))
-  correct = jnp.sum(valid & (jnp.argmax(logits, axis=-1) == targets))
-  return loss_sum, correct.astype(jnp.float32), valid.sum().astype(jnp.float32)
-
-
 def _forward_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch):
-  """Loss sums of a batch; with batch["positions"] [B, P], only there.
+  """(loss_sum, correct, count) f32 scalars of a batch; with batch["positions"] [B, P], only there.
 
   "positions" must hold every position whose target counts (MQAR's query
-  positions), so the sums equal those over the whole sequence. The loss is the
-  model's token_losses: cross_entropy_sums of its logits, without the whole
-  float32 logits in memory.
+  positions), so the sums equal those over the whole sequence. A target counts
+  unless it is IGNORE_INDEX; the loss is the model's token_losses (the token_loss
+  op on the final hidden states, without the whole float32 logits in memory).
   """
   model = models.merge_model(graphdef, params, model_state)
   positions = batch.get("positions")
   targets = batch["targets"]
   if positions is not None:
     targets = models.take_positions(targets, positions)
-  nll, correct = model.token_losses(batch["tokens"], targets,
-                                    segment_ids=batch.get("segment_ids"),
-                                    positions=positions)
-  count = jnp.sum(targets != IGNORE_INDEX)
-  return (jnp.sum(nll), jnp.sum(correct).astype(jnp.float32),
-          count.astype(jnp.float32))
+  loss = model.token_losses(batch["tokens"], targets, targets != IGNORE_INDEX,
+                            segment_ids=batch.get("segment_ids"), positions=positions)
+  return loss.loss_sum, loss.hits, loss.count
 
 
 def _microbatches(batch: Batch, count: int) -> Batch:

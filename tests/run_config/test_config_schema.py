@@ -151,6 +151,13 @@ def test_an_earlier_argument_name_is_refused_naming_the_new_one(name, old, new):
   assert str(error.value) == f"config argument {key} is now called {new} (e.g. {new}=<value>)."
 
 
+def test_a_removed_argument_is_refused_saying_why():
+  with pytest.raises(config_args.ConfigArgumentError) as error:
+    _config_file("mqar").get_config("head_loss=pallas_gpu")
+  assert str(error.value) == (f"config argument head_loss was removed: "
+                              f"{config_args.REMOVED['head_loss']}.")
+
+
 def test_a_config_json_in_the_earlier_spelling_loads_under_todays_names(tmp_path):
   """config.json of an earlier version: config.args under the names since renamed."""
   config = _config_file("mqar").get_config("total_steps=7")

@@ -12,8 +12,8 @@ import pytest
 
 from palimpsa_jax import models
 from palimpsa_jax.data import mqar
-from palimpsa_jax.models import head_loss
 from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.ops.token_loss import logits_token_loss, sliced
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import steps as steps_lib
 from tests.ops.numerics import assert_close_to_reference
@@ -147,16 +147,18 @@ def test_train_and_eval_steps_are_traced_once(setup, at_most_one_trace):
 
 
 def test_train_loss_and_gradients_equal_those_of_the_whole_logits(setup, monkeypatch):
-  """The step's sliced head loss (2 slices here) against cross_entropy_sums of the logits."""
+  """The step's sliced token loss (2 slices here) against the loss of the model's logits."""
   graphdef, params, model_state, batch = setup
-  monkeypatch.setattr(head_loss, "SLICE_LOGITS", 6 * (LENGTH // 2) * VOCAB)
-  assert head_loss.num_slices(6, LENGTH, VOCAB) == 2
+  monkeypatch.setattr(sliced, "SLICE_LOGITS", 6 * (LENGTH // 2) * VOCAB)
+  assert sliced.num_slices(6, LENGTH, VOCAB) == 2
 
-  def unfused(p):
+  def whole_logits(p):
     model = models.merge_model(graphdef, p, model_state)
-    return steps_lib.cross_entropy_sums(model(batch["tokens"]), batch["targets"])
+    loss = logits_token_loss(model(batch["tokens"]), batch["targets"],
+                             batch["targets"] != mqar.IGNORE_INDEX)
+    return loss.loss_sum, loss.hits, loss.count
 
-  def sliced(p):
+  def sliced_sums(p):
     return steps_lib._forward_sums(graphdef, p, model_state, batch)
 
   def value_and_grad(fn):
@@ -165,8 +167,8 @@ def test_train_loss_and_gradients_equal_those_of_the_whole_logits(setup, monkeyp
       return sums[0], sums
     return jax.jit(jax.value_and_grad(loss_and_sums, has_aux=True))(params)
 
-  (loss, sums), grads = value_and_grad(sliced)
-  (ref_loss, ref_sums), ref_grads = value_and_grad(unfused)
+  (loss, sums), grads = value_and_grad(sliced_sums)
+  (ref_loss, ref_sums), ref_grads = value_and_grad(whole_logits)
   chex.assert_trees_all_close(loss, ref_loss, rtol=1e-6)
   chex.assert_trees_all_equal(sums[1:], ref_sums[1:])
   assert_close_to_reference(grads, ref_grads, 1e-5)

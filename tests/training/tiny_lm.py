@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from palimpsa_jax import models
-from palimpsa_jax.models import head_loss
+from palimpsa_jax.ops import token_loss
 from palimpsa_jax.training import state as state_lib
 
 VOCAB = 32
@@ -31,10 +31,10 @@ class TinyLM(nnx.Module):
   def __call__(self, tokens, segment_ids=None, positions=None):
     return self.embed.attend(self._hidden(tokens, positions)).astype(jnp.float32)
 
-  def token_losses(self, tokens, targets, segment_ids=None, positions=None):
-    """(nll, correct) [B, T or P] of the tied head, as LanguageModel.token_losses."""
-    return head_loss.head_cross_entropy(self._hidden(tokens, positions),
-                                        self.embed.embedding[...], targets)
+  def token_losses(self, tokens, targets, weights=None, segment_ids=None, positions=None):
+    """The tied head's TokenLoss [B, T or P], as LanguageModel.token_losses."""
+    return token_loss(self._hidden(tokens, positions), self.embed.embedding[...], targets,
+                      weights)
 
   def _hidden(self, tokens, positions):
     x = self.embed(tokens)

@@ -1,0 +1,32 @@
+"""The token loss's implementations by name: one table, one contract.
+
+Every entry of IMPLEMENTATIONS is called by `token_loss` as
+
+    fn(h, table, targets, counted, *, precision)
+    -> (nll [B, T], correct [B, T] bool)
+
+on validated arrays: h [B, T, d] and table [vocab, d] of one float dtype; targets [B, T] int,
+in [0, vocab) where counted [B, T] bool is True; precision the matmul precision in force at the
+call (jax.default_matmul_precision). nll is float32 (float64 for float64 h), 0 where not
+counted, and carries the gradients to h and table; correct is whether the first maximal logit
+is the target, False where not counted.
+"""
+
+from palimpsa_jax.ops.token_loss.logits import head_logits, losses_of_logits
+from palimpsa_jax.ops.token_loss.sliced import sliced_losses
+
+
+def _logits(h, table, targets, counted, *, precision):
+  del precision  # head_logits reads it at the call, as the caller's context sets it.
+  nll, correct, _ = losses_of_logits(head_logits(h, table), targets, counted)
+  return nll, correct
+
+
+def _sliced(h, table, targets, counted, *, precision):
+  return sliced_losses(h, table, targets, counted, precision)
+
+
+IMPLEMENTATIONS = {
+    "logits": _logits,  # The whole float32 logits, differentiated by autodiff.
+    "sliced": _sliced,  # A slice of positions at a time, logits recomputed in the backward.
+}
