@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from palimpsa_jax.ops import context_parallel, kernel_sharding
 from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS, KERNELS
-from palimpsa_jax.ops.palimpsa.implementations import KernelUnavailable
 from palimpsa_jax.ops.fast_palimpsa.validation import validate_fast_palimpsa_args
+from palimpsa_jax.ops.palimpsa.implementations import KernelUnavailable
 from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
                                           initial_mean_and_precision)
 
@@ -62,7 +62,7 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
   args = (q, k, v, beta, log_alpha, ip, mu0, prec0, starts)
   options = dict(return_variance=return_variance, chunk_size=chunk_size, interpret=interpret)
   outputs = None
-  if implementation == "auto" and jax.default_backend() in ("gpu", "cuda"):
+  if implementation == "auto" and on_nvidia_gpu():
     outputs = _run_kernel("pallas_gpu", args, options, explicit=False)
   elif implementation in KERNELS:
     outputs = _run_kernel(implementation, args, options, explicit=True)
@@ -71,6 +71,11 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
     outputs = IMPLEMENTATIONS[name](*args, **options)
   out, var, mu, precision = outputs
   return PalimpsaResult(out, var, PalimpsaState(mu, precision))
+
+
+def on_nvidia_gpu() -> bool:
+  """Whether the default backend is CUDA: where "auto" tries the GPU kernel first."""
+  return jax.default_backend() in ("gpu", "cuda")
 
 
 def _run_kernel(implementation, args, options, explicit):

@@ -10,7 +10,7 @@ import pytest
 from palimpsa_jax.ops import fast_palimpsa
 from pallas_kernels.fast_palimpsa_gpu import fast_palimpsa_gpu
 from tests.ops.fast_palimpsa.test_fast_palimpsa import check_against_reference
-from tests.ops.numerics import BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL
+from tests.ops.numerics import BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference
 from tests.ops.palimpsa.palimpsa_suite import make_inputs
 
 # (B, T, H, K, V), chunk_size, segment lengths per row (None: no segment ids). Interpreted
@@ -75,6 +75,26 @@ def test_declines_an_unsupported_chunk_and_auto_falls_back():
   chunked = jax.jit(functools.partial(fast_palimpsa, chunk_size=8,
                                       implementation="chunked"))(*args[:6])
   assert jnp.array_equal(auto.out, chunked.out)
+
+
+def test_auto_runs_the_kernel_on_an_nvidia_gpu(monkeypatch):
+  """implementation="auto" calls the kernel where the backend is CUDA (faked here, the kernel
+  interpreted); a chunk the kernel declines falls back to "chunked"."""
+  from palimpsa_jax.ops.fast_palimpsa import api, implementations
+  calls = []
+
+  def counted(*args, **kwargs):
+    calls.append(kwargs["chunk_size"])
+    return fast_palimpsa_gpu(*args, **kwargs)
+
+  monkeypatch.setattr(api, "on_nvidia_gpu", lambda: True)
+  monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", counted)
+  args = _args((1, 20, 1, 4, 4))[:6]
+  for chunk in (16, 8):
+    auto = fast_palimpsa(*args, chunk_size=chunk, interpret=True)
+    chunked = fast_palimpsa(*args, chunk_size=chunk, implementation="chunked")
+    assert_close_to_reference(auto, chunked, FLOAT32_TOL)
+  assert calls == [16, 8]
 
 
 @pytest.mark.parametrize("shape, chunk, with_var", [
