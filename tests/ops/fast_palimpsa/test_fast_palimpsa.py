@@ -91,12 +91,14 @@ CASES = [("chunked", *s) for s in SHAPES] + [("sequential", *s) for s in SHAPES[
 @pytest.mark.parametrize("implementation,shape,chunk,lengths", CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_float32_matches_reference(implementation, shape, chunk, lengths):
-  check_against_reference(implementation, 10, shape, chunk, lengths, jnp.float32, FLOAT32_TOL, GRAD_TOL)
+  check_against_reference(implementation, 10, shape, chunk, lengths, jnp.float32, FLOAT32_TOL,
+                          GRAD_TOL)
 
 
 def test_bfloat16_matches_reference():
   shape, chunk, lengths = SHAPES[0]
-  check_against_reference("chunked", 20, shape, chunk, lengths, jnp.bfloat16, BFLOAT16_TOL, BFLOAT16_TOL)
+  check_against_reference("chunked", 20, shape, chunk, lengths, jnp.bfloat16, BFLOAT16_TOL,
+                          BFLOAT16_TOL)
 
 
 def _args(x, *names):

@@ -97,6 +97,15 @@ def test_auto_runs_the_kernel_on_an_nvidia_gpu(monkeypatch):
   assert calls == [16, 8]
 
 
+@pytest.mark.gpu
+def test_auto_is_the_kernel_on_a_hopper_gpu():
+  args = _args((2, 100, 2, 16, 32))[:6]
+  run = lambda impl: jax.jit(functools.partial(fast_palimpsa, implementation=impl))(*args)
+  auto, kernel = run("auto"), run("pallas_gpu")
+  assert all(jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(auto),
+                                                   jax.tree.leaves(kernel)))
+
+
 @pytest.mark.parametrize("shape, chunk, with_var", [
     ((4, 4096, 16, 96, 192), 64, False), ((2, 1024, 8, 16, 32), 16, True),
     ((2, 300, 3, 48, 48), 16, True)])
