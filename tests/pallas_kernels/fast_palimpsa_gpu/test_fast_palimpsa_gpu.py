@@ -106,19 +106,22 @@ def test_auto_is_the_kernel_on_a_hopper_gpu():
                                                    jax.tree.leaves(kernel)))
 
 
-@pytest.mark.parametrize("shape, chunk, with_var", [
-    ((4, 4096, 16, 96, 192), 64, False), ((2, 1024, 8, 16, 32), 16, True),
-    ((2, 300, 3, 48, 48), 16, True)])
-def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var):
-  """A compiled forward+backward at D760, MQAR and D170-like heads (T not a multiple of the
-  chunk, segments, the variance) lowers for sm_90 on a CPU host to the two Mosaic GPU
-  kernels of the forward and the three of the backward (recomputed boundary, carries):
-  nothing through Pallas' deprecated Triton lowering."""
+@pytest.mark.parametrize("shape, chunk, with_var, dtype", [
+    ((4, 4096, 16, 96, 192), 64, False, jnp.bfloat16),
+    ((2, 1024, 8, 16, 32), 16, True, jnp.bfloat16),
+    ((2, 300, 3, 48, 48), 16, True, jnp.bfloat16),
+    ((2, 37, 2, 8, 20), 32, True, jnp.float32)])
+def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var, dtype):
+  """A compiled forward+backward at D760, MQAR and D170-like heads and at the interpreted
+  tests' padded shape in float32 (T not a multiple of the chunk, segments, the variance)
+  lowers for sm_90 on a CPU host to the Mosaic GPU kernels of the forward (boundary) and
+  the backward (boundary again, carries): nothing through Pallas' deprecated Triton
+  lowering."""
   from pallas_kernels.fast_palimpsa_gpu import op as op_module
   monkeypatch.setattr(op_module, "hopper_available", lambda: True)
   b, t, h, kd, vd = shape
-  sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-  args = [sds((b, t, h, kd), bf16)] * 2 + [sds((b, t, h, vd), bf16)] * 2 + [
+  sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+  args = [sds((b, t, h, kd), dtype)] * 2 + [sds((b, t, h, vd), dtype)] * 2 + [
       sds((b, t, h), f32), sds((h,), f32)] + [sds((b, h, vd, kd), f32)] * 2
   starts = sds((b, t), jnp.bool_)
 
