@@ -17,8 +17,10 @@ that leaves elements unwritten fails. Then, after warm-up, over rotating input s
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
 implementation in the same run (>1: this one is faster) and the fraction of the floor
 (docs/gpu_performance.md) reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
-`--impls ... fast_palimpsa` adds rows for Fast Palimpsa (the rank-1 approximation, chunk =
---chunk-size, its matmul form), checked against its own float64 reference instead.
+`--impls ... fast_palimpsa fast_palimpsa_gpu` adds rows for Fast Palimpsa (the rank-1
+approximation, chunk = --chunk-size): its XLA matmul form and its GPU kernel, checked against
+its own float64 reference instead, whose backward keeps more per step than the exact op's
+(measured, so --max-ref-gib holds for it too). With --fla, FLA's rows join the same table.
 A record with the date, device, versions, git ref and the exact command is written to
 benchmarks/records/, and rewritten after every shape: a run stopped early keeps the shapes it
 measured (its record says which it had not reached).
@@ -67,14 +69,15 @@ SHAPES = {
 FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (docs/gpu_performance.md)
 FWD_BWD_FLOOR_RATE = 1.2e12
 INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
-# The --impls name of Fast Palimpsa's rows: another op, checked against its own reference.
+# The --impls names of Fast Palimpsa's rows (another op, checked against its own reference)
+# and the fast_palimpsa implementation each runs.
+FAST_IMPLS = {"fast_palimpsa": "chunked", "fast_palimpsa_gpu": "pallas_gpu"}
 FAST = "fast_palimpsa"
 
 
 def _fast_op(*args, implementation, **kwargs):
-  """fast_palimpsa's matmul form under op_bench's calling convention."""
-  del implementation
-  return fast_palimpsa(*args, implementation="chunked", **kwargs)
+  """fast_palimpsa under op_bench's calling convention; implementation: a FAST_IMPLS name."""
+  return fast_palimpsa(*args, implementation=FAST_IMPLS[implementation], **kwargs)
 
 
 def default_implementations() -> list[str]:
@@ -188,6 +191,42 @@ def time_queued(fn, arg_sets, warmup, iters, batches=3) -> float:
   return 1e3 * statistics.median(per_call)
 
 
+def reference_gib_per_step(shape, fast_chunk=None) -> float:
+  """GiB that the float64 reference's backward keeps per step of T at this shape.
+
+  The exact op's reference keeps about 4 states [B, H, V, K] per step. Fast Palimpsa's keeps
+  several times that (the exact state, the chunk's start and own writes, the step's
+  temporaries), so it is measured: the compiled temp memory of its backward at T = 2C minus
+  that at T = C, over C steps (the part that does not grow with T cancels).
+  """
+  per_state = state_gib(shape[:1] + (1,) + shape[2:], 8)
+  if fast_chunk is None:
+    return 4 * per_state
+  b, _, h, kd, vd = shape
+
+  def temp_bytes(t):
+    sds = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float64)
+    args = (sds(b, t, h, kd),) * 2 + (sds(b, t, h, vd),) * 2 + (sds(b, t, h), sds(h))
+    with jax.enable_x64(True):
+      compiled = _reference.lower(args, sds(b, t, h, vd), with_grads=True,
+                                  fast_chunk=fast_chunk).compile()
+    stats = compiled.memory_analysis()
+    return None if stats is None else stats.temp_size_in_bytes
+
+  small, large = temp_bytes(fast_chunk), temp_bytes(2 * fast_chunk)
+  if small is None or large is None:  # No memory analysis on this backend: a generous bound.
+    return 32 * per_state
+  return max(large - small, 0) / fast_chunk / 2**30
+
+
+def reference_steps(shape, max_ref_gib, chunk_size, fast_chunk=None) -> int:
+  """Steps of T on which the float64 gradients are checked: all of them where the reference
+  backward fits in max_ref_gib, else as many as fit (at least one chunk)."""
+  per_step = reference_gib_per_step(shape, fast_chunk)
+  fit = shape[1] if per_step == 0 else int(max_ref_gib // per_step)
+  return int(min(shape[1], max(chunk_size, fit)))
+
+
 def state_gib(shape, bytes_per=4) -> float:
   b, t, h, kd, vd = shape
   return b * t * h * kd * vd * bytes_per / 2**30
@@ -204,22 +243,24 @@ def bench_shape(name, shape, impls, args, log):
   fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)
   arg_sets = [make_inputs(s, shape, dtype) for s in range(args.rotate)]
   cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
-  # The float64 backward stores every state: check gradients on the first ref_t steps if needed.
-  per_step_gib = 4 * state_gib(shape[:1] + (1,) + shape[2:], 8)
-  ref_t = int(min(shape[1], max(args.chunk_size, args.max_ref_gib // per_step_gib)))
-  trunc = tuple(x[:, :ref_t] if x.ndim >= 3 else x for x in arg_sets[0])
-  log(f"[{name}] float64 reference (gradients on the first {ref_t} steps)")
+  # The float64 backward stores every state: check gradients on the first ref_t steps if
+  # needed (each op's reference its own ref_t).
   refs = {}
-  for fast_chunk in sorted({args.chunk_size if impl == FAST else None for impl in impls},
-                           key=str):
+  for fast_chunk in sorted({args.chunk_size if impl in FAST_IMPLS else None
+                            for impl in impls}, key=str):
+    ref_t = reference_steps(shape, args.max_ref_gib, args.chunk_size, fast_chunk)
+    trunc = tuple(x[:, :ref_t] if x.ndim >= 3 else x for x in arg_sets[0])
+    log(f"[{name}] float64 reference{'' if fast_chunk is None else ' of fast_palimpsa'} "
+        f"(gradients on the first {ref_t} steps)")
     ref_res, _ = reference(arg_sets[0], cot, False, fast_chunk)
     if not args.variance:
       ref_res = ref_res[:1] + ref_res[2:]
-    refs[fast_chunk] = (ref_res, reference(trunc, cot[:, :ref_t], True, fast_chunk)[1])
+    refs[fast_chunk] = (ref_res, reference(trunc, cot[:, :ref_t], True, fast_chunk)[1],
+                        ref_t, trunc)
   rows = []
   for impl in impls:
-    ref_res, ref_grads = refs[args.chunk_size if impl == FAST else None]
-    op = _fast_op if impl == FAST else palimpsa
+    ref_res, ref_grads, ref_t, trunc = refs[args.chunk_size if impl in FAST_IMPLS else None]
+    op = _fast_op if impl in FAST_IMPLS else palimpsa
     for mode in ("fwd", "fwd+bwd"):
       materialises = impl == "associative" or (impl == "sequential" and mode == "fwd+bwd")
       if materialises and 6 * state_gib(shape) > args.max_state_gib:

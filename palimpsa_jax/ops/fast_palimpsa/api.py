@@ -1,19 +1,23 @@
 """`fast_palimpsa`: the public op. Validates, builds the initial state and the segment starts,
 dispatches to an implementation of the table in implementations.py."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops import context_parallel
+from palimpsa_jax.ops import context_parallel, kernel_sharding
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS, KERNELS
 from palimpsa_jax.ops.fast_palimpsa.validation import validate_fast_palimpsa_args
+from palimpsa_jax.ops.palimpsa.implementations import KernelUnavailable
 from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
                                           initial_mean_and_precision)
 
 
 def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None,
-                  segment_ids=None, return_variance=False, implementation="chunked",
-                  chunk_size=16) -> PalimpsaResult:
+                  segment_ids=None, return_variance=False, implementation="auto",
+                  chunk_size=16, interpret=False) -> PalimpsaResult:
   """Fast Palimpsa: Palimpsa with a rank-1 precision inside each chunk (docs/fast_palimpsa.md).
 
   An approximation of `palimpsa`, not an implementation of it: inside a chunk of chunk_size
@@ -33,8 +37,11 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
       if the gate were 0 at that step: the exact state, the marginals, the chunk's earlier
       writes and its start state are all cut off there.
     return_variance: also return (Ibar_S / Ibar_V) sum_k q^2 / Ibar_K, [B, T, H, V] f32.
-    implementation: "chunked" (matmuls) or "sequential" (the literal loop, for checks).
+    implementation: "auto" (the GPU kernel on an NVIDIA GPU where it takes the call, else
+      "chunked"), "chunked" (matmuls in XLA), "pallas_gpu" (Mosaic GPU chunk states, Hopper;
+      raises ValueError where it declines the call) or "sequential" (the literal loop).
     chunk_size: C, steps per chunk: part of the definition (C = 1 is not the exact op).
+    interpret: run the Pallas kernel interpreted (CPU tests); XLA forms ignore it.
 
   Returns:
     PalimpsaResult(out [B, T, H, V], variance or None, exact state after the last step).
@@ -52,7 +59,41 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
   if beta is None:
     beta = jnp.zeros_like(v)
   starts = None if segment_ids is None else segment_starts(segment_ids, b, t)
-  out, var, mu, precision = IMPLEMENTATIONS[implementation](
-      q, k, v, beta, log_alpha, ip, mu0, prec0, starts, return_variance=return_variance,
-      chunk_size=chunk_size)
+  args = (q, k, v, beta, log_alpha, ip, mu0, prec0, starts)
+  options = dict(return_variance=return_variance, chunk_size=chunk_size, interpret=interpret)
+  outputs = None
+  if implementation == "auto" and on_nvidia_gpu():
+    outputs = _run_kernel("pallas_gpu", args, options, explicit=False)
+  elif implementation in KERNELS:
+    outputs = _run_kernel(implementation, args, options, explicit=True)
+  if outputs is None:
+    name = "chunked" if implementation in ("auto", *KERNELS) else implementation
+    outputs = IMPLEMENTATIONS[name](*args, **options)
+  out, var, mu, precision = outputs
   return PalimpsaResult(out, var, PalimpsaState(mu, precision))
+
+
+def on_nvidia_gpu() -> bool:
+  """Whether the default backend is CUDA: where "auto" tries the GPU kernel first."""
+  return jax.default_backend() in ("gpu", "cuda")
+
+
+def _run_kernel(implementation, args, options, explicit):
+  """The kernel's outputs (per device shard inside kernel_sharding), or None where it
+  declines or cannot be imported and the caller did not name it (explicit=False)."""
+  q = args[0]
+  try:
+    return kernel_sharding.shard_kernel(
+        functools.partial(IMPLEMENTATIONS[implementation], **options), args,
+        in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
+        out_layouts=("b.h.", "b.h." if options["return_variance"] else None, "bh..", "bh.."),
+        batch_size=q.shape[0], num_heads=q.shape[2])
+  except KernelUnavailable:
+    if explicit:
+      raise
+    return None
+  except NotImplementedError as declined:
+    if explicit:
+      raise ValueError(
+          f"implementation={implementation!r} cannot run this call: {declined}") from declined
+    return None

@@ -15,6 +15,6 @@ def validate_fast_palimpsa_args(q, k, v, beta, log_alpha, prior_precision, initi
     ValueError: wrong rank, mismatched B/T/H/K/V, empty time axis, bad chunk_size or
       unknown implementation.
   """
-  check_options(implementation, chunk_size, tuple(IMPLEMENTATIONS))
+  check_options(implementation, chunk_size, ("auto", *IMPLEMENTATIONS))
   return check_palimpsa_arrays(q, k, v, beta, log_alpha, prior_precision, initial_state,
                                segment_ids)

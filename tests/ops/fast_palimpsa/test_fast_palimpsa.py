@@ -34,10 +34,10 @@ def _with_grads(fn, diff, seg, cotangents):
   return res, vjp(tuple(jnp.asarray(c, r.dtype) for c, r in zip(cotangents, res)))
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size"))
-def _op_with_grads(diff, seg, cotangents, implementation, chunk_size):
+@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size", "interpret"))
+def _op_with_grads(diff, seg, cotangents, implementation, chunk_size, interpret=False):
   fn = functools.partial(fast_palimpsa, return_variance=True, implementation=implementation,
-                         chunk_size=chunk_size)
+                         chunk_size=chunk_size, interpret=interpret)
   return _with_grads(fn, diff, seg, cotangents)
 
 
@@ -55,13 +55,16 @@ def _reference(x, cotangents, chunk_size):
     return jax.tree.map(np.asarray, _reference_with_grads(diff, seg, cts, chunk_size))
 
 
-def _check(implementation, seed, shape, chunk, lengths, dtype, fwd_tol, grad_tol):
+def check_against_reference(implementation, seed, shape, chunk, lengths, dtype, fwd_tol,
+                            grad_tol, interpret=False):
+  """Output, variance, final state and the grads of all eight inputs (initial state
+  included) of `implementation` against the float64 reference, on fresh random inputs."""
   x = make_inputs(seed, shape, dtype, lengths)
   cts = random_cotangents(seed + 1, shape)
   diff = tuple(jnp.asarray(x[n], dtype if i < 6 else jnp.float32)
                for i, n in enumerate(DIFF_ARGS))
   seg = None if lengths is None else jnp.asarray(x["segment_ids"])
-  res, grads = _op_with_grads(diff, seg, cts, implementation, chunk)
+  res, grads = _op_with_grads(diff, seg, cts, implementation, chunk, interpret)
   ref_res, ref_grads = _reference(x, cts, chunk)
   b, t, h, kd, vd = shape
   chex.assert_shape(res, [(b, t, h, vd), (b, t, h, vd), (b, h, vd, kd), (b, h, vd, kd)])
@@ -88,12 +91,14 @@ CASES = [("chunked", *s) for s in SHAPES] + [("sequential", *s) for s in SHAPES[
 @pytest.mark.parametrize("implementation,shape,chunk,lengths", CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_float32_matches_reference(implementation, shape, chunk, lengths):
-  _check(implementation, 10, shape, chunk, lengths, jnp.float32, FLOAT32_TOL, GRAD_TOL)
+  check_against_reference(implementation, 10, shape, chunk, lengths, jnp.float32, FLOAT32_TOL,
+                          GRAD_TOL)
 
 
 def test_bfloat16_matches_reference():
   shape, chunk, lengths = SHAPES[0]
-  _check("chunked", 20, shape, chunk, lengths, jnp.bfloat16, BFLOAT16_TOL, BFLOAT16_TOL)
+  check_against_reference("chunked", 20, shape, chunk, lengths, jnp.bfloat16, BFLOAT16_TOL,
+                          BFLOAT16_TOL)
 
 
 def _args(x, *names):
@@ -243,7 +248,7 @@ def _bad_cases():
       ("initial_state", TypeError, dict(initial_state=tuple(state))),
       ("initial_state.precision", ValueError,
        dict(initial_state=state._replace(precision=state.precision[0]))),
-      ("implementation", ValueError, dict(implementation="pallas_gpu")),
+      ("implementation", ValueError, dict(implementation="triton")),
       ("chunk_size", ValueError, dict(chunk_size=0)),
       ("chunk_size", TypeError, dict(chunk_size=16.0)),
   ]

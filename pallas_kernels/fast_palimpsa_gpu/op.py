@@ -1,0 +1,134 @@
+"""`fast_palimpsa_gpu`: Fast Palimpsa on Hopper GPUs.
+
+Forward: the exact chunk-boundary states by the Mosaic GPU boundary kernel (states.py), then
+every chunk's reads from its entering state as batched matmuls (reads.py). Backward (a custom VJP
+that saves only the inputs, never the [B, H, T/C, V, K] states): the forward is recomputed,
+boundary kernel included, and differentiated; the states' own VJP walks the adjoint carries
+with the Mosaic GPU carries kernel. Everything is float32 inside whatever the input dtype.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common import round_up
+from pallas_kernels.fast_palimpsa_gpu import reads, states
+
+f32 = jnp.float32
+
+
+def hopper_available() -> bool:
+  """Whether the default device is a CUDA GPU of compute capability 9.x (sm_90)."""
+  version = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
+  return jax.devices()[0].platform == "gpu" and version.split(".")[0] == "9"
+
+
+def check_supported(k, v, beta, chunk_size: int, interpret: bool) -> None:
+  """Raises NotImplementedError with the reason where the kernel cannot run the call."""
+  if not interpret and not hopper_available():
+    raise NotImplementedError("the Mosaic GPU kernels need a Hopper (sm_90) GPU")
+  kp, vp = round_up(k.shape[-1], 16), round_up(v.shape[-1], 16)
+  x_dtype = v.dtype if v.dtype == beta.dtype else f32
+  if not states.supported(chunk_size, kp, vp, k.dtype, x_dtype, interpret=interpret):
+    raise NotImplementedError(
+        f"chunk_size={chunk_size} with K={k.shape[-1]}, V={v.shape[-1]}: the kernel takes "
+        f"chunks of 16, 32, 64 or 128 steps and states that fit its shared memory")
+
+
+def fast_palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
+                      segment_starts, *, return_variance: bool, chunk_size: int,
+                      interpret: bool = False):
+  """Fast Palimpsa (docs/fast_palimpsa.md) with Mosaic GPU chunk states.
+
+  Args:
+    q, k: [B, T, H, K]; v, beta: [B, T, H, V] (float32 or bfloat16).
+    log_alpha: [B, T, H]; prior_precision: [H] float32.
+    initial_mu, initial_precision: [B, H, V, K] float32, the state before step 0.
+    segment_starts: [B, T] bool (the state restarts from the prior there) or None.
+    return_variance: also return the approximation's predictive variance.
+    chunk_size: C, 16, 32, 64 or 128. interpret: run the kernels interpreted (CPU).
+
+  Returns:
+    out [B, T, H, V] dtype of v, variance [B, T, H, V] float32 or None, and the exact
+    state after the last step: mu, precision [B, H, V, K] float32.
+
+  Raises:
+    NotImplementedError: the kernel cannot run this call (`check_supported`).
+  """
+  check_supported(k, v, beta, chunk_size, interpret)
+  b, t = q.shape[:2]
+  starts = jnp.zeros((b, t), bool) if segment_starts is None else segment_starts
+  out, var, m, ibar = _recomputed(return_variance, chunk_size, interpret, q, k, v, beta,
+                                  log_alpha, prior_precision, initial_mu, initial_precision,
+                                  starts)
+  precision = ibar + prior_precision[None, :, None, None]
+  return out.astype(v.dtype), var, m / precision, precision
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _recomputed(return_variance, chunk, interpret, *args):
+  """`_forward`, whose backward recomputes it from the inputs (the only residuals)."""
+  return _forward(*args, return_variance=return_variance, chunk=chunk, interpret=interpret)
+
+
+def _recomputed_fwd(return_variance, chunk, interpret, *args):
+  return _recomputed(return_variance, chunk, interpret, *args), args
+
+
+def _recomputed_bwd(return_variance, chunk, interpret, args, cotangents):
+  # jax.checkpoint would do this too, but not around interpreted kernels (their callbacks
+  # are effects, which checkpoint refuses).
+  run = functools.partial(_forward, return_variance=return_variance, chunk=chunk,
+                          interpret=interpret)
+  _, vjp = jax.vjp(lambda *floats: run(*floats, args[-1]), *args[:-1])
+  return (*vjp(cotangents), None)  # No cotangent for the segment starts.
+
+
+_recomputed.defvjp(_recomputed_fwd, _recomputed_bwd)
+
+
+def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision, starts,
+             *, return_variance, chunk, interpret):
+  """(out [B, T, H, V] f32, variance or None, M_T, Ibar_T [B, H, V, K])."""
+  b, t, h, kd = q.shape
+  vd = v.shape[-1]
+  tp = round_up(t, chunk)
+  n = tp // chunk
+  kp, vp = round_up(kd, 16), round_up(vd, 16)
+
+  def rows(x, width):  # [B, T, H, D] -> [B, Tp, H, width], zero padding (neutral steps).
+    return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, width - x.shape[-1])))
+
+  def chunks(x):  # [B, Tp, H, ...] -> [B, N, H, C, ...] float32
+    x = x.astype(f32).reshape((b, n, chunk) + x.shape[2:])
+    return jnp.moveaxis(x, 2, 3)
+
+  def head_major(x):  # [B, N, H, ...] -> [B*H, N, ...]
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape((b * h,) + x.shape[2:])
+
+  def from_head_major(x):  # [B*H, ..., Vp, Kp] -> [B, H, ..., V, K]
+    return x[..., :vd, :kd].reshape((b, h) + x.shape[1:-2] + (vd, kd))
+
+  log_alpha = chunks(rows(log_alpha[..., None], 1))[..., 0]  # [B, N, H, C]; padding: gate 1
+  decay, from_start, to_end = reads.chunk_gates(
+      log_alpha, jnp.pad(starts, ((0, 0), (0, tp - t))).reshape(b, n, chunk))
+  ipb = prior_precision[None, :, None, None]
+  state_pad = ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd))
+  m0 = jnp.pad(initial_mu * initial_precision, state_pad).reshape(b * h, vp, kp)
+  b0 = jnp.pad(initial_precision - ipb, state_pad).reshape(b * h, vp, kp)
+  m_starts, b_starts, m_final, b_final = states.chunk_states(
+      rows(k, kp), rows(v, vp), rows(beta, vp), head_major(to_end).reshape(b * h, tp),
+      head_major(from_start[..., -1]), m0, b0, h, chunk, interpret)
+  m_c, b_c = (jnp.moveaxis(from_head_major(s), 2, 1) for s in (m_starts, b_starts))
+  out, var = reads.chunk_reads(
+      *(chunks(rows(x, x.shape[-1])) for x in (q, k, v, beta)), decay, from_start, m_c, b_c,
+      prior_precision, return_variance=return_variance,
+      precision=states.dot_precision(interpret))
+
+  def unchunk(y):  # [B, N, H, C, V] -> [B, T, H, V]
+    return jnp.moveaxis(y, 3, 2).reshape(b, tp, h, vd)[:, :t]
+
+  return (unchunk(out), None if var is None else unchunk(var), from_head_major(m_final),
+          from_head_major(b_final))
