@@ -39,7 +39,7 @@ REFUSALS = (UserError, app.UsageError, flags.Error, *PATH_ERRORS)
 
 _HELP_FLAGS = ("-h", "-help", "--help", "-?", "--helpshort", "-helpshort", "--helpfull",
                "-helpfull", "--helpxml", "-helpxml")
-_REQUIRED = re.compile(r"^flag --([\w.]+)=None: Flag --\1 must have a value other than None\.$")
+_REQUIRED = re.compile(r"Flag --([\w.]+) must have a value other than None\.")
 _NOT_A_NUMBER = re.compile(
     r"^flag (--[\w.]+=.*): (?:invalid literal for int\(\) with base \d+"
     r"|could not convert string to (float)): '.*'$", re.DOTALL)
@@ -57,8 +57,9 @@ def message(error: BaseException) -> str:
   else:
     text = str(error)
     if isinstance(error, flags.Error):
-      if required := _REQUIRED.match(text):
-        text = f"--{required.group(1)} is required (--help lists the flags)"
+      if required := _REQUIRED.findall(text):
+        text = (f"{', '.join('--' + name for name in required)} "
+                f"{'is' if len(required) == 1 else 'are'} required (--help lists the flags)")
       elif number := _NOT_A_NUMBER.match(text):
         text = f"{number.group(1)}: expected {'a number' if number.group(2) else 'an int'}"
       else:
@@ -163,7 +164,8 @@ def run_app(program: str, main: Callable[[list[str]], Any],
   help exits with status 0 (absl's is 1).
   """
   if "verbose" not in flags.FLAGS:
-    flags.DEFINE_bool("verbose", False, "Show the traceback of a refused command.")
+    flags.DEFINE_bool("verbose", False, "Show the traceback of a refused command.",
+                      module_name=sys.argv[0])  # listed by -h with the command's own flags
   argv = [sys.argv[0]] + ["--help" if arg == "-h" else arg for arg in sys.argv[1:]]
   parse = flags_parser or flags.FLAGS
 
