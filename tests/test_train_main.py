@@ -38,8 +38,8 @@ def test_dry_run_prints_parameter_table_and_count():
 def test_bad_config_argument_fails_clearly():
   result = _run("train.py", "--config=configs/mqar.py:num_kv_pairs=abc", "--dry_run", check=False)
   assert result.returncode == 1 and result.stderr.strip() == (
-      "train.py: --config=configs/mqar.py:num_kv_pairs=abc: config argument num_kv_pairs='abc' must be "
-      "an int.")
+      "train.py: --config=configs/mqar.py:num_kv_pairs=abc: config argument "
+      "num_kv_pairs='abc' must be an int.")
   result = _run("train.py", "--config=configs/mqar.py:mixer=lstm", "--dry_run", check=False)
   assert result.returncode == 1 and "mixer must be one of" in result.stderr
   assert "Traceback" not in result.stderr

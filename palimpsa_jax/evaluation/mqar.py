@@ -90,7 +90,7 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
   """
   model, config, step = checkpoints.load_model(checkpoint)
   if config.task != "mqar":
-    raise ValueError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
+    raise lm_lib.OptionError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
   data = config.data
   for seq_len, num_kv_pairs in settings:
     try:
