@@ -6,9 +6,9 @@ r"""Samples text from a language-model checkpoint, printing it as it is decoded.
 
 --checkpoint: a train.py workdir (latest step), one of its checkpoints/<step> folders, or a
 conversion output. Each prompt starts with EOS, as every training document does; a sample ends
-at its first EOS or after --max_new_tokens. The text goes to stdout (control characters other
-than newlines and tabs escaped, e.g. \x07), the timing (tokens/s) to
-stderr. See palimpsa_jax/evaluation/generation.py.
+at its first EOS or after --max_new_tokens. The text goes to stdout, its control characters
+other than newlines and tabs escaped (\x07), the timing (tokens/s) to stderr. See
+palimpsa_jax/evaluation/generation.py.
 """
 
 import sys
