@@ -9,7 +9,7 @@ with exit status 1. --verbose (or PALIMPSA_TRACEBACK=1) shows the traceback inst
   run_app("train.py", main)          an absl entry point: flag errors, refusals raised by main,
                                      -h / --help shows the help and exits 0
   one_line("prepare", function)      any other command's function, its refusals one line
-  ArgumentParser(program)            argparse whose usage errors are refusals too
+  ArgumentParser(prog=...)           argparse whose usage errors are refusals too
   precheck(...)                      a missing config file or an unusable output directory,
                                      answered before an entry point's heavy imports
 """

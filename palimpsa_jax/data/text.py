@@ -327,7 +327,7 @@ def _shard(files_glob, shard_index: int, shard_count: int) -> grain.MapDataset:
   source = DocumentSource(resolve_files(files_glob))
   if len(source) < shard_count:
     raise DataError(f"files_glob {files_glob!r} holds {len(source)} documents, fewer than "
-                     f"shard_count={shard_count}")
+                    f"shard_count={shard_count}")
   return grain.MapDataset.source(source)[int(shard_index)::int(shard_count)]
 
 

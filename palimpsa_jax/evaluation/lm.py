@@ -153,7 +153,7 @@ def load_checkpoint(checkpoint: str):
   model, config, step = checkpoints.load_model(checkpoint)
   if config.get("task", "lm") != "lm":
     raise OptionError(f"checkpoint {checkpoint!r} was trained on task {config.task!r}; this "
-                     "needs a language model (task lm)")
+                      "needs a language model (task lm)")
   return model, config, step, checkpoint_tokenizer(checkpoints.tokenizer_folder(checkpoint),
                                                    config)
 
