@@ -155,6 +155,20 @@ def precheck(program: str, argv: Sequence[str], config_flag: str | None = None,
     report(program, error)
 
 
+def dash_h_as_help(argv: Sequence[str]) -> list[str]:
+  """argv with each -h that is a flag (not the value of the flag before it, nor after "--")
+  spelled --help, which absl knows."""
+  out = list(argv[:1])
+  for i, arg in enumerate(argv[1:], 1):
+    previous = argv[i - 1].lstrip("-")
+    is_value = (i > 1 and argv[i - 1].startswith("-") and "=" not in previous
+                and previous in flags.FLAGS and not flags.FLAGS[previous].boolean)
+    if "--" in argv[1:i]:
+      is_value = True
+    out.append("--help" if arg == "-h" and not is_value else arg)
+  return out
+
+
 def run_app(program: str, main: Callable[[list[str]], Any],
             flags_parser: Callable[[list[str]], Any] | None = None) -> None:
   """absl's app.run(main) for an entry point named `program`.
@@ -166,7 +180,7 @@ def run_app(program: str, main: Callable[[list[str]], Any],
   if "verbose" not in flags.FLAGS:
     flags.DEFINE_bool("verbose", False, "Show the traceback of a refused command.",
                       module_name=sys.argv[0])  # listed by -h with the command's own flags
-  argv = [sys.argv[0]] + ["--help" if arg == "-h" else arg for arg in sys.argv[1:]]
+  argv = dash_h_as_help(sys.argv)
   parse = flags_parser or flags.FLAGS
 
   def parse_flags(argv: list[str]) -> Any:

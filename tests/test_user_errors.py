@@ -69,3 +69,15 @@ def test_wants_traceback_reads_verbose_before_flags_are_parsed(monkeypatch):
   monkeypatch.delenv(user_errors.TRACEBACK_VARIABLE, raising=False)
   assert user_errors.wants_traceback(["train.py", "--verbose"])
   assert not user_errors.wants_traceback(["train.py", "--noverbose", "--workdir=verbose"])
+
+
+def test_dash_h_is_help_unless_it_is_a_flags_value():
+  if "prompt_for_test" not in flags.FLAGS:
+    flags.DEFINE_string("prompt_for_test", None, "")
+    flags.DEFINE_bool("switch_for_test", False, "")
+  assert user_errors.dash_h_as_help(["p", "-h"]) == ["p", "--help"]
+  assert user_errors.dash_h_as_help(["p", "--switch_for_test", "-h"]) == [
+      "p", "--switch_for_test", "--help"]
+  assert user_errors.dash_h_as_help(["p", "--prompt_for_test", "-h"]) == [
+      "p", "--prompt_for_test", "-h"]
+  assert user_errors.dash_h_as_help(["p", "--", "-h"]) == ["p", "--", "-h"]
