@@ -122,10 +122,10 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   if args.head_loss not in models.head_loss.IMPLEMENTATIONS:
     raise ValueError(f"head_loss must be one of {models.head_loss.IMPLEMENTATIONS}, "
                      f"got {args.head_loss!r}.")
-  mqar_data.check_setting(args.seq_len, args.num_kv_pairs, args.vocab_size)
   if args.total_steps is not None and args.total_steps <= 0:
     raise ValueError(
         f"total_steps must be > 0 (or none: `num_epochs` passes), got {args.total_steps}.")
+  mqar_data.check_setting(args.seq_len, args.num_kv_pairs, args.vocab_size)
   return args
 
 
