@@ -6,8 +6,9 @@ r"""Samples text from a language-model checkpoint, printing it as it is decoded.
 
 --checkpoint: a train.py workdir (latest step), one of its checkpoints/<step> folders, or a
 conversion output. Each prompt starts with EOS, as every training document does; a sample ends
-at its first EOS or after --max_new_tokens. The text goes to stdout, the timing (tokens/s) to
-stderr. See palimpsa_jax/evaluation/generation.py.
+at its first EOS or after --max_new_tokens. The text goes to stdout, its control characters
+other than newlines and tabs escaped (\x07), the timing (tokens/s) to stderr. See
+palimpsa_jax/evaluation/generation.py.
 """
 
 import sys
@@ -54,7 +55,7 @@ def main(argv):
       top_p=_TOP_P.value, seed=_SEED.value, num_samples=_NUM_SAMPLES.value)
 
   def write(text):
-    sys.stdout.write(text)
+    sys.stdout.write(generation.printable(text))
     sys.stdout.flush()
 
   timings = []

@@ -23,8 +23,9 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
   # runs finished / running / left, steps done, GPU time left at the measured rates
   python benchmarks/mqar_sweep.py status --root runs/mqar_sweep
   # results.json, accuracy.png and accuracy_vs_step.png under ROOT, a record of every
-  # run to --records (unfinished runs count with their best evaluation so far)
-  python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep
+  # run (unfinished runs count with their best evaluation so far) beside them, or for the
+  # project's sweep into the records rendered into docs/results/mqar.md
+  python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep --records benchmarks/records
 
 `status`, `collect` and `list` take the same grid flags as `run`. The plot
 shows, per mixer and setting, mean +- std over seeds of each seed's best
@@ -50,7 +51,6 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
   sys.path.insert(0, str(REPO))
 
 # pylint: disable=wrong-import-position
-from benchmarks import results as results_lib
 from benchmarks.mqar_sweep_report import read_run_metrics, report
 # pylint: enable=wrong-import-position
 
@@ -336,7 +336,11 @@ def main(argv=None) -> None:
                            "cell's best lr.")
   parser.add_argument("--examples", type=int, default=None, help="shorten: training examples.")
   parser.add_argument("--epochs", type=int, default=None, help="shorten: epochs.")
-  results_lib.add_record_flags(parser)  # collect's record of the sweep
+  parser.add_argument(
+      "--records", type=pathlib.Path, default=None,
+      help="collect: folder of the sweep's JSON record (default: --root, beside the runs; "
+           "the project's sweep: benchmarks/records)")
+  parser.add_argument("--no_record", action="store_true", help="collect: write no record")
   args = parser.parse_args(argv)
 
   mixers = [m for m in args.mixers.split(",") if m]
@@ -378,7 +382,7 @@ def main(argv=None) -> None:
       train_cells(root, runs, shard(list(cells(runs)), args.shard), extra,
                   args.two_stage)
   else:
-    report(root, None if args.no_record else args.records,
+    report(root, None if args.no_record else args.records or root,
            "python " + shlex.join(["benchmarks/mqar_sweep.py"]
                                   + (sys.argv[1:] if argv is None else argv)))
 

@@ -37,21 +37,35 @@ def _progress_from_metrics(workdir: pathlib.Path) -> dict[str, object]:
           "stopped_early": False, "wall_time_s": None}
 
 
+def mqar_mixer(config: dict[str, object]) -> str | None:
+  """The mixer of a run's saved config.json, or None if it is not an MQAR run of configs/mqar.py
+  (e.g. a language-model run)."""
+  if config.get("task", "mqar") != "mqar":
+    return None
+  return config_args.upgrade_args(config.get("args") or {}).get("mixer")
+
+
 def collect(root: pathlib.Path) -> list[dict[str, object]]:
-  """One record per run started under root: its grid point and summary.
+  """One record per MQAR run started under root: its grid point and summary.
 
   A run without summary.json (stopped before the end, e.g. by a time limit)
-  gets "finished": False and its best evaluation so far from metrics.jsonl.
+  gets "finished": False and its best evaluation so far from metrics.jsonl. Other runs
+  (not of configs/mqar.py) are left out, named in one line.
   """
-  records = []
+  records, skipped = [], []
   for config_path in sorted(root.glob("*/config.json")):
     workdir = config_path.parent
-    args = config_args.upgrade_args(json.loads(config_path.read_text())["args"])
+    config = json.loads(config_path.read_text())
+    mixer = mqar_mixer(config)
+    if mixer is None:
+      skipped.append(workdir.name)
+      continue
+    args = config_args.upgrade_args(config["args"])
     finished = (workdir / "summary.json").exists()
     summary = (json.loads((workdir / "summary.json").read_text()) if finished
                else _progress_from_metrics(workdir))
     records.append({
-        "name": workdir.name, "mixer": args["mixer"],
+        "name": workdir.name, "mixer": mixer,
         "seq_len": args["seq_len"], "kv": args["num_kv_pairs"], "lr": args["learning_rate"],
         "seed": args["seed"], "epochs": args["num_epochs"],
         "examples": args["num_train_examples"], "batch": args.get("batch_size"),
@@ -59,6 +73,9 @@ def collect(root: pathlib.Path) -> list[dict[str, object]]:
         "best_step": summary["best_step"], "final_step": summary["final_step"],
         "stopped_early": summary["stopped_early"],
         "wall_time_s": summary["wall_time_s"], "error": summary.get("error")})
+  if skipped:
+    print(f"skipped {len(skipped)} folder(s) under {root} that hold no MQAR run: "
+          f"{', '.join(skipped)}")
   return records
 
 
@@ -202,7 +219,7 @@ def report(root: pathlib.Path, records_dir: pathlib.Path | str | None, command: 
   there, prints the tables and writes the sweep's record to records_dir (None: none)."""
   records = collect(root)
   if not records:
-    raise SystemExit(f"no runs under {root}.")
+    raise SystemExit(f"no MQAR runs under {root}.")
   rows = best_lr_statistics(records)
   (root / "results.json").write_text(json.dumps(
       {"runs": records, "best_lr": rows}, indent=2))

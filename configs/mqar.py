@@ -25,6 +25,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from palimpsa_jax import models
+from palimpsa_jax.data import mqar as mqar_data
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
 
@@ -117,6 +118,7 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   if args.total_steps is not None and args.total_steps <= 0:
     raise ValueError(
         f"total_steps must be > 0 (or none: `num_epochs` passes), got {args.total_steps}.")
+  mqar_data.check_setting(args.seq_len, args.num_kv_pairs, args.vocab_size)
   return args
 
 

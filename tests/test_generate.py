@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from palimpsa_jax import models
+from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import generation
 from palimpsa_jax.evaluation import lm as lm_lib
@@ -87,6 +88,20 @@ def test_lm_tools_reject_an_mqar_checkpoint(tmp_path):
     lm_lib.load_checkpoint(str(tmp_path))
 
 
+def test_printed_text_escapes_control_characters_but_keeps_newlines_and_tabs():
+  assert generation.printable("bell\x07 back\x08\tesc\x1b[31m\nline\r\x7f\x9b δ 😀") == (
+      "bell\\x07 back\\x08\tesc\\x1b[31m\nline\\x0d\\x7f\\x9b δ 😀")
+
+
+def test_prompt_file_that_is_not_utf8_names_its_byte(tmp_path):
+  path = tmp_path / "prompts.txt"
+  path.write_bytes(b"first\r\nsecond \x80\n")
+  with pytest.raises(text_lib.DataError, match=r"prompts.txt: byte 14 \(0x80\) is not UTF-8"):
+    generation.read_prompt_file(str(path))
+  path.write_bytes(b"first\r\n\r\nsecond\rthird\n")
+  assert generation.read_prompt_file(str(path)) == ["first", "second", "third"]
+
+
 def _generate(*args):
   return subprocess.run([sys.executable, "generate.py", *args], cwd=REPO, capture_output=True,
                         text=True, timeout=600, check=False)
@@ -94,14 +109,15 @@ def _generate(*args):
 
 def test_command_line_with_a_prompt_file(lm):
   prompts = lm.root / "prompts.txt"
-  prompts.write_text("Document 1:\n\nalpha beta\n")
+  prompts.write_text("Document 1:\n\nalpha\x07 beta\n")
   result = _generate("--checkpoint", lm.workdir, "--prompt_file", str(prompts),
                      "--max_new_tokens", "5", "--temperature", "0")
   assert result.returncode == 0, result.stderr
   expected = "".join(
       f"=== prompt {i + 1}/2 ===\n{p}{_sample(lm, p, max_new_tokens=5, temperature=0.0)[0][0]}\n"
-      for i, p in enumerate(["Document 1:", "alpha beta"]))
-  assert result.stdout == expected
+      for i, p in enumerate(["Document 1:", "alpha\x07 beta"]))
+  assert result.stdout == generation.printable(expected)
+  assert "alpha\\x07 beta" in result.stdout and "\x07" not in result.stdout
   assert "new tokens for 2 prompt(s)" in result.stderr and "tokens/s" in result.stderr
   result = _generate("--checkpoint", lm.workdir)
   assert result.returncode != 0 and "exactly one of --prompt and --prompt_file" in result.stderr

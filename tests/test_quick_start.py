@@ -51,6 +51,16 @@ def test_readme_commands_find_python312_and_ci_runs_the_test_command():
   assert ci.rstrip().endswith(run)
 
 
+def test_later_readme_commands_run_the_environments_programs_from_any_shell():
+  # Only the first two blocks activate .venv; the others must not need that shell.
+  readme = (REPO / "README.md").read_text()
+  for block in _bash_blocks(readme)[2:]:
+    for command in re.split(r"&&|\n", block.replace("\\\n", " ")):
+      if command.strip():
+        assert command.split()[0].startswith(".venv/bin/"), command
+  assert not re.findall(r"`((?:python|pip|tensorboard) [^`]*)`", readme)
+
+
 def test_tensorboard_command_follows_its_documented_install():
   extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
       "optional-dependencies"]

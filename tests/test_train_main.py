@@ -38,8 +38,8 @@ def test_dry_run_prints_parameter_table_and_count():
 def test_bad_config_argument_fails_clearly():
   result = _run("train.py", "--config=configs/mqar.py:num_kv_pairs=abc", "--dry_run", check=False)
   assert result.returncode == 1 and result.stderr.strip() == (
-      "--config=configs/mqar.py:num_kv_pairs=abc: config argument num_kv_pairs='abc' must be "
-      "an int.")
+      "train.py: --config=configs/mqar.py:num_kv_pairs=abc: config argument "
+      "num_kv_pairs='abc' must be an int.")
   result = _run("train.py", "--config=configs/mqar.py:mixer=lstm", "--dry_run", check=False)
   assert result.returncode == 1 and "mixer must be one of" in result.stderr
   assert "Traceback" not in result.stderr
@@ -179,13 +179,46 @@ def test_ctrl_c_checkpoints_and_the_rerun_continues_exactly(tmp_path):
       "--output=WORK/tokens"),
      "prepare: --files='EMPTY': the 1 matched file(s) hold no text (every document is "
      "empty)."),
+    # Flag errors caught by absl, config files and the code, each with its command's name.
+    (("train.py", "--config=configs/mqar.py", "--config.optimizer.learning_rate=abc",
+      "--workdir=WORK"),
+     "train.py: --config.optimizer.learning_rate=abc: expected a number"),
+    (("train.py", "--config=configs/mqar.py:num_kv_pairs=20", "--workdir=WORK"),
+     "train.py: --config=configs/mqar.py:num_kv_pairs=20: num_kv_pairs=20 needs seq_len >= "
+     "4 * num_kv_pairs = 80 (2n context tokens plus n query slots of 2), got seq_len=32: "
+     "use num_kv_pairs <= 8 or seq_len >= 80."),
+    (("train.py", "--config=configs/mqar.py", "--workdir=WORK", "--wokdir=x"),
+     "train.py: unknown flag --wokdir (did you mean --workdir?)"),
+    (("train.py", "--config=configs/lm.py:preset=cpu", "--config.data.train_files=BYTE",
+      "--workdir=WORK"),
+     "train.py: config.data.train_files='BYTE' holds 2 tokens, fewer than one batch needs "
+     "(8 rows of seq_len 128 = 1024 tokens); give more text or a smaller batch_size or "
+     "seq_len."),
+    (("eval.py", "--workdir=WORK"), "eval.py: --suite is required (--help lists the flags)"),
+    (("eval.py", "--suite=mqar", "--workdir=WORK", "--mqar_settings=abc"),
+     "eval.py: --mqar_settings: 'abc' must look like SEQ_LEN:NUM_KV_PAIRS, e.g. 1024:256."),
+    (("generate.py", "--checkpoint=WORK/nothing", "--prompt=hi"),
+     "generate.py: checkpoint='WORK/nothing' does not exist."),
+    (("generate.py", "--checkpoint=WORK", "--prompt_file=LATIN1"),
+     "generate.py: LATIN1: byte 3 (0xe9) is not UTF-8 (invalid continuation byte); text "
+     "files must be UTF-8."),
+    (("-m", "palimpsa_jax.data.prepare", "--files=LATIN1", "--tokenizer=bpe:300",
+      "--output=WORK/tokens"),
+     "prepare: LATIN1: byte 3 (0xe9) is not UTF-8 (invalid continuation byte); text files "
+     "must be UTF-8."),
+    (("-m", "palimpsa_jax.data.prepare", "--files=EMPTY"),
+     "prepare: the following arguments are required: --tokenizer, --output (--help lists "
+     "the arguments)"),
 ])
 def test_ordinary_mistakes_are_one_line(tmp_path, args, expected):
   (tmp_path / "work").mkdir()
   (tmp_path / "file").write_text("")
   (tmp_path / "empty.txt").write_text("")
+  (tmp_path / "latin1.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+  (tmp_path / "byte.txt").write_text("x")
   names = {"WORK": str(tmp_path / "work"), "FILE": str(tmp_path / "file"),
-           "EMPTY": str(tmp_path / "empty.txt")}
+           "EMPTY": str(tmp_path / "empty.txt"), "LATIN1": str(tmp_path / "latin1.txt"),
+           "BYTE": str(tmp_path / "byte.txt")}
   def fill(text):
     for key, value in names.items():
       text = text.replace(key, value)
@@ -201,3 +234,11 @@ def test_help_exits_0_and_keeps_the_examples_lines(command):
   result = _run(*command, "--help", check=False)
   assert result.returncode == 0, result.stderr
   assert "\\\n" in result.stdout and "\\ " not in result.stdout
+
+
+@pytest.mark.parametrize("program, flag", [("train.py", "--workdir"), ("eval.py", "--suite"),
+                                           ("generate.py", "--prompt_file")])
+def test_dash_h_shows_the_help_and_exits_0(program, flag):
+  result = _run(program, "-h", check=False)
+  assert (result.returncode, result.stderr) == (0, "")
+  assert f"  {flag}:" in result.stdout and "  --[no]verbose:" in result.stdout

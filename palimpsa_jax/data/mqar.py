@@ -16,6 +16,8 @@ One example of length L with n key-value pairs over a vocabulary of W tokens:
 
 import numpy as np
 
+from palimpsa_jax import user_errors
+
 IGNORE_INDEX = -100
 
 # Rows processed at once when sampling keys/values: bounds the [rows, W / 2]
@@ -23,35 +25,50 @@ IGNORE_INDEX = -100
 _ROWS_PER_CHUNK = 8192
 
 
-def _validate(vocab_size: int, num_examples: int, input_seq_len: int,
-              num_kv_pairs: int, power_a: float) -> None:
-  """Raises ValueError for settings no MQAR example can satisfy."""
-  for name, value in (("vocab_size", vocab_size),
-                      ("num_examples", num_examples),
-                      ("input_seq_len", input_seq_len),
-                      ("num_kv_pairs", num_kv_pairs)):
+class SettingError(ValueError, user_errors.UserError):
+  """MQAR settings no example can satisfy."""
+
+
+def check_setting(seq_len: int, num_kv_pairs: int, vocab_size: int | None = None) -> None:
+  """Raises SettingError unless examples of length seq_len with num_kv_pairs pairs exist
+  (over vocab_size tokens, when given); the message says what is needed."""
+  for name, value in (("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
+                      ("vocab_size", vocab_size)):
+    if value is None:
+      continue
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-      raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+      raise SettingError(f"{name} must be an int, got {type(value).__name__}.")
     if value <= 0:
-      raise ValueError(f"{name} must be positive, got {value}.")
-  if input_seq_len % 2:
-    raise ValueError(
-        f"input_seq_len must be even (key/query slots are pairs), got "
-        f"{input_seq_len}.")
-  if 4 * num_kv_pairs > input_seq_len:
-    raise ValueError(
-        f"num_kv_pairs={num_kv_pairs} needs input_seq_len >= 4 * num_kv_pairs "
-        f"= {4 * num_kv_pairs} (2n context tokens plus n query slots of 2), "
-        f"got input_seq_len={input_seq_len}.")
+      raise SettingError(f"{name} must be positive, got {value}.")
+  if seq_len % 2:
+    raise SettingError(
+        f"seq_len must be even (key/query slots are pairs), got {seq_len}.")
+  if 4 * num_kv_pairs > seq_len:
+    raise SettingError(
+        f"num_kv_pairs={num_kv_pairs} needs seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs} "
+        f"(2n context tokens plus n query slots of 2), got seq_len={seq_len}: use "
+        f"num_kv_pairs <= {seq_len // 4} or seq_len >= {4 * num_kv_pairs}.")
+  if vocab_size is None:
+    return
   num_keys = vocab_size // 2 - 1
   num_values = vocab_size - vocab_size // 2
   if num_kv_pairs > min(num_keys, num_values):
-    raise ValueError(
+    raise SettingError(
         f"vocab_size={vocab_size} is too small for num_kv_pairs={num_kv_pairs}: "
         f"keys come from [1, {vocab_size // 2}) ({num_keys} tokens) and must be "
         f"distinct; need vocab_size >= {2 * num_kv_pairs + 2}.")
+
+
+def _validate(vocab_size: int, num_examples: int, input_seq_len: int,
+              num_kv_pairs: int, power_a: float) -> None:
+  """Raises SettingError for settings no MQAR example can satisfy."""
+  check_setting(input_seq_len, num_kv_pairs, vocab_size)
+  if not isinstance(num_examples, (int, np.integer)) or isinstance(num_examples, bool):
+    raise SettingError(f"num_examples must be an int, got {type(num_examples).__name__}.")
+  if num_examples <= 0:
+    raise SettingError(f"num_examples must be positive, got {num_examples}.")
   if not power_a > 0:
-    raise ValueError(f"power_a must be > 0, got {power_a}.")
+    raise SettingError(f"power_a must be > 0, got {power_a}.")
 
 
 def _sample_without_replacement(rng: np.random.Generator, num_rows: int,

@@ -29,6 +29,7 @@ from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import token_shards
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 
+PROGRAM = "prepare"  # The prefix of its one-line errors.
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB shards of uint16.
 _DOCUMENTS_PER_BATCH = 256
 
@@ -67,10 +68,10 @@ def prepare(files_glob: str, tokenizer_spec: str, output: str, *,
 
   Raises:
     FileExistsError: output already holds a complete preparation.
-    ValueError: shard_tokens < 1.
+    text_lib.DataError: shard_tokens < 1, or the files are not text (text_lib.require_text).
   """
   if shard_tokens < 1:
-    raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    raise text_lib.DataError(f"--shard_tokens must be >= 1, got {shard_tokens}")
   if os.path.isfile(os.path.join(output, token_shards.MANIFEST)):
     raise FileExistsError(f"{output!r} already holds prepared tokens ({token_shards.MANIFEST}); "
                           "delete it or choose another --output.")
@@ -85,7 +86,7 @@ def prepare(files_glob: str, tokenizer_spec: str, output: str, *,
   source = text_lib.DocumentSource(files)
   total_documents = len(source)
   if not total_documents:
-    raise ValueError(f"--files {files_glob!r} hold no documents")
+    raise text_lib.DataError(f"--files {files_glob!r} hold no documents")
 
   shards, pending, pending_tokens, documents, tokens_done = [], [], 0, 0, 0
   encode_start, last_report = time.perf_counter(), 0.0
@@ -127,7 +128,15 @@ def prepare(files_glob: str, tokenizer_spec: str, output: str, *,
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+  """The command line; a refused input or argument is one line on stderr (exit status 1)."""
+  argv = sys.argv[1:] if argv is None else argv
+  return user_errors.one_line(PROGRAM, _main, verbose=lambda: user_errors.wants_traceback(argv))(
+      argv)
+
+
+def _main(argv: list[str]) -> dict:
+  parser = user_errors.ArgumentParser(prog="python -m palimpsa_jax.data.prepare",
+                                      description=__doc__.split("\n", 1)[0])
   parser.add_argument("--files", required=True,
                       help="glob(s) of .txt/.jsonl/.parquet/ArrayRecord files, comma-separated")
   parser.add_argument("--tokenizer", required=True,
@@ -138,8 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--verbose", action="store_true",
                       help="show the traceback of a refused input")
   args = parser.parse_args(argv)
-  run = user_errors.one_line("prepare", prepare, verbose=lambda: args.verbose)
-  return run(args.files, args.tokenizer, args.output, shard_tokens=args.shard_tokens)
+  return prepare(args.files, args.tokenizer, args.output, shard_tokens=args.shard_tokens)
 
 
 if __name__ == "__main__":

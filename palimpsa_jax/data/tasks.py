@@ -9,6 +9,8 @@ Their config fields are checked before a task is made (palimpsa_jax/run_config/b
 
 import abc
 from collections.abc import Iterator
+import contextlib
+import os
 from typing import Any
 
 import ml_collections
@@ -96,6 +98,8 @@ class LmTask(Task):
     if shards:
       tokenizer = token_shards.shard_tokenizer(data.train_files, data.tokenizer, workdir)
     else:
+      trains_tokenizer = bpe_vocab is not None and not os.path.isfile(
+          tokenizer_lib.bpe_tokenizer_path(workdir, bpe_vocab))
       tokenizer = tokenizer_lib.load_or_train_tokenizer(
           data.tokenizer, data.train_files, workdir)
     if tokenizer.vocab_size > config.model.vocab_size:
@@ -106,9 +110,19 @@ class LmTask(Task):
 
     per_host = pipeline.per_host_batch_size(config.batch_size, shard_count)
     if shards:
+      token_shards.require_one_batch(data.train_files, config.seq_len, per_host,
+                                     "config.data.train_files", shard_index, shard_count)
       self.train_dataset = token_shards.make_shard_dataset(
           data.train_files, config.seq_len, per_host, config.seed, shard_index, shard_count)
     else:
+      try:
+        text_lib.require_one_batch(data.train_files, tokenizer, config.seq_len, per_host,
+                                   "config.data.train_files", shard_index, shard_count)
+      except text_lib.DataError:
+        if trains_tokenizer:  # else a rerun with more text would reuse this tokenizer
+          with contextlib.suppress(FileNotFoundError):  # another host's removed it
+            os.remove(tokenizer.path)
+        raise
       self.train_dataset = text_lib.make_text_dataset(
           data.train_files, tokenizer, config.seq_len, per_host, config.seed,
           shard_index, shard_count)

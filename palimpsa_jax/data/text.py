@@ -12,6 +12,9 @@ lm-eval adapter conditions on it too). The token stream is concatenated and cut 
 seq_len. segment_ids number the documents within a row from 0; a document continuing from the
 previous row gets a new segment id in its new row (the recurrent state restarts there).
 
+Text must be UTF-8: a file that is not is refused in one line naming it and the byte offset of
+the first invalid byte (`decode_utf8`).
+
 Next-token targets: position t predicts tokens[t + 1] only where segment_ids[t + 1] ==
 segment_ids[t] (see `next_token_targets`).
 """
@@ -51,25 +54,45 @@ class DataError(ValueError, user_errors.UserError):
   """Data that cannot be trained or evaluated on (e.g. files without any text)."""
 
 
+def decode_utf8(data: bytes, path: str, offset: int = 0) -> str:
+  """`data` (read from `path` at byte `offset`) as text.
+
+  Raises:
+    DataError: `data` is not UTF-8; names `path` and the file's offset of the first bad byte.
+  """
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as error:
+    raise DataError(
+        f"{path}: byte {offset + error.start} (0x{data[error.start]:02x}) is not UTF-8 "
+        f"({error.reason}); text files must be UTF-8.") from None
+
+
+def read_text_file(path: str) -> str:
+  """The whole file as text; raises DataError if it is not UTF-8 (see decode_utf8)."""
+  with open(path, "rb") as f:
+    return decode_utf8(f.read(), path)
+
+
 def resolve_files(files_glob: str | Sequence[str]) -> list[str]:
   """Expands a glob (or comma-separated globs, or a list of them) into sorted file paths.
 
   Raises:
     FileNotFoundError: a glob matches no file.
-    ValueError: a matched file has an unsupported suffix.
+    DataError: the glob is empty, or a matched file has an unsupported suffix.
   """
   if isinstance(files_glob, str):
     patterns = [p.strip() for p in files_glob.split(",") if p.strip()]
   else:
     patterns = list(files_glob)
   if not patterns:
-    raise ValueError(f"files_glob is empty: {files_glob!r}")
+    raise DataError(f"files_glob is empty: {files_glob!r}")
   files = []
   for pattern in patterns:
     files.extend(glob_files(pattern))
   for path in files:
     if not path.endswith(_ALL_SUFFIXES):
-      raise ValueError(
+      raise DataError(
           f"unsupported file {path!r}: expected one of the suffixes {', '.join(_ALL_SUFFIXES)}")
   return files
 
@@ -127,8 +150,7 @@ class _TextFile:
     return 1
 
   def __getitem__(self, index: int) -> str:
-    with open(self.path, encoding="utf-8") as f:
-      return f.read()
+    return read_text_file(self.path)
 
 
 class _JsonlFile:
@@ -147,11 +169,11 @@ class _JsonlFile:
       f.seek(start)
       line = f.read(stop - start)
     try:
-      record = json.loads(line)
+      record = json.loads(decode_utf8(line, self.path, start))
     except json.JSONDecodeError as e:
-      raise ValueError(f"{self.path}: line at byte {start} is not valid JSON: {e}") from e
+      raise DataError(f"{self.path}: line at byte {start} is not valid JSON: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-      raise ValueError(f"{self.path}: line at byte {start} has no string field 'text'")
+      raise DataError(f"{self.path}: line at byte {start} has no string field 'text'")
     return record["text"]
 
 
@@ -198,7 +220,13 @@ class _ArrayRecordFile:
     return len(self._source)
 
   def __getitem__(self, index: int) -> str:
-    return bytes(self._source[index]).decode("utf-8")
+    record = bytes(self._source[index])
+    try:
+      return record.decode("utf-8")
+    except UnicodeDecodeError as error:
+      raise DataError(f"{self.path}: record {index}: byte {error.start} "
+                      f"(0x{record[error.start]:02x}) is not UTF-8 ({error.reason}); text "
+                      "must be UTF-8.") from None
 
 
 def _open_file(path: str):
@@ -298,9 +326,31 @@ def _packed_rows(documents: grain.MapDataset, tokenizer: Tokenizer, seq_len: int
 def _shard(files_glob, shard_index: int, shard_count: int) -> grain.MapDataset:
   source = DocumentSource(resolve_files(files_glob))
   if len(source) < shard_count:
-    raise ValueError(f"files_glob {files_glob!r} holds {len(source)} documents, fewer than "
-                     f"shard_count={shard_count}")
+    raise DataError(f"files_glob {files_glob!r} holds {len(source)} documents, fewer than "
+                    f"shard_count={shard_count}")
   return grain.MapDataset.source(source)[int(shard_index)::int(shard_count)]
+
+
+def require_one_batch(files_glob: str | Sequence[str], tokenizer: Tokenizer, seq_len: int,
+                      batch_size: int, name: str, shard_index: int = 0,
+                      shard_count: int = 1) -> None:
+  """Raises DataError unless this host's documents hold one batch: batch_size * seq_len tokens.
+
+  Tokenises documents only until that many are counted (a usable corpus: its first ones).
+  Without this check a tiny corpus would be repeated to fill every row. `name` is the flag or
+  config field that gave the files.
+  """
+  needed = int(batch_size) * int(seq_len)
+  held = 0
+  for text in _shard(files_glob, shard_index, shard_count):
+    held += len(tokenizer.encode(text)) + 1  # [EOS] + tokens(text)
+    if held >= needed:
+      return
+  where = f" for host {shard_index} of {shard_count}" if shard_count > 1 else ""
+  raise DataError(
+      f"{name}={files_glob!r} holds {held} tokens{where}, fewer than one batch needs "
+      f"({batch_size} rows of seq_len {seq_len} = {needed} tokens); give more text or a "
+      "smaller batch_size or seq_len.")
 
 
 def make_text_dataset(files_glob: str | Sequence[str], tokenizer: Tokenizer, seq_len: int,

@@ -171,6 +171,20 @@ def _rows(files_glob, seq_len: int, pad_last: bool, shard_index: int,
   return grain.MapDataset.source(rows)[int(shard_index)::int(shard_count)]
 
 
+def require_one_batch(files_glob: str | Sequence[str], seq_len: int, batch_size: int, name: str,
+                      shard_index: int = 0, shard_count: int = 1) -> None:
+  """Raises DataError unless this host's rows of the shards fill one batch (batch_size rows of
+  seq_len tokens; a last partial row does not count); `name` gave the files."""
+  rows = len(_rows(files_glob, seq_len, False, shard_index, shard_count))
+  if rows < batch_size:
+    where = f" for host {shard_index} of {shard_count}" if shard_count > 1 else ""
+    raise text_lib.DataError(
+        f"{name}={files_glob!r} holds {rows * seq_len} tokens in whole rows{where}, fewer "
+        f"than one batch needs ({batch_size} rows of seq_len {seq_len} = "
+        f"{batch_size * seq_len} tokens); prepare more text or use a smaller batch_size or "
+        "seq_len.")
+
+
 def make_shard_dataset(files_glob: str | Sequence[str], seq_len: int, batch_size: int, seed: int,
                        shard_index: int = 0, shard_count: int = 1) -> grain.IterDataset:
   """Training batches {"tokens", "segment_ids"} [b, T] int32, rows shuffled per epoch, forever.

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import dataclasses
 import time
+import unicodedata
 
 import numpy as np
 
+from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.models import decoding
 
@@ -50,12 +52,25 @@ def prompt_ids(tokenizer: tokenizer_lib.TextTokenizer, prompt: str) -> list[int]
 
 
 def read_prompt_file(path: str) -> list[str]:
-  """The non-empty lines of a UTF-8 text file, one prompt each."""
-  with open(path, encoding="utf-8") as f:
-    prompts = [line.rstrip("\n") for line in f if line.strip()]
+  """The non-empty lines of a UTF-8 text file, one prompt each.
+
+  Raises:
+    text_lib.DataError: the file is not UTF-8 (naming the byte offset) or holds no prompt.
+  """
+  text = text_lib.read_text_file(path).replace("\r\n", "\n").replace("\r", "\n")
+  prompts = [line for line in text.split("\n") if line.strip()]
   if not prompts:
-    raise ValueError(f"--prompt_file {path!r} holds no prompt (one per non-empty line)")
+    raise text_lib.DataError(
+        f"--prompt_file {path!r} holds no prompt (one per non-empty line)")
   return prompts
+
+
+def printable(text: str) -> str:
+  """`text` with its control characters (BEL, backspace, ESC, carriage return, ...) written as
+  escapes such as \\x07, so that a sample cannot act on the terminal; newlines and tabs stay."""
+  return "".join(
+      f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c
+      for c in text)
 
 
 class TextStream:

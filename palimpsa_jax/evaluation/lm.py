@@ -20,6 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from palimpsa_jax import user_errors
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import checkpoints
@@ -27,6 +28,11 @@ from palimpsa_jax.ops.token_loss import logits_token_loss
 from palimpsa_jax.training import sharding as sharding_lib
 
 DEFAULT_BATCH_SIZE = 8
+
+
+class OptionError(ValueError, user_errors.UserError):
+  """An eval.py / generate.py option that is missing, out of range, or names a checkpoint of
+  another task."""
 
 
 class ModelScorer:
@@ -143,8 +149,8 @@ def load_checkpoint(checkpoint: str):
   (palimpsa_jax.evaluation.checkpoints)."""
   model, config, step = checkpoints.load_model(checkpoint)
   if config.get("task", "lm") != "lm":
-    raise ValueError(f"checkpoint {checkpoint!r} was trained on task {config.task!r}; this "
-                     "needs a language model (task lm)")
+    raise OptionError(f"checkpoint {checkpoint!r} was trained on task {config.task!r}; this "
+                      "needs a language model (task lm)")
   return model, config, step, checkpoint_tokenizer(checkpoints.tokenizer_folder(checkpoint),
                                                    config)
 
@@ -155,7 +161,7 @@ def checkpoints_option(options: Mapping[str, Any]) -> list[str]:
   if isinstance(value, str):
     value = [c for c in value.split(",") if c]
   if not value:
-    raise ValueError("options['checkpoint'] must name at least one checkpoint (--checkpoint)")
+    raise OptionError("options['checkpoint'] must name at least one checkpoint (--checkpoint)")
   return list(value)
 
 
@@ -164,7 +170,7 @@ def int_option(options: Mapping[str, Any], key: str, default: int | None) -> int
   if value is None:
     return default
   if int(value) <= 0:
-    raise ValueError(f"options[{key!r}] must be a positive integer, got {value!r}")
+    raise OptionError(f"options[{key!r}] must be a positive integer, got {value!r}")
   return int(value)
 
 
@@ -193,7 +199,7 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   """
   files = options.get("files")
   if not files:
-    raise ValueError("the lm suite needs held-out text files: options['files'] (--files GLOB)")
+    raise OptionError("the lm suite needs held-out text files: options['files'] (--files GLOB)")
   checkpoints = checkpoints_option(options)
   seq_len = int_option(options, "max_length", None)
   batch_size = int_option(options, "batch_size", DEFAULT_BATCH_SIZE)

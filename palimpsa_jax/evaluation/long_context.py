@@ -26,7 +26,7 @@ DEFAULT_BATCH_SIZE = 1
 def bucket_edges(max_length: int) -> np.ndarray:
   """Upper edges of the position buckets: powers of two below max_length, then max_length."""
   if max_length < 2:
-    raise ValueError(f"max_length must be >= 2, got {max_length}")
+    raise lm_lib.OptionError(f"max_length must be >= 2, got {max_length}")
   edges = [2]
   while edges[-1] < max_length:
     edges.append(min(2 * edges[-1], max_length))
@@ -136,8 +136,8 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   """
   files = options.get("files")
   if not files:
-    raise ValueError("the long_context suite needs held-out text files: options['files'] "
-                     "(--files GLOB)")
+    raise lm_lib.OptionError(
+        "the long_context suite needs held-out text files: options['files'] (--files GLOB)")
   checkpoints = lm_lib.checkpoints_option(options)
   max_length = lm_lib.int_option(options, "max_length", None)
   batch_size = lm_lib.int_option(options, "batch_size", DEFAULT_BATCH_SIZE)

@@ -54,7 +54,12 @@ def accuracy_on(model: nnx.Module, inputs: np.ndarray, targets: np.ndarray,
 
 
 def parse_settings(text: str | Sequence[Any] | None) -> list[tuple[int, int]]:
-  """"1024:256,2048:512" (or a list of pairs) -> [(seq_len, num_kv_pairs), ...]."""
+  """"1024:256,2048:512" (or a list of pairs) -> [(seq_len, num_kv_pairs), ...].
+
+  Raises:
+    mqar_lib.SettingError: an item is not SEQ_LEN:NUM_KV_PAIRS, or no example of that length
+      holds that many pairs (the model's vocabulary is checked when it is known).
+  """
   if not text:
     return []
   if isinstance(text, str):
@@ -63,11 +68,18 @@ def parse_settings(text: str | Sequence[Any] | None) -> list[tuple[int, int]]:
     for item in items:
       parts = item.split(":")
       if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(
-            f"MQAR setting {item!r} must look like SEQ_LEN:NUM_KV_PAIRS, e.g. 1024:256.")
+        raise mqar_lib.SettingError(
+            f"--mqar_settings: {item!r} must look like SEQ_LEN:NUM_KV_PAIRS, e.g. 1024:256.")
       pairs.append((int(parts[0]), int(parts[1])))
-    return pairs
-  return [(int(a), int(b)) for a, b in text]
+  else:
+    pairs = [(int(a), int(b)) for a, b in text]
+  for seq_len, num_kv_pairs in pairs:
+    try:
+      mqar_lib.check_setting(seq_len, num_kv_pairs)
+    except mqar_lib.SettingError as error:
+      raise mqar_lib.SettingError(
+          f"--mqar_settings: {seq_len}:{num_kv_pairs}: {error}") from None
+  return pairs
 
 
 def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
@@ -81,8 +93,14 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
   """
   model, config, step = checkpoints.load_model(checkpoint)
   if config.task != "mqar":
-    raise ValueError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
+    raise lm_lib.OptionError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
   data = config.data
+  for seq_len, num_kv_pairs in settings:
+    try:
+      mqar_lib.check_setting(seq_len, num_kv_pairs, data.vocab_size)
+    except mqar_lib.SettingError as error:
+      raise mqar_lib.SettingError(
+          f"--mqar_settings: {seq_len}:{num_kv_pairs} for {checkpoint}: {error}") from None
   trained = (config.seq_len, data.num_kv_pairs)
   results = []
   for index, (seq_len, num_kv_pairs) in enumerate(
@@ -137,8 +155,8 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   num_examples = int(options.get("num_examples") or DEFAULT_NUM_EXAMPLES)
   batch_size = int(options.get("batch_size") or DEFAULT_BATCH_SIZE)
   if num_examples <= 0 or batch_size <= 0:
-    raise ValueError(
-        f"num_examples and batch_size must be positive, got {num_examples} "
+    raise mqar_lib.SettingError(
+        f"--num_examples and --batch_size must be positive, got {num_examples} "
         f"and {batch_size}.")
   evaluations = [
       evaluate_checkpoint(c, settings, num_examples, batch_size,

@@ -243,6 +243,8 @@ def workdir_of(checkpoint: str) -> str:
 
 def _resolve(checkpoint: str) -> tuple[str, int | None]:
   """(workdir, step or None for the latest) from a workdir or a step directory."""
+  if not os.path.exists(checkpoint):
+    raise FileNotFoundError(f"checkpoint={checkpoint!r} does not exist.")
   path = epath.Path(checkpoint)
   if (path / CONFIG_FILE).exists():
     return str(path), None

@@ -1,6 +1,6 @@
 """train.py's `--config.<field>=value` overrides, checked with short messages.
 
-  app.run(main, flags_parser=config_overrides.parse_flags)
+  user_errors.run_app("train.py", main, flags_parser=config_overrides.parse_flags)
 
 An override of a field that does not exist stops with one line naming it and
 the nearest known fields, or the field an earlier spelling is now called
@@ -9,19 +9,18 @@ the nearest known fields, or the field an earlier spelling is now called
 were already derived, so changing them afterwards would change nothing but
 config.json; the message gives the config-argument form that does work.
 A config file that refuses its arguments (`--config=configs/mqar.py:num_kv_pairs=abc`)
-stops with its one-line message, not the file's traceback. Wrong override types
-are reported by absl's flag parser ("FATAL Flags parsing error: ..."), also in
-a couple of lines.
+stops with its one-line message, not the file's traceback. These refusals are raised as
+user_errors.UserError, and wrong override types as absl's flags.Error, for the entry point
+to report in one line (user_errors.run_app).
 """
 
 import difflib
 import re
-import sys
 
-from absl import app
 from absl import flags
 import ml_collections
 
+from palimpsa_jax import user_errors
 from palimpsa_jax.run_config import config_args
 
 # Top-level fields that hold a config file's arguments (configs/*.py: args;
@@ -119,25 +118,26 @@ def _error_line(error: Exception) -> str:
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (app.run's flags_parser), with the checks above.
 
-  Exits with a one-line message for a refused or unknown override, or a config file's
-  refused argument.
+  Raises:
+    user_errors.UserError: a refused or unknown override, or a config file's refused argument.
+    flags.Error: absl's refusal of a flag (unknown, of the wrong type, missing).
   """
   config_arg = config_argument(argv)
   if config_arg:
     try:
       flags.FLAGS["config"].parser.parse(config_arg)
     except ValueError as refused:
-      sys.exit(f"--config={config_arg}: {_error_line(refused)}")
+      raise user_errors.UserError(f"--config={config_arg}: {_error_line(refused)}") from None
   found = overrides(argv)
   for path, value in found.items():
     if path.split(".")[0] in ARGUMENT_FIELDS:
-      sys.exit(argument_field_message(path, value, config_argument(argv)))
+      raise user_errors.UserError(argument_field_message(path, value, config_argument(argv)))
   try:
-    return app.parse_flags_with_usage(argv)
+    return flags.FLAGS(argv)
   except (AttributeError, KeyError):  # ml_collections' error for a missing field
     config = flags.FLAGS["config"].parser.parse(config_arg)
     for path in found:
       message = unknown_field_message(config, path)
       if message:
-        sys.exit(message)
+        raise user_errors.UserError(message) from None
     raise

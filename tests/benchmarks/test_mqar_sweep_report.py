@@ -78,3 +78,20 @@ def test_the_record_leaves_out_runs_not_evaluated_yet(tmp_path):
   (record,) = results_lib.load_records(tmp_path / "records")
   assert [row[0] for row in record["table"]["rows"]] == ["palimpsa_d"]
   assert record["notes"][-1] == "not evaluated yet, left out: b"
+
+
+def test_a_users_collect_keeps_its_record_beside_the_runs_and_skips_other_runs(tmp_path,
+                                                                             capsys):
+  root = tmp_path / "mine"
+  _fake_run(root, "a", "palimpsa_d", 1e-3, 0, 0.5, 100)
+  lm = root / "lm_run"
+  lm.mkdir()
+  (lm / "config.json").write_text(json.dumps({"task": "lm", "args": {"model": "palimpsa_d"}}))
+  records_before = sorted(results_lib.RECORDS.glob("*.json"))
+  mqar_sweep.main(["collect", "--root", str(root)])
+  assert sorted(results_lib.RECORDS.glob("*.json")) == records_before
+  (path,) = root.glob("mqar_sweep_*.json")
+  record = json.loads(path.read_text())
+  assert [row[0] for row in record["table"]["rows"]] == ["palimpsa_d"]
+  assert (f"skipped 1 folder(s) under {root} that hold no MQAR run: lm_run"
+          in capsys.readouterr().out.splitlines())

@@ -1,6 +1,8 @@
 """MQAR generator: Zoology semantics, errors, and the grain pipeline."""
 
+import importlib.util
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -104,8 +106,23 @@ def test_full_query_region():
 def test_impossible_settings(kwargs, match):
   args = dict(vocab_size=W, num_examples=4, input_seq_len=L, num_kv_pairs=KV)
   args.update(kwargs)
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(mqar.SettingError, match=match):
     mqar.multiquery_ar(**args)
+
+
+def test_the_config_refuses_an_impossible_setting_where_it_is_given():
+  spec = importlib.util.spec_from_file_location(
+      "mqar_config", pathlib.Path(__file__).parents[2] / "configs" / "mqar.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  with pytest.raises(mqar.SettingError) as refused:
+    module.get_config("num_kv_pairs=20")  # the default seq_len is 32
+  assert str(refused.value) == (
+      "num_kv_pairs=20 needs seq_len >= 4 * num_kv_pairs = 80 (2n context tokens plus n "
+      "query slots of 2), got seq_len=32: use num_kv_pairs <= 8 or seq_len >= 80.")
+  with pytest.raises(mqar.SettingError, match="need vocab_size >= 42"):
+    module.get_config("num_kv_pairs=20,seq_len=80,vocab_size=40")
+  module.get_config("num_kv_pairs=20,seq_len=80")
 
 
 def test_pipeline_sharded_deterministic_and_resumable():

@@ -122,3 +122,16 @@ def test_a_trained_tokenizer_is_readable_by_others(tmp_path):
   umask = os.umask(0)
   os.umask(umask)
   assert os.stat(tokenizer.path).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_shards_smaller_than_one_batch_are_refused_with_their_token_count(prepared):
+  root, manifest, _ = prepared
+  files = str(root / "tokens" / "*.npy")
+  rows = manifest["num_tokens"] // 16  # whole rows of 16 tokens
+  token_shards.require_one_batch(files, 16, rows, "config.data.train_files")
+  with pytest.raises(text.DataError) as small:
+    token_shards.require_one_batch(files, 16, rows + 1, "config.data.train_files")
+  assert str(small.value) == (
+      f"config.data.train_files={files!r} holds {rows * 16} tokens in whole rows, fewer than "
+      f"one batch needs ({rows + 1} rows of seq_len 16 = {(rows + 1) * 16} tokens); prepare "
+      "more text or use a smaller batch_size or seq_len.")

@@ -174,6 +174,41 @@ def test_clear_errors(tmp_path):
     text.make_text_dataset(str(tmp_path / "ok.txt"), CharTokenizer(), 8, 1, 0, 1, 2)
 
 
+def test_text_that_is_not_utf8_names_the_file_and_the_byte(tmp_path):
+  (tmp_path / "a_good.txt").write_text("fine")
+  (tmp_path / "b_latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+  lines = [json.dumps({"text": "ok"}).encode(), b'{"text": "bad \xff"}']
+  (tmp_path / "c.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+  source = text.DocumentSource(text.resolve_files(str(tmp_path / "*")))
+  assert source[0] == "fine"
+  with pytest.raises(text.DataError) as latin1:
+    source[1]
+  assert str(latin1.value) == (
+      f"{tmp_path / 'b_latin1.txt'}: byte 3 (0xe9) is not UTF-8 (invalid continuation byte); "
+      "text files must be UTF-8.")
+  assert source[2] == "ok"
+  # The offset counts from the start of the file, not of the line.
+  offset = len(lines[0]) + 1 + lines[1].index(b"\xff")
+  with pytest.raises(text.DataError, match=rf"c.jsonl: byte {offset} \(0xff\) is not UTF-8"):
+    source[3]
+  with pytest.raises(text.DataError, match="b_latin1.txt: byte 3"):
+    text.require_text(str(tmp_path / "b_*.txt"), "--files")
+
+
+def test_a_corpus_smaller_than_one_batch_is_refused_with_its_token_count(tmp_path):
+  (tmp_path / "one.txt").write_text("x")
+  (tmp_path / "two.txt").write_text("y" * 5)
+  files = str(tmp_path / "*.txt")
+  with pytest.raises(text.DataError) as small:
+    text.require_one_batch(files, CharTokenizer(), 4, 3, "config.data.train_files")
+  assert str(small.value) == (
+      f"config.data.train_files={files!r} holds 8 tokens, fewer than one batch needs (3 rows "
+      "of seq_len 4 = 12 tokens); give more text or a smaller batch_size or seq_len.")
+  text.require_one_batch(files, CharTokenizer(), 4, 2, "config.data.train_files")
+  with pytest.raises(text.DataError, match="holds 6 tokens for host 1 of 2, fewer"):
+    text.require_one_batch(files, CharTokenizer(), 4, 2, "files", 1, 2)
+
+
 def test_next_token_targets():
   tokens = np.asarray([[5, 6, 7, 8, 9, 1]])
   segments = np.asarray([[0, 0, 0, 1, 1, 2]])

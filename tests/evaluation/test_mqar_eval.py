@@ -56,6 +56,11 @@ def test_suite_evaluates_saved_checkpoint(workdir, capsys):
   trained = evaluation["results"][0]
   assert trained["num_queries"] == 128 and 0 <= trained["accuracy"] <= 1
   assert "accuracy" in capsys.readouterr().out
+  # More pairs than the model's vocabulary has keys: refused before any setting is evaluated.
+  pairs = tiny_lm.VOCAB // 2
+  with pytest.raises(mqar_lib.SettingError,
+                     match=rf"^--mqar_settings: {4 * pairs}:{pairs} for .*: vocab_size="):
+    SUITES["mqar"]({"checkpoint": [str(workdir)], "mqar_settings": f"{4 * pairs}:{pairs}"})
 
 
 def test_eval_main_writes_default_json(workdir):
@@ -72,8 +77,17 @@ def test_eval_main_writes_default_json(workdir):
 
 
 def test_errors():
-  with pytest.raises(ValueError, match="SEQ_LEN:NUM_KV_PAIRS"):
+  with pytest.raises(mqar_lib.SettingError, match="SEQ_LEN:NUM_KV_PAIRS"):
     mqar_eval.parse_settings("128-16")
+  assert mqar_eval.parse_settings("32:8,64:16") == [(32, 8), (64, 16)]
+  with pytest.raises(mqar_lib.SettingError) as short:
+    mqar_eval.parse_settings("32:8,16:8")
+  assert str(short.value) == (
+      "--mqar_settings: 16:8: num_kv_pairs=8 needs seq_len >= 4 * num_kv_pairs = 32 (2n "
+      "context tokens plus n query slots of 2), got seq_len=16: use num_kv_pairs <= 4 or "
+      "seq_len >= 32.")
+  with pytest.raises(mqar_lib.SettingError, match="seq_len must be even"):
+    mqar_eval.parse_settings([(33, 2)])
   with pytest.raises(ValueError, match="must name at least one checkpoint"):
     mqar_eval.run({})
   with pytest.raises(KeyError, match="unknown suite"):
