@@ -20,6 +20,7 @@ Runs on one device (the first local one).
 """
 
 from collections.abc import Callable
+import contextlib
 import functools
 import json
 import os
@@ -36,13 +37,13 @@ import numpy as np
 from palimpsa_jax import models
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import bookkeeping
-from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 from palimpsa_jax.training import trainer
+from palimpsa_jax.training import workdir_lock
 
 # Fields in which the runs of a group may differ.
 RUN_FIELDS = ("seed", "optimizer.learning_rate", "args.learning_rate", "args.seed")
@@ -230,7 +231,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   Returns:
     Per run its summary (as trainer.train_and_evaluate returns it).
   """
-  start_time = time.perf_counter()
+  start_time, started_at = time.perf_counter(), time.time()
   if len(configs) != len(workdirs):
     raise ValueError(f"got {len(configs)} configs but {len(workdirs)} workdirs.")
   for config in configs:
@@ -242,36 +243,44 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   todo_indices = [i for i, summary in enumerate(summaries) if summary is None]
   if not todo_indices:
     return summaries
-  for i in todo_indices:
-    bookkeeping.refuse_other_model(configs[i], workdirs[i])
-
-  config = configs[todo_indices[0]]
-  device = jax.local_devices()[0]
-  tasks = {configs[i].seed: tasks_lib.MqarTask(configs[i]) for i in todo_indices}
-  total_steps = next(iter(tasks.values())).total_steps
-  model = GroupModel(config, total_steps)
-  todo: list[bookkeeping.RunBook] = []
-  try:
-    for i in todo_indices:
-      todo.append(bookkeeping.RunBook(configs[i], workdirs[i]))
-    _train(model, tasks, todo, device, start_time, should_stop)
-  finally:
-    for run in todo:
-      run.close()
+  with contextlib.ExitStack() as locks:
+    for i in todo_indices:  # one live run per workdir, as train.py's
+      locks.enter_context(workdir_lock.WorkdirLock(workdirs[i]))
+    accepted = [bookkeeping.accept_resume(configs[i], workdirs[i]) for i in todo_indices]
+    config = accepted[0][0]
+    device = jax.local_devices()[0]
+    tasks = {run_config.seed: tasks_lib.MqarTask(run_config) for run_config, _ in accepted}
+    total_steps = next(iter(tasks.values())).total_steps
+    model = GroupModel(config, total_steps)
+    todo: list[bookkeeping.RunBook] = []
+    try:
+      for i, (run_config, changes) in zip(todo_indices, accepted):
+        todo.append(bookkeeping.RunBook(run_config, workdirs[i], changes))
+      _train(model, tasks, todo, [configs[i] for i in todo_indices], device,
+             (start_time, started_at), should_stop)
+    finally:
+      for run in todo:
+        run.close()
   for i, run in zip(todo_indices, todo):
     summaries[i] = run.summary
   return summaries
 
 
 def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
-           todo: list[bookkeeping.RunBook], device: jax.Device, start_time: float,
+           todo: list[bookkeeping.RunBook], given: list[ml_collections.ConfigDict],
+           device: jax.Device, start: tuple[float, float],
            should_stop: Callable[[], bool]) -> None:
-  """train_group's loop, from the restore to every run's summary (runs closed by the caller)."""
+  """train_group's loop, from the restore to every run's summary (runs closed by the caller).
+
+  given[i]: todo[i]'s config as given, saved as config.json by a run that starts afresh.
+  start: (time.perf_counter(), time.time()) when train_group was called.
+  """
+  start_time, started_at = start
   config, total_steps = model.config, model.total_steps
   abstract = model.abstract_one(device)
   restored = [run.restore(abstract, tasks[run.config.seed].train_iterator) for run in todo]
-  for run in todo:
-    checkpoint_lib.save_config(run.config, run.workdir)
+  for run, run_config in zip(todo, given):
+    run.save_config(run_config)
   latest = {step for step, _ in restored}
   if len(latest) != 1:
     raise ValueError(
@@ -297,7 +306,10 @@ def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
     if run.stopped_early:
       _finish(run, start_step, total_steps, num_params, 0.0)
   eval_batches = None
-  progress = metrics_lib.Progress(total_steps, start_step)
+  accuracies = [r.last_eval["eval/accuracy"] for r in stack if "eval/accuracy" in r.last_eval]
+  progress = metrics_lib.Progress(  # the line shows the best run's last accuracy
+      total_steps, start_step, started_at,
+      {"eval/accuracy": max(accuracies)} if accuracies else None)
   finite = jnp.ones((len(stack),), bool)
   step = start_step
   rows = None  # per stacked run: (learning rates [R], running [R])

@@ -21,6 +21,7 @@ from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
+from palimpsa_jax.training import workdir_lock
 
 
 class NonFiniteError(FloatingPointError):
@@ -191,36 +192,40 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   started_at = time.time() if started_at is None else started_at
   validate_config(config)
   workdir = os.path.abspath(workdir)
-  bookkeeping.refuse_other_model(config, workdir)
-  placement = sharding_lib.mesh_context(config.mesh)
-  task = tasks_lib.make_task(config, workdir)
-  total_steps = task.total_steps
-  spec = state_lib.make_train_state_spec(
-      state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps),
-      placement.mesh, placement.rules, init_on_host=config.init_on_host)
-  book = bookkeeping.RunBook(config, workdir)
-  try:
-    return _train(config, workdir, task, spec, placement, book, start_time, started_at,
-                  should_stop)
-  finally:
-    book.close()
+  with workdir_lock.WorkdirLock(workdir):
+    given = config
+    config, changes = bookkeeping.accept_resume(config, workdir)
+    placement = sharding_lib.mesh_context(config.mesh)
+    task = tasks_lib.make_task(config, workdir)
+    spec = state_lib.make_train_state_spec(
+        state_lib.run_model_fn(config), config.seed, make_tx_fn(config, task.total_steps),
+        placement.mesh, placement.rules, init_on_host=config.init_on_host)
+    book = bookkeeping.RunBook(config, workdir, changes)
+    try:
+      return _train(config, given, workdir, task, spec, placement, book, start_time,
+                    started_at, should_stop)
+    finally:
+      book.close()
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task,
-           spec: state_lib.TrainStateSpec, placement: sharding_lib.MeshContext,
-           book: bookkeeping.RunBook, start_time: float, started_at: float,
-           should_stop: Callable[[], bool]) -> dict[str, Any]:
-  """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller)."""
+def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, workdir: str,
+           task: tasks_lib.Task, spec: state_lib.TrainStateSpec,
+           placement: sharding_lib.MeshContext, book: bookkeeping.RunBook, start_time: float,
+           started_at: float, should_stop: Callable[[], bool]) -> dict[str, Any]:
+  """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller).
+
+  `config` is the one run (on resume, `given` with the saved schedule horizon); a run that
+  starts afresh saves `given` as its config.json.
+  """
   total_steps = task.total_steps
   start_step, state = book.restore(spec.abstract, task.train_iterator)
-  checkpoint_lib.save_config(config, workdir)  # once the run is accepted
+  book.save_config(given)  # once the run is accepted
   if start_step is None:  # a fine-tuning run resumes from its own checkpoints
     start_step = 0
-    state = initial_state(spec, config)
-  else:
-    if jax.process_index() == 0:
-      print(f"resumed from {workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
-            flush=True)
+    state = initial_state(spec, given)
+  elif jax.process_index() == 0:
+    print(bookkeeping.resumed_line(f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
+                                   book.changes, config, total_steps), flush=True)
 
   replicated = sharding_lib.replicated(placement.mesh)
   kernel_context = placement.kernel_context
@@ -235,11 +240,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
                       if config.log_diagnostics else None)
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
-  progress = metrics_lib.Progress(total_steps, start_step)
   finite = jnp.array(True)
   step = start_step
   compiled_step, startup, first_step_done = None, {}, None
   book.begin(start_step)
+  progress = metrics_lib.Progress(total_steps, start_step, started_at, book.last_eval)
   while step < total_steps and not book.stopped_early:
     stop, overdue = bookkeeping.agreed(step, config.log_every_steps, should_stop(),
                                        book.time_due())

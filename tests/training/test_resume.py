@@ -1,6 +1,7 @@
 """Resuming a run: unreadable checkpoints, one metrics row per step, the summary across segments."""
 
 import gc
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -12,6 +13,7 @@ import pytest
 from tests.training import tiny_lm
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import resume
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
@@ -217,10 +219,81 @@ def test_another_model_is_refused_before_anything_is_written(tmp_path, finished)
   before = _tree_bytes(workdir)
   other = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
   with pytest.raises(base.ConfigError, match=(
-      r"holds checkpoints of another model: config.model.width=32 \(saved: 16\)\. "
-      "Give a new --workdir")):
+      r"holds a run with other settings: config.model.width=32 \(saved: 16\)\. "
+      "A resume continues the saved run")):
     trainer.train_and_evaluate(other, str(workdir))
   assert _tree_bytes(workdir) == before
+
+
+def test_a_resume_that_changes_the_run_is_refused_naming_each_field(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  before = _tree_bytes(workdir)
+  changed = tiny_lm.resumable_mqar_config(
+      8, batch_size=32, **{"optimizer.learning_rate": 3e-3, "optimizer.decay_steps": 20})
+  with pytest.raises(base.ConfigError) as refused:
+    trainer.train_and_evaluate(changed, str(workdir))
+  assert str(refused.value) == (
+      f"--workdir {workdir} holds a run with other settings: config.batch_size=32 (saved: 16), "
+      "config.optimizer.learning_rate=0.003 (saved: 0.01), config.optimizer.decay_steps=20 "
+      "(saved: 16). A resume continues the saved run (its config.json): drop these changes to "
+      "resume it as saved, or give another --workdir to start a new run.")
+  assert _tree_bytes(workdir) == before
+
+
+def test_more_steps_and_other_cadences_are_recorded_in_the_segment(tmp_path, finished, capsys):
+  """config.json keeps the run as started; the first line after the resume shows its last eval."""
+  workdir = _copy(finished[0], tmp_path)
+  saved_config = (workdir / "config.json").read_bytes()
+  capsys.readouterr()
+  extended = tiny_lm.resumable_mqar_config(12, log_every_steps=1)
+  summary = trainer.train_and_evaluate(extended, str(workdir))
+  assert (workdir / "config.json").read_bytes() == saved_config
+  assert summary["final_step"] == 12 and summary["total_steps"] == 12
+  first, second = summary["segments"]
+  assert "changed" not in first
+  assert second["changed"] == {"log_every_steps": {"saved": 2, "given": 1},
+                               "total_steps": {"saved": 8, "given": 12}}
+  out = capsys.readouterr().out
+  assert (f"resumed from {workdir}/checkpoints/8; changed since config.json: "
+          "log_every_steps 2 -> 1, total_steps 8 -> 12") in out
+  (line,) = [l for l in out.splitlines() if l.startswith("step  9/12")]
+  accuracy = finished[1]["last_eval"]["eval/accuracy"]
+  assert line.endswith(f"acc {100 * accuracy:.2f}%")
+
+
+def test_an_extension_keeps_the_schedule_of_the_planned_steps(tmp_path):
+  """Without decay_steps the horizon is the planned steps; a resume to more steps keeps it."""
+  planned = lambda steps: tiny_lm.tiny_mqar_config(
+      total_steps=steps, log_every_steps=1, eval_every_steps=4, checkpoint_every_steps=2)
+  trainer.train_and_evaluate(planned(4), str(tmp_path / "whole"))
+  polls = []
+  with pytest.raises(bookkeeping.Interrupted):
+    trainer.train_and_evaluate(planned(4), str(tmp_path / "extended"),
+                               should_stop=lambda: polls.append(None) or len(polls) > 2)
+  trainer.train_and_evaluate(planned(6), str(tmp_path / "extended"))
+  whole, extended = (
+      {r["step"]: (r["train/loss"], r["train/lr"])
+       for r in metrics_lib.read_metrics(str(tmp_path / name)) if "train/loss" in r}
+      for name in ("whole", "extended"))
+  assert {step: extended[step] for step in whole} == whole
+  assert extended[5][1] == extended[6][1] == 0.0  # the schedule's final rate
+
+
+def test_every_schema_field_is_classified_once():
+  """A new field needs a deliberate choice: may a resume change it, or is it the run's?"""
+  spec = importlib.util.spec_from_file_location(
+      "mqar", pathlib.Path(__file__).parents[2] / "configs" / "mqar.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  model_fields = set(module.get_config().model)
+  for task in base.TASKS:
+    for path in resume.schema_paths(task):
+      classes = [resume.may_change(path), any(
+          path == p or path.startswith(p + ".") for p in resume.IDENTITY)]
+      assert sum(classes) == 1, path
+  for path in resume.MAY_CHANGE:
+    if path.startswith("model."):
+      assert path.split(".", 1)[1] in model_fields, path
 
 
 def test_a_checkpoint_of_another_structure_is_named_in_one_sentence(tmp_path, finished):
