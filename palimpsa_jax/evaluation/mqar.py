@@ -77,8 +77,7 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
     "accuracy", "loss", "num_queries", "trained_setting"}, ...]}.
   """
   model, config, step = checkpoints.load_model(checkpoint)
-  if config.task != "mqar":
-    raise ValueError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
+  checkpoints.require_task(checkpoint, config, "mqar", "the mqar suite")
   data = config.data
   trained = (config.seq_len, data.num_kv_pairs)
   results = []

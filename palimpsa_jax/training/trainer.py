@@ -163,9 +163,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Trains the configured model, evaluating and checkpointing into `workdir`.
 
-  Resumes from the latest checkpoint in `workdir` if there is one (the model,
-  optimizer, step and data-iterator state are restored, so the continued run
-  reproduces an uninterrupted one exactly). Without a checkpoint, the run
+  Holds `workdir`'s lock for the whole call (training/workdir_lock.py). Resumes
+  from the latest checkpoint in `workdir` if there is one (the model, optimizer,
+  step and data-iterator state are restored, so the continued run reproduces an
+  uninterrupted one exactly), provided `config` changes only what a resume may
+  change (run_config/resume.py). Without a checkpoint, the run
   starts at step 0 from config.init_from's parameters when that is set
   (fine-tuning a converted model, configs/finetune.py).
 
@@ -187,6 +189,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     bookkeeping.Interrupted: `should_stop` asked to stop; the step reached is saved.
+    workdir_lock.WorkdirLocked: another live run holds `workdir`.
+    base.ConfigError: a bad config, or a resume that would change the saved run.
   """
   start_time = time.perf_counter()
   started_at = time.time() if started_at is None else started_at
