@@ -29,9 +29,9 @@ OBSERVES = ("log_every_steps", "eval_every_steps", "checkpoint_every_steps", "ke
             "early_stop_accuracy")
 # The same computation, placed otherwise: the mesh, microbatches (the same mean gradient),
 # where the initial parameters are computed (step 0 only), and the model's implementation
-# choices that compute the same function (op implementation, the loss's kernels, remat).
+# choices that compute the same function (the op's implementation, rematerialisation).
 PLACES = ("grad_accum_steps", "device_batch", "init_on_host", "mesh", "model.implementation",
-          "model.head_loss", "model.remat", "model.remat_saves")
+          "model.remat", "model.remat_saves")
 MAY_CHANGE = EXTENDS + OBSERVES + PLACES
 NOT_COMPARED = ("args", "finetune")
 # The schema's fields that are the run's identity (config.model's are, except those above).
@@ -80,16 +80,17 @@ def differences(saved: ml_collections.ConfigDict, given: ml_collections.ConfigDi
                 ) -> tuple[dict[str, tuple[Any, Any]], dict[str, tuple[Any, Any]]]:
   """(refused, allowed): {field path: (saved value, given value)} of the fields that differ.
 
-  Fields config.json lacks (written by an earlier version of the code) are not compared.
+  Only fields both hold are compared: one that only config.json holds was removed from the
+  code since, one it lacks was added since (another model kind differs in config.model.model).
   optimizer.decay_steps is compared as the horizon it sets (None given: the saved horizon).
   """
   old, new = _as_saved(saved), _as_saved(given)
   refused, allowed = {}, {}
-  for path in sorted(old.keys() | new.keys()):
-    if _covered(path, NOT_COMPARED) or path not in old or path == "optimizer.decay_steps":
+  for path in sorted(old.keys() & new.keys()):
+    if _covered(path, NOT_COMPARED) or path == "optimizer.decay_steps":
       continue
-    if old[path] != new.get(path):
-      (allowed if may_change(path) else refused)[path] = (old[path], new.get(path))
+    if old[path] != new[path]:
+      (allowed if may_change(path) else refused)[path] = (old[path], new[path])
   decay = given.optimizer.decay_steps
   if decay is not None and decay != horizon(saved):
     refused["optimizer.decay_steps"] = (horizon(saved), decay)

@@ -1,7 +1,6 @@
 """Resuming a run: unreadable checkpoints, one metrics row per step, the summary across segments."""
 
 import gc
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -13,7 +12,6 @@ import pytest
 from tests.training import tiny_lm
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.run_config import base
-from palimpsa_jax.run_config import resume
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
@@ -277,35 +275,3 @@ def test_an_extension_keeps_the_schedule_of_the_planned_steps(tmp_path):
       for name in ("whole", "extended"))
   assert {step: extended[step] for step in whole} == whole
   assert extended[5][1] == extended[6][1] == 0.0  # the schedule's final rate
-
-
-def test_every_schema_field_is_classified_once():
-  """A new field needs a deliberate choice: may a resume change it, or is it the run's?"""
-  spec = importlib.util.spec_from_file_location(
-      "mqar", pathlib.Path(__file__).parents[2] / "configs" / "mqar.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  model_fields = set(module.get_config().model)
-  for task in base.TASKS:
-    for path in resume.schema_paths(task):
-      classes = [resume.may_change(path), any(
-          path == p or path.startswith(p + ".") for p in resume.IDENTITY)]
-      assert sum(classes) == 1, path
-  for path in resume.MAY_CHANGE:
-    if path.startswith("model."):
-      assert path.split(".", 1)[1] in model_fields, path
-
-
-def test_a_checkpoint_of_another_structure_is_named_in_one_sentence(tmp_path, finished):
-  config = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
-  checkpointer = checkpoint_lib.Checkpointer(str(finished[0]), every_steps=4, keep=3)
-  abstract = jax.eval_shape(lambda: {
-      "step": jax.numpy.zeros((), jax.numpy.int32),
-      "params": {"embed": {"embedding": jax.numpy.zeros((tiny_lm.VOCAB, 32))}},
-      "model_state": {}, "opt_state": {}})
-  try:
-    with pytest.raises(checkpoint_lib.CheckpointError, match="no checkpoint in") as refused:
-      checkpointer.restore_latest(abstract, tasks_lib.make_task(config, "").train_iterator)
-  finally:
-    checkpointer.close()
-  assert "tree structures do not match. Move the folder aside" in str(refused.value)
