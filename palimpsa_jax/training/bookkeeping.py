@@ -10,8 +10,8 @@ stop, and when to checkpoint. Both loops call the same methods in the same order
     step, state = book.restore(abstract, data_iterator)
     book.save_config(config)                # a new run's config.json (a resume keeps its own)
     book.begin(start_step)                  # writer, summary, earlier evaluations
-  ... per step: book.add_eval(step, results); book.write(step, record);
-        if book.save_due(step, last, overdue): book.save(step, state, data_iterator, wall_time_s)
+    ... per step (when training/cadence.py says so): book.add_eval(step, results);
+        book.write(step, record); book.save(step, state, data_iterator, wall_time_s)
     book.close()                            # waits for the last asynchronous save
     book.finish(fields, step, wall_time_s)  # then summary.json says the run ended
 
@@ -290,12 +290,6 @@ class RunBook:
   def write(self, step: int, record: dict[str, Any]) -> None:
     if record:
       self.writer.write(step, record)
-
-  def save_due(self, step: int, last: bool, overdue: bool) -> bool:
-    """Whether to checkpoint after `step`: at the step interval, the last step, an early
-    stop, or when `overdue` (time_due, as every process agreed on it)."""
-    return (step % self.config.checkpoint_every_steps == 0 or last or self.stopped_early
-            or overdue)
 
   def time_due(self) -> bool:
     """Whether config.checkpoint_every_minutes have passed since the last save."""

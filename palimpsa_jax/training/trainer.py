@@ -14,6 +14,7 @@ from palimpsa_jax import models
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.run_config import base
 from palimpsa_jax.training import bookkeeping
+from palimpsa_jax.training import cadence as cadence_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
@@ -248,23 +249,26 @@ def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, 
   step = start_step
   compiled_step, startup, first_step_done = None, {}, None
   book.begin(start_step)
-  progress = metrics_lib.Progress(total_steps, start_step, started_at, book.last_eval)
+
+  def interrupt(at: int) -> str:  # the loop's state and finite flag as they are at the stop
+    _check_finite(finite, at)
+    book.save(at, state, task.train_iterator, time.perf_counter() - start_time)
+    book.close()  # waits for the save
+    return f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{at}"
+
+  cadence = cadence_lib.Cadence(config, total_steps, start_step, started_at, should_stop,
+                                interrupt, book.last_eval)
+  progress = cadence.progress
   while step < total_steps and not book.stopped_early:
-    stop, overdue = bookkeeping.agreed(step, config.log_every_steps, should_stop(),
-                                       book.time_due())
-    if stop:
-      _check_finite(finite, step)
-      book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
-      book.close()  # waits for the save
-      raise bookkeeping.Interrupted(step, f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{step}")
-    batch = sharding_lib.global_batch(
-        tasks_lib.with_lm_targets(next(task.train_iterator)), placement.mesh, placement.rules)
+    overdue = cadence.before_step(step, book.time_due())
+    batch = sharding_lib.global_batch(next(task.train_iterator), placement.mesh,
+                                      placement.rules)
     if compiled_step is None:
       compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
     state, step_metrics = compiled_step(state, batch)
     finite = finite & step_metrics["train/finite"]
     step += 1
-    last = step == total_steps
+    due = cadence.after_step(step, overdue)
     record: dict[str, float] = {}
     if first_step_done is None:
       jax.block_until_ready(step_metrics)
@@ -273,7 +277,7 @@ def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, 
       record.update(startup)
       progress.show_startup(startup)
       progress.restart_clock(step)
-    if step % config.log_every_steps == 0 or last:
+    if due.log:
       values = jax.device_get(step_metrics)
       _check_finite(finite, step, values)
       rate = progress.rate(step)
@@ -282,21 +286,18 @@ def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, 
       if rate is not None:  # None at the first step (its time is the compile's)
         record.update(metrics_lib.throughput_metrics(
             rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
-    if step % config.eval_every_steps == 0 or last:
+    if due.evaluate:
       _check_finite(finite, step)  # never score non-finite parameters
       results = evaluate(eval_step, state, task, placement, diagnostics_step)
       book.add_eval(step, results)
       record.update(results)
-      progress.restart_clock(step)
-      progress.last_eval_loss = results.get("eval/loss")
-      if results.get("eval/accuracy") is not None:
-        progress.last_accuracy = results["eval/accuracy"]
+      cadence.evaluated(step, results)
     book.write(step, record)
-    if "train/loss" in record:
+    if due.log:
       progress.show(step, record.get("perf/steps_per_sec"), record["train/loss"],
                     tokens_per_sec=record.get("perf/tokens_per_sec"),
                     mfu=record.get("perf/mfu"))
-    if book.save_due(step, last, overdue):
+    if due.save or book.stopped_early:
       _check_finite(finite, step)
       book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
   book.close()  # the last checkpoint is written before the summary says the run ended
