@@ -219,7 +219,7 @@ def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, 
            started_at: float, should_stop: Callable[[], bool]) -> dict[str, Any]:
   """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller).
 
-  `config` is the one run (on resume, `given` with the saved schedule horizon); a run that
+  `config` is what runs (on resume, `given` with the saved schedule horizon); a run that
   starts afresh saves `given` as its config.json.
   """
   total_steps = task.total_steps
