@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from palimpsa_jax import models
+from palimpsa_jax import user_errors
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import generation
@@ -84,8 +85,11 @@ def test_lm_tools_reject_an_mqar_checkpoint(tmp_path):
   _, params, _ = models.split_model(models.build_model(config, nnx.Rngs(0)))
   fx.write_workdir(str(tmp_path), config, params, ml_collections.ConfigDict({"task": "mqar",
                                                                            "seed": 0}))
-  with pytest.raises(ValueError, match="trained on task 'mqar'; this needs a language model"):
+  with pytest.raises(user_errors.UserError) as refused:
     lm_lib.load_checkpoint(str(tmp_path))
+  assert str(refused.value) == (
+      f"checkpoint {tmp_path} was trained on task 'mqar' (its saved config); a language "
+      "model's evaluation or sampling needs a run of task 'lm'.")
 
 
 def test_printed_text_escapes_control_characters_but_keeps_newlines_and_tabs():

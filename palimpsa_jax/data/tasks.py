@@ -10,6 +10,7 @@ Their config fields are checked before a task is made (palimpsa_jax/run_config/b
 import abc
 from collections.abc import Iterator
 import contextlib
+import itertools
 import os
 from typing import Any
 
@@ -24,7 +25,10 @@ from palimpsa_jax.data import tokenizer as tokenizer_lib
 
 
 class Task(abc.ABC):
-  """Training batches (checkpointable iterator), evaluation batches, sizes."""
+  """Training batches (checkpointable iterator), evaluation batches, sizes.
+
+  Every batch either yields holds its "targets" (IGNORE_INDEX where nothing is scored).
+  """
 
   train_iterator: Any
   total_steps: int
@@ -126,6 +130,8 @@ class LmTask(Task):
       self.train_dataset = text_lib.make_text_dataset(
           data.train_files, tokenizer, config.seq_len, per_host, config.seed,
           shard_index, shard_count)
+    # Targets are added per batch (map keeps the iterator's checkpointed state as it was).
+    self.train_dataset = self.train_dataset.map(with_lm_targets)
     self.train_iterator = iter(self.train_dataset)
     self.total_steps = config.total_steps
     self.tokens_per_step = config.batch_size * config.seq_len
@@ -140,26 +146,24 @@ class LmTask(Task):
       self._eval_dataset = text_lib.make_text_eval_dataset(
           data.eval_files, tokenizer, config.seq_len, eval_per_host,
           shard_index, shard_count)
+    if self._eval_dataset is not None:
+      self._eval_dataset = self._eval_dataset.map(with_lm_targets)
     self._num_eval_batches = data.eval_batches
 
   def eval_batches(self):
     if self._eval_dataset is None:
       return iter(())
-    batches = iter(self._eval_dataset)
     # Every host must run the same number of eval steps: stop at the
     # configured count, or earlier only if the (sharded) data runs out.
-    return (with_lm_targets(batch) for _, batch in
-            zip(range(self._num_eval_batches), batches))
+    return itertools.islice(self._eval_dataset, self._num_eval_batches)
 
 
 def with_lm_targets(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Adds next-token "targets" to a packed text batch (MQAR batches have them).
+  """Adds next-token "targets" to a packed text batch.
 
   A target is IGNORE_INDEX at the last position, across document boundaries
   and on padding ("mask" 0); "mask" itself is consumed.
   """
-  if "targets" in batch:
-    return batch
   batch = dict(batch)
   mask = batch.pop("mask", None)
   targets, weights = text_lib.next_token_targets(

@@ -8,6 +8,9 @@ A checkpoint is one of
     beside the source and a 2048-token context. Its step is 0 (not trained since conversion).
 A conversion output in which a fine-tuning run has written its own checkpoints is that run's
 workdir.
+
+A run is read with its saved config (config.json, never rewritten by a resume): what the model
+is and what it was trained on. A command that asks for another task is refused (require_task).
 """
 
 from __future__ import annotations
@@ -17,11 +20,29 @@ from typing import Any
 
 import ml_collections
 
+from palimpsa_jax import user_errors
 from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 
 # Context of the published Hugging Face Mamba2 models' pretraining.
 HF_SEQ_LEN = 2048
+
+
+class OtherTask(ValueError, user_errors.UserError):
+  """The checkpoint's run was trained on another task than the command evaluates."""
+
+
+def require_task(checkpoint: str, config: ml_collections.ConfigDict, task: str,
+                 needed_by: str) -> None:
+  """Raises OtherTask (one line) unless the run config's task is `task`.
+
+  Args:
+    needed_by: what needs it, for the message ("the mqar suite").
+  """
+  trained = config.get("task", "lm")  # a Hugging Face conversion has no run of its own: lm
+  if trained != task:
+    raise OtherTask(f"checkpoint {checkpoint} was trained on task {trained!r} (its saved "
+                    f"config); {needed_by} needs a run of task {task!r}.")
 
 
 def is_conversion(checkpoint: str) -> bool:

@@ -148,9 +148,8 @@ def load_checkpoint(checkpoint: str):
   """(model, config, step, tokenizer) of a train.py checkpoint or a conversion output
   (palimpsa_jax.evaluation.checkpoints)."""
   model, config, step = checkpoints.load_model(checkpoint)
-  if config.get("task", "lm") != "lm":
-    raise OptionError(f"checkpoint {checkpoint!r} was trained on task {config.task!r}; this "
-                      "needs a language model (task lm)")
+  checkpoints.require_task(checkpoint, config, "lm", "a language model's evaluation or "
+                           "sampling")
   return model, config, step, checkpoint_tokenizer(checkpoints.tokenizer_folder(checkpoint),
                                                    config)
 

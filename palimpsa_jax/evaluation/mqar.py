@@ -92,8 +92,7 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
     "accuracy", "loss", "num_queries", "trained_setting"}, ...]}.
   """
   model, config, step = checkpoints.load_model(checkpoint)
-  if config.task != "mqar":
-    raise lm_lib.OptionError(f"{checkpoint} was trained on task {config.task!r}, not mqar.")
+  checkpoints.require_task(checkpoint, config, "mqar", "the mqar suite")
   data = config.data
   for seq_len, num_kv_pairs in settings:
     try:

@@ -20,6 +20,7 @@ Runs on one device (the first local one).
 """
 
 from collections.abc import Callable
+import contextlib
 import functools
 import json
 import os
@@ -36,13 +37,14 @@ import numpy as np
 from palimpsa_jax import models
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import bookkeeping
-from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import cadence as cadence_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 from palimpsa_jax.training import trainer
+from palimpsa_jax.training import workdir_lock
 
 # Fields in which the runs of a group may differ.
 RUN_FIELDS = ("seed", "optimizer.learning_rate", "args.learning_rate", "args.seed")
@@ -230,7 +232,7 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   Returns:
     Per run its summary (as trainer.train_and_evaluate returns it).
   """
-  start_time = time.perf_counter()
+  start_time, started_at = time.perf_counter(), time.time()
   if len(configs) != len(workdirs):
     raise ValueError(f"got {len(configs)} configs but {len(workdirs)} workdirs.")
   for config in configs:
@@ -242,36 +244,44 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   todo_indices = [i for i, summary in enumerate(summaries) if summary is None]
   if not todo_indices:
     return summaries
-  for i in todo_indices:
-    bookkeeping.refuse_other_model(configs[i], workdirs[i])
-
-  config = configs[todo_indices[0]]
-  device = jax.local_devices()[0]
-  tasks = {configs[i].seed: tasks_lib.MqarTask(configs[i]) for i in todo_indices}
-  total_steps = next(iter(tasks.values())).total_steps
-  model = GroupModel(config, total_steps)
-  todo: list[bookkeeping.RunBook] = []
-  try:
-    for i in todo_indices:
-      todo.append(bookkeeping.RunBook(configs[i], workdirs[i]))
-    _train(model, tasks, todo, device, start_time, should_stop)
-  finally:
-    for run in todo:
-      run.close()
+  with contextlib.ExitStack() as locks:
+    for i in todo_indices:  # one live run per workdir, as train.py's
+      locks.enter_context(workdir_lock.WorkdirLock(workdirs[i]))
+    accepted = [bookkeeping.accept_resume(configs[i], workdirs[i]) for i in todo_indices]
+    config = accepted[0][0]
+    device = jax.local_devices()[0]
+    tasks = {run_config.seed: tasks_lib.MqarTask(run_config) for run_config, _ in accepted}
+    total_steps = next(iter(tasks.values())).total_steps
+    model = GroupModel(config, total_steps)
+    todo: list[bookkeeping.RunBook] = []
+    try:
+      for i, (run_config, changes) in zip(todo_indices, accepted):
+        todo.append(bookkeeping.RunBook(run_config, workdirs[i], changes))
+      _train(model, tasks, todo, [configs[i] for i in todo_indices], device,
+             (start_time, started_at), should_stop)
+    finally:
+      for run in todo:
+        run.close()
   for i, run in zip(todo_indices, todo):
     summaries[i] = run.summary
   return summaries
 
 
 def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
-           todo: list[bookkeeping.RunBook], device: jax.Device, start_time: float,
+           todo: list[bookkeeping.RunBook], given: list[ml_collections.ConfigDict],
+           device: jax.Device, start: tuple[float, float],
            should_stop: Callable[[], bool]) -> None:
-  """train_group's loop, from the restore to every run's summary (runs closed by the caller)."""
+  """train_group's loop, from the restore to every run's summary (runs closed by the caller).
+
+  given[i]: todo[i]'s config as given, saved as config.json by a run that starts afresh.
+  start: (time.perf_counter(), time.time()) when train_group was called.
+  """
+  start_time, started_at = start
   config, total_steps = model.config, model.total_steps
   abstract = model.abstract_one(device)
   restored = [run.restore(abstract, tasks[run.config.seed].train_iterator) for run in todo]
-  for run in todo:
-    checkpoint_lib.save_config(run.config, run.workdir)
+  for run, run_config in zip(todo, given):
+    run.save_config(run_config)
   latest = {step for step, _ in restored}
   if len(latest) != 1:
     raise ValueError(
@@ -297,22 +307,25 @@ def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
     if run.stopped_early:
       _finish(run, start_step, total_steps, num_params, 0.0)
   eval_batches = None
-  progress = metrics_lib.Progress(total_steps, start_step)
   finite = jnp.ones((len(stack),), bool)
   step = start_step
   rows = None  # per stacked run: (learning rates [R], running [R])
+
+  def interrupt(at: int) -> str:  # the stack and its state as they are at the stop
+    for i, run in enumerate(stack):
+      if run.summary is None:
+        run.save(at, _take(state, i), tasks[run.config.seed].train_iterator,
+                 time.perf_counter() - start_time)
+        run.close()  # waits for the save
+    return (f"checkpoints/{at} of the {len(running())} running runs under "
+            f"{os.path.dirname(stack[0].workdir)}")
+
+  accuracies = [r.last_eval["eval/accuracy"] for r in stack if "eval/accuracy" in r.last_eval]
+  cadence = cadence_lib.Cadence(  # the line shows the best run's last accuracy
+      config, total_steps, start_step, started_at, should_stop, interrupt,
+      {"eval/accuracy": max(accuracies)} if accuracies else None)
   while step < total_steps and running():
-    stop, overdue = bookkeeping.agreed(step, config.log_every_steps, should_stop(),
-                                       any(r.time_due() for r in running()))
-    if stop:
-      for i, run in enumerate(stack):
-        if run.summary is None:
-          run.save(step, _take(state, i), tasks[run.config.seed].train_iterator,
-                   time.perf_counter() - start_time)
-          run.close()  # waits for the save
-      raise bookkeeping.Interrupted(
-          step, f"checkpoints/{step} of the {len(running())} running runs under "
-          f"{os.path.dirname(stack[0].workdir)}")
+    overdue = cadence.before_step(step, any(r.time_due() for r in running()))
     if rows is None:  # the stack or its running runs changed
       active = [r.summary is None for r in stack]
       seeds = [r.config.seed for r in stack]
@@ -321,11 +334,8 @@ def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
     state, step_metrics = model.train_step(state, next_batch(tasks, seeds), *rows)
     finite = finite & step_metrics["train/finite"]
     step += 1
-    last = step == total_steps
-    log = step % config.log_every_steps == 0 or last
-    evaluate = step % config.eval_every_steps == 0 or last
-    save = step % config.checkpoint_every_steps == 0 or last or overdue
-    if not (log or evaluate or save):
+    due = cadence.after_step(step, overdue)
+    if not (due.log or due.evaluate or due.save):
       continue
     values, finite_now = jax.device_get((step_metrics, finite))
     records: dict[int, dict[str, float]] = {i: {} for i, a in enumerate(active) if a}
@@ -333,40 +343,39 @@ def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
       if not finite_now[i]:
         stack[i].error = (f"non-finite loss or gradient at or before step {step}; "
                           "run stopped")
-    if log:
-      rate = progress.rate(step)
+    if due.log:
+      rate = cadence.progress.rate(step)
       for i in records:
         records[i].update({k: float(v[i]) for k, v in values.items()
                            if k != "train/finite"})
         records[i].update(metrics_lib.throughput_metrics(
             rate, tokens_per_step, num_params, peak_flops, 1))
-    if evaluate:
+    if due.evaluate:
       if eval_batches is None:
         eval_batches = _stacked_eval_batches(tasks, seeds, device)
       results = _evaluate(model, state, eval_batches)
-      progress.restart_clock(step)
       for i in records:
         if stack[i].error is None:
           stack[i].add_eval(step, results[i])
           records[i].update(results[i])
-      progress.last_accuracy = max(stack[i].last_eval.get("eval/accuracy", 0.0)
-                                   for i in records)
+      cadence.evaluated(step, {"eval/accuracy": max(
+          stack[i].last_eval.get("eval/accuracy", 0.0) for i in records)})
       print(f"eval at step {step}: " + ", ".join(
           f"{_label(stack[i])} {100 * stack[i].last_eval['eval/accuracy']:.2f}%"
           for i in records if stack[i].last_eval), flush=True)
     for i, record in records.items():
       run = stack[i]
       run.write(step, record)
-      if run.error is None and run.save_due(step, last, save):
+      if run.error is None and (due.save or run.stopped_early):
         run.save(step, _take(state, i), tasks[run.config.seed].train_iterator,
                  time.perf_counter() - start_time)
       if run.error is not None or run.stopped_early:
         _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
         rows = None
-    if log:
+    if due.log:
       losses = [records[i]["train/loss"] for i in records if stack[i].summary is None]
       if losses:
-        progress.show(step, rate, float(np.mean(losses)))
+        cadence.progress.show(step, rate, float(np.mean(losses)))
     stopped = [i for i, r in enumerate(stack) if r.summary is not None]
     if stopped and running() and len(stopped) >= _COMPACT_FRACTION * len(stack):
       keep = [i for i, r in enumerate(stack) if r.summary is None]

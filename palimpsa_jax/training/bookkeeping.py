@@ -4,20 +4,26 @@ A RunBook keeps one run's workdir: its checkpointer (training/checkpoint.py), me
 (training/metrics.py) and summary (training/run_summary.py), its best evaluation and early
 stop, and when to checkpoint. Both loops call the same methods in the same order:
 
-  refuse_other_model(config, workdir)     # before anything is written
-  book = RunBook(config, workdir)         # opens the checkpointer
-  step, state = book.restore(abstract, data_iterator)
-  book.begin(start_step)                  # writer, summary, earlier evaluations
-  ... per step: book.add_eval(step, results); book.write(step, record);
-      if book.save_due(step, last, overdue): book.save(step, state, data_iterator, wall_time_s)
-  book.close()                            # waits for the last asynchronous save
-  book.finish(fields, step, wall_time_s)  # then summary.json says the run ended
+  with workdir_lock.WorkdirLock(workdir):  # one live run per workdir
+    config, changes = accept_resume(config, workdir)  # refusals, before anything is written
+    book = RunBook(config, workdir, changes)  # opens the checkpointer
+    step, state = book.restore(abstract, data_iterator)
+    book.save_config(config)                # a new run's config.json (a resume keeps its own)
+    book.begin(start_step)                  # writer, summary, earlier evaluations
+    ... per step (when training/cadence.py says so): book.add_eval(step, results);
+        book.write(step, record); book.save(step, state, data_iterator, wall_time_s)
+    book.close()                            # waits for the last asynchronous save
+    book.finish(fields, step, wall_time_s)  # then summary.json says the run ended
 
 A run checkpoints every config.checkpoint_every_steps steps and, whatever that interval, at
 the first step after config.checkpoint_every_minutes of wall time since its last save, so a
 hard kill loses at most about that much work. StopSignals turns SIGINT and SIGTERM into a
 request that the loops poll before each step: they checkpoint the step they are at and stop
 with Interrupted, whose message says where a rerun of the same command resumes.
+
+A resume continues the saved run (run_config/resume.py): accept_resume refuses settings that
+would change what it computes, and the allowed changes (more steps, cadences) are recorded in
+the segment's record, while config.json keeps describing the run as it was started.
 """
 
 import json
@@ -36,6 +42,7 @@ import numpy as np
 
 from palimpsa_jax import models
 from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import resume
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import run_summary
@@ -66,6 +73,50 @@ def _flat(tree: Any, prefix: str) -> dict[str, Any]:
   return flat
 
 
+def _resumable(workdir: str) -> bool:
+  """Whether `workdir` holds a run's config.json and a checkpoint step to resume from."""
+  checkpoints = os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR)
+  return (os.path.isfile(os.path.join(workdir, checkpoint_lib.CONFIG_FILE))
+          and os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)))
+
+
+def accept_resume(config: ml_collections.ConfigDict, workdir: str
+                  ) -> tuple[ml_collections.ConfigDict, dict[str, tuple[Any, Any]]]:
+  """(the config to run, {field: (saved, given)} of its allowed changes) for `workdir`.
+
+  A new run (no checkpoint) runs `config` as given. A resume runs it with the saved run's
+  learning-rate horizon (resume.pinned), if it changes only fields a resume may change.
+
+  Raises:
+    base.ConfigError: one line naming each changed field of the run's identity with its
+      saved and given values (or, for the same fields, another model's parameter shapes).
+  """
+  if not _resumable(workdir):
+    return config, {}
+  saved = checkpoint_lib.load_config(workdir)
+  refused, allowed = resume.differences(saved, config)
+  if refused:
+    raise base.ConfigError(resume.refusal(workdir, refused))
+  refuse_other_model(config, workdir)
+  return resume.pinned(config, saved), allowed
+
+
+def resumed_line(where: str, changes: dict[str, tuple[Any, Any]],
+                 config: ml_collections.ConfigDict, total_steps: int) -> str:
+  """"resumed from <where>", with the settings changed since config.json and, when the run
+  now goes past its learning-rate schedule, the rate of the steps beyond it."""
+  line = f"resumed from {where}"
+  if changes:
+    line += "; changed since config.json: " + ", ".join(
+        f"{path} {saved!r} -> {given!r}" for path, (saved, given) in changes.items())
+  end = config.optimizer.decay_steps
+  if end is not None and total_steps > end:
+    rate = config.optimizer.learning_rate * config.optimizer.end_fraction
+    line += (f" (the learning-rate schedule ends at step {end}; later steps train at its "
+             f"final rate {rate:g})")
+  return line
+
+
 def refuse_other_model(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses, before anything is written, a workdir whose checkpoints hold another model.
 
@@ -76,9 +127,7 @@ def refuse_other_model(config: ml_collections.ConfigDict, workdir: str) -> None:
   Raises:
     base.ConfigError: one line naming the config.model fields that differ.
   """
-  checkpoints = os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR)
-  if not (os.path.isdir(checkpoints) and os.listdir(checkpoints)
-          and os.path.isfile(os.path.join(workdir, checkpoint_lib.CONFIG_FILE))):
+  if not _resumable(workdir):
     return
   saved = checkpoint_lib.load_config(workdir)
   try:
@@ -177,9 +226,12 @@ class StopSignals:
 class RunBook:
   """One run's checkpoints, metrics, summary, best evaluation and early stop (see above)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               changes: dict[str, tuple[Any, Any]] | None = None):
+    """`changes`: accept_resume's allowed changes, recorded in the segment."""
     self.config = config
     self.workdir = workdir
+    self.changes = changes or {}
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, every_steps=config.checkpoint_every_steps, keep=config.keep_checkpoints,
         async_save=config.async_checkpointing)
@@ -202,6 +254,13 @@ class RunBook:
     self.saved_step = step
     return step, state
 
+  def save_config(self, config: ml_collections.ConfigDict) -> None:
+    """Writes config.json for a run that starts afresh (restore found no checkpoint); a
+    resumed run keeps the config.json it was started with."""
+    if (self.saved_step is None
+        or not os.path.isfile(os.path.join(self.workdir, checkpoint_lib.CONFIG_FILE))):
+      checkpoint_lib.save_config(config, self.workdir)
+
   def begin(self, start_step: int) -> None:
     """Opens the metric writer and summary at `start_step` and reads the earlier evaluations.
 
@@ -209,7 +268,7 @@ class RunBook:
     """
     self._saved_at = time.monotonic()
     self.writer = metrics_lib.MetricWriter(self.workdir, start_step)
-    self.summary_file = run_summary.RunSummary(self.workdir, start_step)
+    self.summary_file = run_summary.RunSummary(self.workdir, start_step, self.changes)
     self.best, self.best_step, self.last_eval = run_summary.previous_evals(
         self.workdir, start_step)
     self.stopped_early = self.best is not None and self._reaches_early_stop(self.best)
@@ -231,12 +290,6 @@ class RunBook:
   def write(self, step: int, record: dict[str, Any]) -> None:
     if record:
       self.writer.write(step, record)
-
-  def save_due(self, step: int, last: bool, overdue: bool) -> bool:
-    """Whether to checkpoint after `step`: at the step interval, the last step, an early
-    stop, or when `overdue` (time_due, as every process agreed on it)."""
-    return (step % self.config.checkpoint_every_steps == 0 or last or self.stopped_early
-            or overdue)
 
   def time_due(self) -> bool:
     """Whether config.checkpoint_every_minutes have passed since the last save."""

@@ -95,11 +95,13 @@ def _reads_finish_before_their_loop_closes():
 
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes workdir/config.json (process 0 only)."""
+  """Writes workdir/config.json (process 0 only), whole or not at all."""
   if jax.process_index() == 0:
     path = epath.Path(workdir) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+    partial = path.parent / (CONFIG_FILE + ".partial")
+    partial.write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+    partial.replace(path)
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:

@@ -147,15 +147,21 @@ def summary_details(summary: dict[str, Any]) -> str:
 
 
 class Progress:
-  """One line per logged step: step/total, steps/s, tokens/s, MFU, ETA, loss, last eval."""
+  """One line per logged step: step/total, steps/s, tokens/s, MFU, ETA, loss, last eval.
 
-  def __init__(self, total_steps: int, start_step: int):
+  "elapsed" counts from `started_at` (time.time() when the command started), the same point
+  from which the start-up line's "first step after" counts; the last evaluation starts as
+  `last_eval` (a resumed run's latest, from its metrics).
+  """
+
+  def __init__(self, total_steps: int, start_step: int, started_at: float,
+               last_eval: dict[str, float] | None = None):
     self._total = total_steps
     self._mark_step = start_step
     self._mark_time = time.perf_counter()
-    self._start_time = self._mark_time
-    self.last_accuracy: float | None = None
-    self.last_eval_loss: float | None = None
+    self._started_at = started_at
+    self.last_accuracy: float | None = (last_eval or {}).get("eval/accuracy")
+    self.last_eval_loss: float | None = (last_eval or {}).get("eval/loss")
 
   def rate(self, step: int) -> float | None:
     """Steps per second since the previous mark (None if no step since); resets the mark."""
@@ -171,7 +177,8 @@ class Progress:
     self._mark_step, self._mark_time = step, time.perf_counter()
 
   def elapsed(self) -> float:
-    return time.perf_counter() - self._start_time
+    """Seconds since the command started."""
+    return time.time() - self._started_at
 
   def show_startup(self, startup: dict[str, float]) -> None:
     """The line after the first step: time to it and the train step's compile."""

@@ -9,7 +9,10 @@ killed still counts; summary.json, written when a segment ends, holds:
                              this one evaluated nothing)
   final_step, total_steps, stopped_early, num_params
   wall_time_s                summed over the segments
-  segments                   [{started (UTC), start_step, final_step, wall_time_s}]
+  segments                   [{started (UTC), start_step, final_step, wall_time_s,
+                              and for a resume that changed settings config.json does not
+                              hold (more steps, cadences: run_config/resume.py)
+                              changed: {field: {saved, given}}}]
 A run that starts at step 0 starts a new history.
 """
 
@@ -45,9 +48,13 @@ def previous_evals(workdir: str, up_to_step: int
 class RunSummary:
   """The running segment's record in segments.jsonl, and summary.json at its end."""
 
-  def __init__(self, workdir: str, start_step: int):
+  def __init__(self, workdir: str, start_step: int,
+               changes: dict[str, tuple[Any, Any]] | None = None):
+    """`changes`: {field path: (config.json's value, this segment's)}."""
     self._workdir = workdir
     self._start_step = start_step
+    self._changed = {path: {"saved": saved, "given": given}
+                     for path, (saved, given) in (changes or {}).items()}
     self._started = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="microseconds")
     self._writer = jax.process_index() == 0
@@ -60,6 +67,8 @@ class RunSummary:
     if self._writer and step > self._start_step:
       record = {"started": self._started, "start_step": self._start_step,
                 "final_step": step, "wall_time_s": wall_time_s}
+      if self._changed:
+        record["changed"] = self._changed
       with open(os.path.join(self._workdir, SEGMENTS_FILE), "a") as f:
         f.write(json.dumps(record) + "\n")
 

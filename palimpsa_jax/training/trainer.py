@@ -14,6 +14,7 @@ from palimpsa_jax import models
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.run_config import base
 from palimpsa_jax.training import bookkeeping
+from palimpsa_jax.training import cadence as cadence_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
@@ -21,6 +22,7 @@ from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
+from palimpsa_jax.training import workdir_lock
 
 
 class NonFiniteError(FloatingPointError):
@@ -162,9 +164,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Trains the configured model, evaluating and checkpointing into `workdir`.
 
-  Resumes from the latest checkpoint in `workdir` if there is one (the model,
-  optimizer, step and data-iterator state are restored, so the continued run
-  reproduces an uninterrupted one exactly). Without a checkpoint, the run
+  Holds `workdir`'s lock for the whole call (training/workdir_lock.py). Resumes
+  from the latest checkpoint in `workdir` if there is one (the model, optimizer,
+  step and data-iterator state are restored, so the continued run reproduces an
+  uninterrupted one exactly), provided `config` changes only what a resume may
+  change (run_config/resume.py). Without a checkpoint, the run
   starts at step 0 from config.init_from's parameters when that is set
   (fine-tuning a converted model, configs/finetune.py).
 
@@ -186,41 +190,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     bookkeeping.Interrupted: `should_stop` asked to stop; the step reached is saved.
+    workdir_lock.WorkdirLocked: another live run holds `workdir`.
+    base.ConfigError: a bad config, or a resume that would change the saved run.
   """
   start_time = time.perf_counter()
   started_at = time.time() if started_at is None else started_at
   validate_config(config)
   workdir = os.path.abspath(workdir)
-  bookkeeping.refuse_other_model(config, workdir)
-  placement = sharding_lib.mesh_context(config.mesh)
-  task = tasks_lib.make_task(config, workdir)
-  total_steps = task.total_steps
-  spec = state_lib.make_train_state_spec(
-      state_lib.run_model_fn(config), config.seed, make_tx_fn(config, total_steps),
-      placement.mesh, placement.rules, init_on_host=config.init_on_host)
-  book = bookkeeping.RunBook(config, workdir)
-  try:
-    return _train(config, workdir, task, spec, placement, book, start_time, started_at,
-                  should_stop)
-  finally:
-    book.close()
+  with workdir_lock.WorkdirLock(workdir):
+    given = config
+    config, changes = bookkeeping.accept_resume(config, workdir)
+    placement = sharding_lib.mesh_context(config.mesh)
+    task = tasks_lib.make_task(config, workdir)
+    spec = state_lib.make_train_state_spec(
+        state_lib.run_model_fn(config), config.seed, make_tx_fn(config, task.total_steps),
+        placement.mesh, placement.rules, init_on_host=config.init_on_host)
+    book = bookkeeping.RunBook(config, workdir, changes)
+    try:
+      return _train(config, given, workdir, task, spec, placement, book, start_time,
+                    started_at, should_stop)
+    finally:
+      book.close()
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task,
-           spec: state_lib.TrainStateSpec, placement: sharding_lib.MeshContext,
-           book: bookkeeping.RunBook, start_time: float, started_at: float,
-           should_stop: Callable[[], bool]) -> dict[str, Any]:
-  """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller)."""
+def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, workdir: str,
+           task: tasks_lib.Task, spec: state_lib.TrainStateSpec,
+           placement: sharding_lib.MeshContext, book: bookkeeping.RunBook, start_time: float,
+           started_at: float, should_stop: Callable[[], bool]) -> dict[str, Any]:
+  """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller).
+
+  `config` is what runs (on resume, `given` with the saved schedule horizon); a run that
+  starts afresh saves `given` as its config.json.
+  """
   total_steps = task.total_steps
   start_step, state = book.restore(spec.abstract, task.train_iterator)
-  checkpoint_lib.save_config(config, workdir)  # once the run is accepted
+  book.save_config(given)  # once the run is accepted
   if start_step is None:  # a fine-tuning run resumes from its own checkpoints
     start_step = 0
-    state = initial_state(spec, config)
-  else:
-    if jax.process_index() == 0:
-      print(f"resumed from {workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
-            flush=True)
+    state = initial_state(spec, given)
+  elif jax.process_index() == 0:
+    print(bookkeeping.resumed_line(f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
+                                   book.changes, config, total_steps), flush=True)
 
   replicated = sharding_lib.replicated(placement.mesh)
   kernel_context = placement.kernel_context
@@ -235,27 +245,30 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
                       if config.log_diagnostics else None)
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
   peak_flops = metrics_lib.peak_flops_per_device()
-  progress = metrics_lib.Progress(total_steps, start_step)
   finite = jnp.array(True)
   step = start_step
   compiled_step, startup, first_step_done = None, {}, None
   book.begin(start_step)
+
+  def interrupt(at: int) -> str:  # the loop's state and finite flag as they are at the stop
+    _check_finite(finite, at)
+    book.save(at, state, task.train_iterator, time.perf_counter() - start_time)
+    book.close()  # waits for the save
+    return f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{at}"
+
+  cadence = cadence_lib.Cadence(config, total_steps, start_step, started_at, should_stop,
+                                interrupt, book.last_eval)
+  progress = cadence.progress
   while step < total_steps and not book.stopped_early:
-    stop, overdue = bookkeeping.agreed(step, config.log_every_steps, should_stop(),
-                                       book.time_due())
-    if stop:
-      _check_finite(finite, step)
-      book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
-      book.close()  # waits for the save
-      raise bookkeeping.Interrupted(step, f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{step}")
-    batch = sharding_lib.global_batch(
-        tasks_lib.with_lm_targets(next(task.train_iterator)), placement.mesh, placement.rules)
+    overdue = cadence.before_step(step, book.time_due())
+    batch = sharding_lib.global_batch(next(task.train_iterator), placement.mesh,
+                                      placement.rules)
     if compiled_step is None:
       compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
     state, step_metrics = compiled_step(state, batch)
     finite = finite & step_metrics["train/finite"]
     step += 1
-    last = step == total_steps
+    due = cadence.after_step(step, overdue)
     record: dict[str, float] = {}
     if first_step_done is None:
       jax.block_until_ready(step_metrics)
@@ -264,7 +277,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
       record.update(startup)
       progress.show_startup(startup)
       progress.restart_clock(step)
-    if step % config.log_every_steps == 0 or last:
+    if due.log:
       values = jax.device_get(step_metrics)
       _check_finite(finite, step, values)
       rate = progress.rate(step)
@@ -273,21 +286,18 @@ def _train(config: ml_collections.ConfigDict, workdir: str, task: tasks_lib.Task
       if rate is not None:  # None at the first step (its time is the compile's)
         record.update(metrics_lib.throughput_metrics(
             rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
-    if step % config.eval_every_steps == 0 or last:
+    if due.evaluate:
       _check_finite(finite, step)  # never score non-finite parameters
       results = evaluate(eval_step, state, task, placement, diagnostics_step)
       book.add_eval(step, results)
       record.update(results)
-      progress.restart_clock(step)
-      progress.last_eval_loss = results.get("eval/loss")
-      if results.get("eval/accuracy") is not None:
-        progress.last_accuracy = results["eval/accuracy"]
+      cadence.evaluated(step, results)
     book.write(step, record)
-    if "train/loss" in record:
+    if due.log:
       progress.show(step, record.get("perf/steps_per_sec"), record["train/loss"],
                     tokens_per_sec=record.get("perf/tokens_per_sec"),
                     mfu=record.get("perf/mfu"))
-    if book.save_due(step, last, overdue):
+    if due.save or book.stopped_early:
       _check_finite(finite, step)
       book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
   book.close()  # the last checkpoint is written before the summary says the run ended

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import pathlib
+import shutil
 
 from flax import nnx
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.training import tiny_lm
+from palimpsa_jax import user_errors
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.evaluation import mqar as mqar_eval
 from palimpsa_jax.evaluation.suites import SUITES
@@ -93,6 +95,17 @@ def test_errors():
   with pytest.raises(KeyError, match="unknown suite"):
     SUITES["nope"]  # pylint: disable=pointless-statement
   assert set(SUITES) == {"mqar", "lm", "long_context", "commonsense"}
+
+
+def test_a_run_of_another_task_is_refused_in_one_line(workdir, tmp_path):
+  other = tmp_path / "lm_run"
+  shutil.copytree(workdir, other)
+  saved = json.loads((other / "config.json").read_text())
+  (other / "config.json").write_text(json.dumps({**saved, "task": "lm"}))
+  with pytest.raises(user_errors.UserError) as refused:
+    mqar_eval.evaluate_checkpoint(str(other), [], 64, 32)
+  assert str(refused.value) == (f"checkpoint {other} was trained on task 'lm' (its saved "
+                                "config); the mqar suite needs a run of task 'mqar'.")
 
 
 def test_a_converted_model_is_named_by_its_source_and_metaplastic_layers():

@@ -217,22 +217,61 @@ def test_another_model_is_refused_before_anything_is_written(tmp_path, finished)
   before = _tree_bytes(workdir)
   other = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
   with pytest.raises(base.ConfigError, match=(
-      r"holds checkpoints of another model: config.model.width=32 \(saved: 16\)\. "
-      "Give a new --workdir")):
+      r"holds a run with other settings: config.model.width=32 \(saved: 16\)\. "
+      "A resume continues the saved run")):
     trainer.train_and_evaluate(other, str(workdir))
   assert _tree_bytes(workdir) == before
 
 
-def test_a_checkpoint_of_another_structure_is_named_in_one_sentence(tmp_path, finished):
-  config = tiny_lm.resumable_mqar_config(8, **{"model.width": 32})
-  checkpointer = checkpoint_lib.Checkpointer(str(finished[0]), every_steps=4, keep=3)
-  abstract = jax.eval_shape(lambda: {
-      "step": jax.numpy.zeros((), jax.numpy.int32),
-      "params": {"embed": {"embedding": jax.numpy.zeros((tiny_lm.VOCAB, 32))}},
-      "model_state": {}, "opt_state": {}})
-  try:
-    with pytest.raises(checkpoint_lib.CheckpointError, match="no checkpoint in") as refused:
-      checkpointer.restore_latest(abstract, tasks_lib.make_task(config, "").train_iterator)
-  finally:
-    checkpointer.close()
-  assert "tree structures do not match. Move the folder aside" in str(refused.value)
+def test_a_resume_that_changes_the_run_is_refused_naming_each_field(tmp_path, finished):
+  workdir = _copy(finished[0], tmp_path)
+  before = _tree_bytes(workdir)
+  changed = tiny_lm.resumable_mqar_config(
+      8, batch_size=32, **{"optimizer.learning_rate": 3e-3, "optimizer.decay_steps": 20})
+  with pytest.raises(base.ConfigError) as refused:
+    trainer.train_and_evaluate(changed, str(workdir))
+  assert str(refused.value) == (
+      f"--workdir {workdir} holds a run with other settings: config.batch_size=32 (saved: 16), "
+      "config.optimizer.learning_rate=0.003 (saved: 0.01), config.optimizer.decay_steps=20 "
+      "(saved: 16). A resume continues the saved run (its config.json): drop these changes to "
+      "resume it as saved, or give another --workdir to start a new run.")
+  assert _tree_bytes(workdir) == before
+
+
+def test_more_steps_and_other_cadences_are_recorded_in_the_segment(tmp_path, finished, capsys):
+  """config.json keeps the run as started; the first line after the resume shows its last eval."""
+  workdir = _copy(finished[0], tmp_path)
+  saved_config = (workdir / "config.json").read_bytes()
+  capsys.readouterr()
+  extended = tiny_lm.resumable_mqar_config(12, log_every_steps=1)
+  summary = trainer.train_and_evaluate(extended, str(workdir))
+  assert (workdir / "config.json").read_bytes() == saved_config
+  assert summary["final_step"] == 12 and summary["total_steps"] == 12
+  first, second = summary["segments"]
+  assert "changed" not in first
+  assert second["changed"] == {"log_every_steps": {"saved": 2, "given": 1},
+                               "total_steps": {"saved": 8, "given": 12}}
+  out = capsys.readouterr().out
+  assert (f"resumed from {workdir}/checkpoints/8; changed since config.json: "
+          "log_every_steps 2 -> 1, total_steps 8 -> 12") in out
+  (line,) = [l for l in out.splitlines() if l.startswith("step  9/12")]
+  accuracy = finished[1]["last_eval"]["eval/accuracy"]
+  assert line.endswith(f"acc {100 * accuracy:.2f}%")
+
+
+def test_an_extension_keeps_the_schedule_of_the_planned_steps(tmp_path):
+  """Without decay_steps the horizon is the planned steps; a resume to more steps keeps it."""
+  planned = lambda steps: tiny_lm.tiny_mqar_config(
+      total_steps=steps, log_every_steps=1, eval_every_steps=4, checkpoint_every_steps=2)
+  trainer.train_and_evaluate(planned(4), str(tmp_path / "whole"))
+  polls = []
+  with pytest.raises(bookkeeping.Interrupted):
+    trainer.train_and_evaluate(planned(4), str(tmp_path / "extended"),
+                               should_stop=lambda: polls.append(None) or len(polls) > 2)
+  trainer.train_and_evaluate(planned(6), str(tmp_path / "extended"))
+  whole, extended = (
+      {r["step"]: (r["train/loss"], r["train/lr"])
+       for r in metrics_lib.read_metrics(str(tmp_path / name)) if "train/loss" in r}
+      for name in ("whole", "extended"))
+  assert {step: extended[step] for step in whole} == whole
+  assert extended[5][1] == extended[6][1] == 0.0  # the schedule's final rate

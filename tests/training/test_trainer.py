@@ -291,6 +291,33 @@ def test_lm_task_trains_on_text_files(tmp_path):
   assert not (tmp_path / "run3").exists()
 
 
+def test_lm_task_batches_hold_targets_and_its_iterator_resumes_exactly(tmp_path):
+  _write_text_docs(tmp_path)
+  config = tiny_lm.tiny_mqar_config(total_steps=4)
+  config.task, config.seq_len, config.batch_size, config.eval_batch_size = "lm", 32, 4, 4
+  config.model.vocab_size = 300
+  config.data = ml_collections.ConfigDict(dict(
+      train_files=str(tmp_path / "train" / "*.txt"),
+      eval_files=str(tmp_path / "valid" / "*.txt"), tokenizer="bpe:300", eval_batches=2))
+  task = tasks_lib.make_task(config, str(tmp_path))
+  eval_batches = list(task.eval_batches())
+  assert len(eval_batches) == 2
+  for batch in [next(task.train_iterator), *eval_batches]:
+    assert "mask" not in batch  # consumed by the targets
+    scored = batch["targets"][:, :-1] != -100
+    assert scored.any() and (batch["targets"][:, -1] == -100).all()
+    np.testing.assert_array_equal(batch["targets"][:, :-1][scored],
+                                  batch["tokens"][:, 1:][scored])  # the next token
+  state = task.train_iterator.get_state()
+  expected = [next(task.train_iterator) for _ in range(3)]
+  again = tasks_lib.make_task(config, str(tmp_path))
+  again.train_iterator.set_state(state)
+  for want, got in zip(expected, [next(again.train_iterator) for _ in range(3)]):
+    assert sorted(want) == sorted(got) == ["segment_ids", "targets", "tokens"]
+    for key in want:
+      np.testing.assert_array_equal(want[key], got[key])
+
+
 def test_lm_task_trains_on_prepared_token_shards(tmp_path):
   from palimpsa_jax.data import prepare  # pylint: disable=g-import-not-at-top
   _write_text_docs(tmp_path)

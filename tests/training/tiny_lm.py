@@ -92,6 +92,6 @@ def resumable_mqar_config(total_steps: int, **overrides) -> ml_collections.Confi
   The learning-rate schedule decays over 16 steps whatever total_steps is, so a run
   planned for 8 steps and then resumed to 16 follows the same schedule as 16 steps at once.
   """
-  return tiny_mqar_config(
-      total_steps=total_steps, log_every_steps=2, eval_every_steps=4,
-      checkpoint_every_steps=4, **{"optimizer.decay_steps": 16}, **overrides)
+  return tiny_mqar_config(**{
+      "total_steps": total_steps, "log_every_steps": 2, "eval_every_steps": 4,
+      "checkpoint_every_steps": 4, "optimizer.decay_steps": 16, **overrides})

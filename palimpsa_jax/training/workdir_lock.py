@@ -1,0 +1,146 @@
+"""One live run per workdir: an OS lock on <workdir>/lock, held for the run's lifetime.
+
+The lock is `fcntl.flock` on the file: the kernel releases it when the holding process ends,
+however it ends (SIGKILL, a crash, power loss), so a lock left by a killed run never blocks
+the next start and no stale-lock cleanup is needed. The holder writes its pid, host and start
+time into the file, only to name itself to a refused second start; it empties the file when it
+releases the lock. On NFSv4 the kernel forwards flock to the server, so a run on another host
+sharing the filesystem is refused as well; a filesystem without locks (some FUSE mounts) gets a
+warning and no lock.
+
+In a multi-host run only process 0 takes the lock (it writes the run's files; all processes
+share the workdir) and tells the others whether to go on, so they refuse together.
+"""
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import warnings
+
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from palimpsa_jax import user_errors
+
+LOCK_FILE = "lock"
+# flock errors meaning "this filesystem has no locks", not "someone holds it".
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class WorkdirLocked(RuntimeError, user_errors.UserError):
+  """Another live run holds the workdir."""
+
+
+def _holder_text(path: str) -> str:
+  """"pid 123 on host h (started 2026-...Z)" from the lock file, or what is known of it."""
+  try:
+    with open(path) as f:
+      holder = json.loads(f.read() or "{}")
+  except (OSError, json.JSONDecodeError):
+    holder = {}
+  if not holder:  # it has not written its name yet
+    return "another process"
+  return (f"pid {holder.get('pid')} on host {holder.get('host')} "
+          f"(started {holder.get('started')})")
+
+
+class WorkdirLock:
+  """Holds <workdir>/lock from `acquire()` to `release()` (also a context manager).
+
+  Directories that acquire() created are removed again by release() when they hold nothing
+  but the lock file, so a start refused after taking the lock leaves nothing behind.
+  """
+
+  def __init__(self, workdir: str):
+    self.workdir = os.path.abspath(workdir)
+    self.path = os.path.join(self.workdir, LOCK_FILE)
+    self._fd: int | None = None
+    self._created: list[str] = []  # directories made here, innermost first
+
+  def acquire(self) -> "WorkdirLock":
+    """Takes the lock (process 0), or raises WorkdirLocked naming the holder on every process."""
+    refusal = self._acquire_here() if jax.process_index() == 0 else None
+    if jax.process_count() > 1:
+      refused = multihost_utils.broadcast_one_to_all(np.int32(refusal is not None))
+      if refused and refusal is None:
+        refusal = f"--workdir {self.workdir} is in use by another run (process 0 was refused)"
+    if refusal is not None:
+      self.release()
+      raise WorkdirLocked(refusal)
+    return self
+
+  def _acquire_here(self) -> str | None:
+    """Takes the lock; None, or the refusal message if another process holds it."""
+    self._make_dirs()
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as error:
+        os.close(fd)
+        if error.errno in _NO_LOCKS:
+          warnings.warn(f"{self.path}: this filesystem cannot lock files ({error.strerror}); "
+                        "a second run on this workdir will not be refused.",
+                        RuntimeWarning, stacklevel=3)
+          return None
+        if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+          raise
+        return (f"--workdir {self.workdir} is in use by a running run: "
+                f"{_holder_text(self.path)}, which holds {self.path}. Wait for it to end "
+                "or stop it, or give another --workdir.")
+      # A releasing holder may have removed the file between our open and flock: then the
+      # lock is on a file no other process can open; lock the one at the path instead.
+      try:
+        if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+          break
+      except FileNotFoundError:
+        pass
+      os.close(fd)
+    self._fd = fd
+    holder = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    return None
+
+  def _make_dirs(self) -> None:
+    missing, path = [], self.workdir
+    while not os.path.isdir(path):
+      missing.append(path)
+      path = os.path.dirname(path)
+    for path in reversed(missing):
+      try:
+        os.mkdir(path)
+        self._created.insert(0, path)
+      except FileExistsError:  # made by another process meanwhile
+        pass
+
+  def release(self) -> None:
+    """Releases the lock: empties the file, or removes it with the directories acquire()
+    made when they hold nothing else."""
+    if self._fd is None:
+      return
+    fd, self._fd = self._fd, None
+    try:
+      if self._created and os.listdir(self.workdir) == [LOCK_FILE]:
+        os.unlink(self.path)  # before the unlock: see the st_ino check in _acquire_here
+        for path in self._created:
+          try:
+            os.rmdir(path)
+          except OSError:  # another process wrote there meanwhile
+            break
+      else:
+        os.ftruncate(fd, 0)
+    finally:
+      os.close(fd)  # releases the flock
+
+  def __enter__(self) -> "WorkdirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
