@@ -51,7 +51,7 @@ def collect(root: pathlib.Path) -> list[dict[str, object]]:
     summary = (json.loads((workdir / "summary.json").read_text()) if finished
                else _progress_from_metrics(workdir))
     records.append({
-        "name": workdir.name, "mixer": args["mixer"],
+        "name": workdir.name, "mixer": args["model"],
         "seq_len": args["seq_len"], "kv": args["num_kv_pairs"], "lr": args["learning_rate"],
         "seed": args["seed"], "epochs": args["num_epochs"],
         "examples": args["num_train_examples"], "batch": args.get("batch_size"),

@@ -9,11 +9,10 @@ import pytest
 from flax import nnx
 
 from palimpsa_jax.layers import recurrent as recurrent_module
-from palimpsa_jax.models import make_mixer, model_config
+from palimpsa_jax.models import make_mixer, model_config, registry
 from tests.ops.numerics import FLOAT32_TOL, assert_close_to_reference
 
-MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "mesanet", "transformer")
+MODELS = tuple(registry.MIXERS)  # every registered mixer
 BATCH, LENGTH, PREFIX = 2, 12, 5
 
 
