@@ -20,20 +20,12 @@ from ml_collections import config_dict
 from palimpsa_jax.layers.mlp import swiglu_hidden_dim
 from palimpsa_jax.models import registry
 from palimpsa_jax.run_config import base
-from palimpsa_jax.run_config.base import REQUIRED, Field
+from palimpsa_jax.run_config.base import REQUIRED, Field, flag, one_of, positive
 
 MODELS = tuple(registry.MIXERS)
 SIZES = ("tiny", "170m", "760m", "2.7b")
 # Nominal parameter count of each size name (tiny has none).
 NOMINAL_PARAMS = {"170m": 170e6, "760m": 760e6, "2.7b": 2.7e9}
-
-
-def _positive(kind: type = int, default: Any = REQUIRED) -> Field:
-  return Field(default, (kind,), lambda v: v > 0, f"a positive {kind.__name__}")
-
-
-def _flag(default: bool) -> Field:
-  return Field(default, (bool,), lambda v: True, "True or False")
 
 
 def _name(default: str, what: str) -> Field:
@@ -42,37 +34,34 @@ def _name(default: str, what: str) -> Field:
 
 # The fields of every model config; the kind's own follow from registry.KINDS.
 FIELDS = {
-    "model": Field(REQUIRED, (str,), lambda v: v in registry.MIXERS,
-                   f"one of {tuple(registry.MIXERS)}"),
-    "mixer": Field(REQUIRED, (str,), lambda v: v in registry.KINDS,
-                   f"one of {tuple(registry.KINDS)}"),
+    "model": one_of(REQUIRED, tuple(registry.MIXERS)),
+    "mixer": one_of(REQUIRED, tuple(registry.KINDS)),
     "size": _name(REQUIRED, f"a size name ({', '.join(SIZES)}, 'mqar')"),
-    "metaplasticity": _flag(False),
+    "metaplasticity": flag(False),
     "metaplastic_layers": Field((), (tuple, list), lambda v: all(isinstance(i, int) for i in v),
                                 "a sequence of layer indices"),
-    "vocab_size": _positive(),
-    "d_model": _positive(),
-    "num_layers": _positive(),
+    "vocab_size": positive(),
+    "d_model": positive(),
+    "num_layers": positive(),
     "mlp_hidden_dim": Field(None, (int, type(None)), lambda v: v is None or v > 0,
                             "a positive int, or None (no MLP)"),
-    "norm_eps": _positive(float, 1e-6),
-    "init_std": _positive(float, 0.02),
+    "norm_eps": positive(1e-6, float),
+    "init_std": positive(0.02, float),
     "dtype": _name("bfloat16", "a dtype name (compute dtype)"),
-    "residual_in_fp32": _flag(True),
-    "remat": _flag(False),
+    "residual_in_fp32": flag(True),
+    "remat": flag(False),
     # What a rematerialised block keeps (language_model.REMAT_SAVES).
     "remat_saves": _name("nothing", "a language_model.REMAT_SAVES name"),
     # One stacked, scanned block (see LanguageModel).
-    "scan_layers": _flag(False),
+    "scan_layers": flag(False),
     "implementation": _name("auto", "an op implementation name or 'auto'"),
-    "chunk_size": _positive(int, 64),
+    "chunk_size": positive(64),
     "matmul_precision": _name("default", "a language_model.MATMUL_PRECISIONS name"),
     # The training loss's implementation (models.head_loss).
     "head_loss": _name("xla", "a head_loss.IMPLEMENTATIONS name"),
     # "exact": the Palimpsa op; "rank1": Fast Palimpsa inside chunks of chunk_size
     # (docs/fast_palimpsa.md); metaplastic kinds only.
-    "precision": Field("exact", (str,), lambda v: v in ("exact", "rank1"),
-                       "'exact' or 'rank1'"),
+    "precision": one_of("exact", ("exact", "rank1")),
 }
 
 # Fields an earlier version did not write, with what their absence meant there where that

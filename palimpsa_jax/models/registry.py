@@ -20,7 +20,7 @@ import ml_collections
 from flax import nnx
 
 from palimpsa_jax.layers import Attention, GatedDeltaNet, MesaNet, MetaMamba2, PalimpsaD
-from palimpsa_jax.run_config.base import REQUIRED, Field
+from palimpsa_jax.run_config.base import Field, flag, one_of, positive
 
 # MesaNet's conjugate-gradient steps per readout (the published training value).
 MESANET_CG_STEPS = 30
@@ -69,37 +69,24 @@ class Mixer:
   paper_mqar: bool
 
 
-def _positive(kind: type = int) -> Field:
-  return Field(REQUIRED, (kind,), lambda v: v > 0, f"a positive {kind.__name__}")
-
-
-def _choice(default: Any, choices: tuple[Any, ...]) -> Field:
-  return Field(default, tuple({type(c) for c in choices}), lambda v: v in choices,
-               f"one of {choices}")
-
-
-def _flag(default: bool) -> Field:
-  return Field(default, (bool,), lambda v: True, "True or False")
-
-
-def _gates(A_init: str, A_init_range: tuple[float, float]) -> dict[str, Field]:  # pylint: disable=invalid-name
+def _gates(a_init: str, a_range: tuple[float, float]) -> dict[str, Field]:
   """The recurrent layers' short convolution and forget-gate initialisation fields."""
   return {
-      "conv_kernel": Field(4, (int,), lambda v: v > 0, "a positive int"),
-      "A_init": _choice(A_init, ("uniform", "arange", "linspace")),
-      "A_init_range": Field(A_init_range, (tuple, list),
+      "conv_kernel": positive(4),
+      "A_init": one_of(a_init, ("uniform", "arange", "linspace")),
+      "A_init_range": Field(a_range, (tuple, list),
                             lambda v: len(v) == 2 and 0 <= v[0] <= v[1],
                             "(low, high) with 0 <= low <= high"),
-      "dt_min": Field(1e-3, (float,), lambda v: v > 0, "> 0"),
-      "dt_max": Field(1e-1, (float,), lambda v: v > 0, "> 0"),
-      "dt_init_floor": Field(1e-4, (float,), lambda v: v > 0, "> 0"),
+      "dt_min": positive(1e-3, float),
+      "dt_max": positive(1e-1, float),
+      "dt_init_floor": positive(1e-4, float),
   }
 
 
-_HEADS = {"num_heads": _positive(), "head_k_dim": _positive(), "head_v_dim": _positive()}
+_HEADS = {"num_heads": positive(), "head_k_dim": positive(), "head_v_dim": positive()}
 # The beta up-projection's bias: the authors' PyTorch models have none; the MQAR models keep
 # the one their published results were measured with (docs/results/).
-_BETA = {"beta_rank": _positive(), "beta_bias": _flag(False)}
+_BETA = {"beta_rank": positive(), "beta_bias": flag(False)}
 _RECURRENT = ("norm_eps", "implementation", "chunk_size")
 _METAPLASTIC = _RECURRENT + ("precision",)
 # Forget gates start "small" on MQAR: A spread evenly over [0.01, 0.16] across heads.
@@ -172,8 +159,8 @@ KINDS = {
         _DELTA_SIZES, _mqar_delta(beta=True), metaplastic=True),
     "meta_mamba2": Kind(
         MetaMamba2,
-        {"expand": _positive(), "head_dim": _positive(), "state_dim": _positive(),
-         "num_groups": _positive(), **_BETA,
+        {"expand": positive(), "head_dim": positive(), "state_dim": positive(),
+         "num_groups": positive(), **_BETA,
          # Groups of the output RMSNorm; None: num_groups.
          "norm_groups": Field(None, (int, type(None)), lambda v: v is None or v > 0,
                               "a positive int, or None (num_groups)"),
@@ -186,14 +173,14 @@ KINDS = {
         MesaNet,
         {**_HEADS, **_gates("uniform", (0.0, 16.0)),
          # Conjugate-gradient steps of the readout over whole sequences.
-         "cg_steps": Field(MESANET_CG_STEPS, (int,), lambda v: v > 0, "a positive int")},
+         "cg_steps": positive(MESANET_CG_STEPS)},
         _RECURRENT, _without(_DELTA_SIZES, "beta_rank"), _mqar_delta(beta=False)),
     "attention": Kind(
         Attention,
-        {"num_heads": _positive(), "head_dim": _positive(), "rope": _flag(True),
-         "rope_theta": Field(10000.0, (float,), lambda v: v > 0, "> 0"),
+        {"num_heads": positive(), "head_dim": positive(), "rope": flag(True),
+         "rope_theta": positive(10000.0, float),
          # jax.nn.dot_product_attention's implementation; None: XLA's choice.
-         "attention_implementation": _choice(None, (None, "xla", "cudnn"))},
+         "attention_implementation": one_of(None, (None, "xla", "cudnn"))},
         (), _ATTENTION_SIZES, _mqar_attention,
         renamed={"implementation": "attention_implementation"}),
 }

@@ -54,8 +54,23 @@ def _any(_: Any) -> bool:
   return True
 
 
+def positive(default: Any = REQUIRED, kind: type = int) -> Field:
+  """A positive `kind` (also the model config's fields, models/config.py)."""
+  return Field(default, (kind,), lambda v: v > 0, f"a positive {kind.__name__}")
+
+
+def flag(default: bool) -> Field:
+  return Field(default, (bool,), _any, "True or False")
+
+
+def one_of(default: Any, choices: tuple[Any, ...]) -> Field:
+  """One of `choices` (strings, or None too)."""
+  return Field(default, tuple(dict.fromkeys(type(c) for c in choices)), lambda v: v in choices,
+               f"one of {choices}")
+
+
 def _positive_int(default: Any) -> Field:
-  return Field(default, (int,), lambda v: v > 0, "a positive int")
+  return positive(default)
 
 
 def _fraction(default: Any) -> Field:

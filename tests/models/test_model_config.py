@@ -230,7 +230,8 @@ def test_every_config_made_here_passes_the_schema(model):
     ("mlp_hidden_dim", 0, "config.model.mlp_hidden_dim must be a positive int, or None (no MLP), "
                           "got 0."),
     ("num_heads", None, "config.model.num_heads must be a positive int, got None."),
-    ("precision", "rank2", "config.model.precision must be 'exact' or 'rank1', got 'rank2'."),
+    ("precision", "rank2",
+     "config.model.precision must be one of ('exact', 'rank1'), got 'rank2'."),
     ("heads", 4, "config.model.heads is not a config field"),
 ])
 def test_a_bad_model_field_is_named_when_the_model_is_built(field, value, message):
