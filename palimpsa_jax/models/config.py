@@ -146,12 +146,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """A model config saved by an earlier version (config.json, conversion.json) in today's
-  form: fields it did not write get what their absence meant, and its 0 for a setting that
-  is not set (_EARLIER_ZEROS) reads as None. An unknown kind is left to `validate`."""
+  form: fields it did not write get what their absence meant, fields since removed are
+  dropped, and its 0 for a setting that is not set (_EARLIER_ZEROS) reads as None. An
+  unknown kind is left to `validate`."""
   fields = dict(saved.to_dict() if isinstance(saved, ml_collections.ConfigDict) else saved)
   if fields.get("mixer") not in registry.KINDS:
     return ml_collections.ConfigDict(fields)
-  for name, field in schema(fields["mixer"]).items():
+  today = schema(fields["mixer"])
+  fields = {name: value for name, value in fields.items() if name in today}
+  for name, field in today.items():
     if name not in fields and name in _EARLIER_ABSENT:
       fields[name] = _EARLIER_ABSENT[name]
     elif name not in fields and field.default is not REQUIRED:

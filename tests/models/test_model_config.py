@@ -263,6 +263,8 @@ def test_an_earlier_model_config_is_upgraded_to_todays():
   assert upgraded.mlp_hidden_dim is None and upgraded.precision == "exact"
   today.beta_bias = True
   assert upgraded.to_dict() == today.to_dict()
+  # A field an earlier version wrote and the schema no longer has is dropped.
+  assert config_lib.upgrade({**earlier, "removed_field": 1}).to_dict() == today.to_dict()
   mamba = model_config("mamba2", "tiny").to_dict()
   assert config_lib.upgrade({**mamba, "norm_groups": 0}).norm_groups is None
   assert config_lib.upgrade({**mamba, "norm_groups": 2}).norm_groups == 2
