@@ -1,7 +1,7 @@
 r"""Trains a model from an ml_collections config; all logic is in palimpsa_jax.training.
 
   python train.py --config configs/mqar.py --workdir runs/mqar
-  python train.py --config configs/mqar.py:mixer=mamba2,seq_len=128,num_kv_pairs=16 \
+  python train.py --config configs/mqar.py:model=mamba2,seq_len=128,num_kv_pairs=16 \
       --workdir runs/m2
   python train.py --config configs/lm.py:model=palimpsa_d,size=170m \
       --config.data.train_files='data/*.jsonl' --config.total_steps=1000 --workdir runs/lm

@@ -49,7 +49,7 @@ def measurement_config(mixer: str, seq_len: int, kv: int, lr: float, seed: int,
   """The paper's config, cut to `steps` steps, logged every `log_every`."""
   # Fewer examples than the paper's 100k: only data generation time changes.
   config = mqar_sweep.mqar_config(
-      f"preset=paper,mixer={mixer},seq_len={seq_len},num_kv_pairs={kv},learning_rate={lr},"
+      f"preset=paper,model={mixer},seq_len={seq_len},num_kv_pairs={kv},learning_rate={lr},"
       f"seed={seed},implementation={impl},num_train_examples=20000,num_test_examples=256")
   config.total_steps = steps
   config.log_every_steps = log_every

@@ -1,7 +1,7 @@
 """Where an MQAR training step's time goes: host batches, device step, kernels.
 
     python benchmarks/mqar_step_profile.py                                   # Palimpsa-D, paper
-    python benchmarks/mqar_step_profile.py --config mixer=mamba2,dtype=bfloat16 --runs 12
+    python benchmarks/mqar_step_profile.py --config model=mamba2,dtype=bfloat16 --runs 12
     python benchmarks/mqar_step_profile.py --config preset=cpu --steps 5 --trace_steps 2  # CPU
 
 Builds the batched trainer's step (palimpsa_jax/training/batched.py, the step the
@@ -63,7 +63,7 @@ def per_step_ms(fn, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default="mixer=palimpsa_d",
+  parser.add_argument("--config", default="model=palimpsa_d",
                       help="configs/mqar.py arguments (preset=paper unless given)")
   parser.add_argument("--runs", type=positive_int, default=1, help="runs in the group")
   parser.add_argument("--steps", type=positive_int, default=30, help="timed steps per measure")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if not np.all(jax.device_get(metrics["train/finite"])):
     raise FloatingPointError("non-finite loss or gradient in the profiled steps")
 
-  label = (f"MQAR {config.args.mixer} {config.model.dtype}, L={config.seq_len} "
+  label = (f"MQAR {config.args.model} {config.model.dtype}, L={config.seq_len} "
            f"kv={config.data.num_kv_pairs} batch {config.batch_size}, {len(configs)} runs")
   summary = ("| host batch ms | device step ms | loop step ms | loop steps/s per run "
              "| loop steps/s, all runs |\n|---|---|---|---|---|\n"

@@ -1,6 +1,6 @@
 """The paper's MQAR sweep: train the grid in batched groups, resume, report, plot.
 
-Grid (the paper's MQAR setting, configs/mqar.py:preset=paper): 5 mixers
+Grid (the paper's MQAR setting, configs/mqar.py:preset=paper): 5 mixers (registry.PAPER_MQAR)
 (Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2, Gated DeltaNet; --with_transformer
 adds Transformer++) x (seq_len, kv) in {(512, 128), (1024, 256)} x lr in
 {1e-3, 2.15e-3, 4.64e-3, 1e-2} x 3 seeds, early stop at 99% test accuracy.
@@ -52,9 +52,10 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
 
 # pylint: disable=wrong-import-position
 from benchmarks.mqar_sweep_report import read_run_metrics, report
+from palimpsa_jax.models import registry
 # pylint: enable=wrong-import-position
 
-MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet")
+MIXERS = registry.PAPER_MQAR  # The paper's MQAR comparison (registry.Mixer.paper_mqar).
 SETTINGS = ((512, 128), (1024, 256))
 LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
 SEEDS = (0, 1, 2)
@@ -73,7 +74,7 @@ class Run:
     return f"{self.mixer}_L{self.seq_len}_kv{self.kv}_lr{self.lr:g}_s{self.seed}"
 
   def config_arg(self, extra: dict[str, object]) -> str:
-    args = {"preset": "paper", "mixer": self.mixer, "seq_len": self.seq_len,
+    args = {"preset": "paper", "model": self.mixer, "seq_len": self.seq_len,
             "num_kv_pairs": self.kv, "learning_rate": self.lr, "seed": self.seed, **extra}
     return ",".join(f"{k}={v}" for k, v in args.items())
 

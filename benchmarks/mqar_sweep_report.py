@@ -42,7 +42,7 @@ def mqar_mixer(config: dict[str, object]) -> str | None:
   (e.g. a language-model run)."""
   if config.get("task", "mqar") != "mqar":
     return None
-  return config_args.upgrade_args(config.get("args") or {}).get("mixer")
+  return config_args.upgrade_args(config.get("args") or {}).get("model")
 
 
 def collect(root: pathlib.Path) -> list[dict[str, object]]:

@@ -227,7 +227,7 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
   config.model.remat = args.remat
   config.model.remat_saves = args.remat_saves
   config.model.scan_layers = scan_layers
-  if config.model.mixer in ("palimpsa_d", "meta_mamba2"):
+  if models.registry.KINDS[config.model.mixer].metaplastic:
     config.model.precision = args.precision
   mesh, rules = where.mesh, where.rules
   total_steps = config.total_steps

@@ -5,8 +5,8 @@
       --config.data.eval_files='data/valid/*.jsonl' \
       --config.data.tokenizer=/path/to/tokenizer.json
 
-Arguments: model (palimpsa_d, not_palimpsa, meta_mamba2, mamba2, gated_deltanet,
-mesanet, transformer), size (tiny, 170m, 760m, 2.7b), and the common run knobs below.
+Arguments: model (a mixer name of palimpsa_jax/models/registry.py, as in configs/mqar.py),
+size (tiny, 170m, 760m, 2.7b), and the common run knobs below.
 Defaults follow the paper's recipe (docs/models.md, sizes and recipe): AdamW eps 1e-15, weight
 decay 0.1, 2000 warmup steps, cosine to 10%, clipping 1.0, context 4096,
 batch 128 (128 x 4096 = 0.52M tokens per step). Per size (SIZE_DEFAULTS):

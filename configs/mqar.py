@@ -1,7 +1,7 @@
 """MQAR (multi-query associative recall): the project's main job.
 
   python train.py --config configs/mqar.py --workdir runs/mqar
-  python train.py --config configs/mqar.py:preset=paper,mixer=mamba2,seq_len=1024,\
+  python train.py --config configs/mqar.py:preset=paper,model=mamba2,seq_len=1024,\
 num_kv_pairs=256,learning_rate=2.15e-3 --workdir runs/mqar_mamba2_1024
 
 The default (preset=cpu, no arguments) is a small CPU setting in which
@@ -14,35 +14,33 @@ vocabulary 8192, d_model 128, 8 heads (K=16, V=32), 100k/3k examples, batch 128
 explicitly overrides the preset. total_steps=N trains N steps instead of `num_epochs`
 passes; warmup_fraction is a fraction of the steps the run actually takes. An argument that
 sets a run-config field has that field's name (palimpsa_jax/run_config/config_args.py); preset,
-mixer, evals_per_epoch and num_heads=0 / head_v_dim=0 (the paper's layout) have none.
+model (a mixer of palimpsa_jax/models/registry.py), evals_per_epoch, num_heads and head_v_dim
+(none: the paper's layout) have none.
 precision=rank1 runs Fast Palimpsa (palimpsa_d, meta_mamba2; docs/fast_palimpsa.md) with
 chunk_size=C steps per chunk.
 """
-
-import math
 
 import ml_collections
 from ml_collections import config_dict
 
 from palimpsa_jax import models
 from palimpsa_jax.data import mqar as mqar_data
+from palimpsa_jax.models import registry
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
 
-MIXERS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "mesanet", "transformer")
-# Mixers whose head layout (heads, K, V) the `num_heads` / `head_v_dim` args change.
-_DELTA_MIXERS = ("palimpsa_d", "not_palimpsa", "gated_deltanet", "mesanet")
 
 DEFAULTS = dict(
     preset="cpu",
-    mixer="palimpsa_d",
+    model="palimpsa_d",
     seq_len=32,
     num_kv_pairs=4,
     vocab_size=64,
     d_model=64,
-    num_heads=4,  # 0: the paper's layout (8 heads, K=16, V=32).
-    head_v_dim=16,
+    # Heads of K=16 and V=head_v_dim (None: 32) of the mixers with that head layout;
+    # None: the paper's layout (8 heads, K=16, V=32).
+    num_heads=ml_collections.FieldReference(4, field_type=int),
+    head_v_dim=ml_collections.FieldReference(16, field_type=int),
     num_train_examples=20_000,
     num_test_examples=1_000,
     batch_size=32,
@@ -71,8 +69,8 @@ PAPER = dict(
     num_kv_pairs=128,
     vocab_size=8192,
     d_model=128,
-    num_heads=0,
-    head_v_dim=0,
+    num_heads=None,
+    head_v_dim=None,
     num_train_examples=100_000,
     num_test_examples=3_000,
     batch_size=128,
@@ -84,16 +82,15 @@ PAPER = dict(
 
 
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The mixer's MQAR model: 2 layers, no MLP, no positions, small forget gates."""
+  """The model's MQAR config: 2 layers, no MLP, no positions, small forget gates."""
   overrides = dict(dtype=args.dtype, implementation=args.implementation,
                    matmul_precision=args.matmul_precision, precision=args.precision,
                    chunk_size=args.chunk_size)
-  if args.mixer in _DELTA_MIXERS and args.num_heads:
-    overrides.update(num_heads=args.num_heads, head_v_dim=args.head_v_dim or 32)
-  if args.mixer in ("meta_mamba2", "mamba2"):
-    # 2 * d_model / 32 heads of P=32; B/C groups must divide the heads.
-    overrides.update(num_groups=math.gcd(8, max(1, 2 * args.d_model // 32)))
-  return models.mqar_model_config(args.mixer, d_model=args.d_model,
+  kind = registry.KINDS[registry.mixer(args.model).kind]
+  if {"num_heads", "head_v_dim"} <= set(kind.fields) and args.num_heads is not None:
+    overrides.update(num_heads=args.num_heads,
+                     head_v_dim=32 if args.head_v_dim is None else args.head_v_dim)
+  return models.mqar_model_config(args.model, d_model=args.d_model,
                                   vocab_size=args.vocab_size, **overrides)
 
 
@@ -109,8 +106,12 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
         args[key] = value
     if "batch_size" not in given and args.seq_len >= 1024:
       args.batch_size = 64
-  if args.mixer not in MIXERS:
-    raise ValueError(f"mixer must be one of {MIXERS}, got {args.mixer!r}.")
+  if args.model not in registry.MIXERS:
+    raise ValueError(f"model must be one of {tuple(registry.MIXERS)}, got {args.model!r}.")
+  for name in ("num_heads", "head_v_dim"):
+    if args[name] is not None and args[name] <= 0:
+      raise ValueError(f"{name} must be a positive int, or none (the paper's layout), "
+                       f"got {args[name]}.")
   if args.matmul_precision not in models.language_model.MATMUL_PRECISIONS:
     raise ValueError(f"matmul_precision must be one of "
                      f"{sorted(models.language_model.MATMUL_PRECISIONS)}, "

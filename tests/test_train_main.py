@@ -22,13 +22,13 @@ def test_dry_run_prints_parameter_table_and_count():
   import importlib.util  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
-  out = _run("train.py", "--config=configs/mqar.py:mixer=mamba2", "--dry_run").stdout
+  out = _run("train.py", "--config=configs/mqar.py:model=mamba2", "--dry_run").stdout
   lines = out.strip().splitlines()
   assert lines[-1].startswith("params: ")
   spec = importlib.util.spec_from_file_location("mqar", REPO / "configs" / "mqar.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config("mixer=mamba2").model
+  config = module.get_config("model=mamba2").model
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: models.build_model(config, nnx.Rngs(0)))
   assert int(lines[-1].split()[1]) == models.count_parameters(model)
@@ -40,9 +40,13 @@ def test_bad_config_argument_fails_clearly():
   assert result.returncode == 1 and result.stderr.strip() == (
       "train.py: --config=configs/mqar.py:num_kv_pairs=abc: config argument "
       "num_kv_pairs='abc' must be an int.")
-  result = _run("train.py", "--config=configs/mqar.py:mixer=lstm", "--dry_run", check=False)
-  assert result.returncode == 1 and "mixer must be one of" in result.stderr
+  result = _run("train.py", "--config=configs/mqar.py:model=lstm", "--dry_run", check=False)
+  assert result.returncode == 1 and "model must be one of" in result.stderr
   assert "Traceback" not in result.stderr
+  result = _run("train.py", "--config=configs/mqar.py:mixer=mamba2", "--dry_run", check=False)
+  assert result.returncode == 1 and result.stderr.strip() == (
+      "train.py: --config=configs/mqar.py:mixer=mamba2: config argument mixer is now called "
+      "model (e.g. model=<value>).")
 
 
 def test_refused_config_field_is_one_line(tmp_path):

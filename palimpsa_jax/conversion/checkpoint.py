@@ -49,7 +49,7 @@ def read_conversion(dest: str) -> tuple[ml_collections.ConfigDict, dict[str, Any
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {dest!r} a conversion output?")
   record = json.loads(path.read_text())
-  config = ml_collections.ConfigDict(record.pop("model"))
+  config = models.config.upgrade(record.pop("model"))  # an earlier version's in today's form
   return config, record
 
 

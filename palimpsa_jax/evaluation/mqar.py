@@ -119,7 +119,7 @@ def evaluate_checkpoint(checkpoint: str, settings: Sequence[tuple[int, int]],
 def mixer_name(config: ml_collections.ConfigDict) -> str:
   """The run's mixer as a reader knows it: "mamba2", or for a converted model (metaplastic
   layers added to a Mamba2 / NotPalimpsa source) "mamba2+metaplastic[1]"."""
-  name = config.get("args", {}).get("mixer") or config.model.get("model")
+  name = config.get("args", {}).get("model") or config.model.get("model")
   layers = list(config.model.get("metaplastic_layers") or ())
   if layers:
     name += f"+metaplastic[{','.join(str(layer) for layer in layers)}]"

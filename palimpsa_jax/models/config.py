@@ -1,115 +1,99 @@
-"""Model configs: paper sizes and MQAR settings (docs/models.md).
+"""Model configs: the schema of config.model, paper sizes and MQAR settings (docs/models.md).
 
-A model config is a flat ml_collections.ConfigDict. Shared fields:
-  model, mixer ("palimpsa_d" | "meta_mamba2" | "gated_deltanet" | "mesanet" |
-  "attention"),
-  metaplasticity, metaplastic_layers, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
-  norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
-  remat_saves (what a rematerialised block keeps: "nothing", "matmuls" or
-  "matmuls_and_readouts"; see LanguageModel), scan_layers (one stacked, scanned block;
-  see LanguageModel), implementation, chunk_size, matmul_precision.
-Mixer fields:
-  palimpsa_d / gated_deltanet: num_heads, head_k_dim, head_v_dim, conv_kernel,
-    A_init, A_init_range, dt_min, dt_max, dt_init_floor (+ beta_rank for
-    palimpsa_d);
-  mesanet: the gated_deltanet fields and cg_steps (conjugate-gradient steps of
-    the readout over whole sequences);
-  meta_mamba2: expand, head_dim, state_dim, num_groups, beta_rank, conv_kernel,
-    A_init, A_init_range, dt_min, dt_max, dt_init_floor, norm_groups (groups
-    of the output RMSNorm; 0: num_groups);
-  attention: num_heads, head_dim, rope, rope_theta, attention_implementation
-    (None / "xla" / "cudnn", see jax.nn.dot_product_attention).
-  palimpsa_d and meta_mamba2 also: beta_bias (whether the beta up-projection has a
-    bias; False by default, as in the authors' PyTorch models; MQAR models keep the
-    bias their published results were measured with; a saved config without the field
-    is from before it existed and had the bias) and precision ("exact", the default: the
-    Palimpsa op; "rank1": Fast Palimpsa, a rank-1 precision inside chunks of chunk_size,
-    docs/fast_palimpsa.md).
-metaplastic_layers: indices of layers whose mixer is metaplastic in addition to
-  what config.metaplasticity says for every layer (a converted Mamba2 /
-  NotPalimpsa model, docs/models.md, conversion); () (the default): none beyond it. Only
-  for the palimpsa_d and meta_mamba2 mixers.
+A model config is a flat ml_collections.ConfigDict: the fields of FIELDS (every model) and
+those of its kind (models/registry.py, KINDS[config.mixer].fields). `validate` checks it
+field by field when a model is built; `upgrade` reads a model config saved by an earlier
+version in today's form. A setting that may be "not set" is None, never a 0 that means
+something else: mlp_hidden_dim None has no MLP, meta_mamba2's norm_groups None is num_groups.
+
+metaplastic_layers: indices of layers whose mixer is metaplastic in addition to what
+config.metaplasticity says for every layer (a converted Mamba2 / NotPalimpsa model,
+docs/models.md, conversion); () (the default): none beyond it. Only for metaplastic kinds.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import ml_collections
+from ml_collections import config_dict
 
 from palimpsa_jax.layers.mlp import swiglu_hidden_dim
+from palimpsa_jax.models import registry
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config.base import REQUIRED, Field, flag, one_of, positive
 
-MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "mesanet", "transformer")
+MODELS = tuple(registry.MIXERS)
 SIZES = ("tiny", "170m", "760m", "2.7b")
 # Nominal parameter count of each size name (tiny has none).
 NOMINAL_PARAMS = {"170m": 170e6, "760m": 760e6, "2.7b": 2.7e9}
 
-_MIXER = {
-    "palimpsa_d": ("palimpsa_d", True),
-    "not_palimpsa": ("palimpsa_d", False),
-    "meta_mamba2": ("meta_mamba2", True),
-    "mamba2": ("meta_mamba2", False),
-    "gated_deltanet": ("gated_deltanet", False),
-    "mesanet": ("mesanet", False),
-    "transformer": ("attention", False),
+
+def _name(default: str, what: str) -> Field:
+  return Field(default, (str,), bool, what)
+
+
+# The fields of every model config; the kind's own follow from registry.KINDS.
+FIELDS = {
+    "model": one_of(REQUIRED, tuple(registry.MIXERS)),
+    "mixer": one_of(REQUIRED, tuple(registry.KINDS)),
+    "size": _name(REQUIRED, f"a size name ({', '.join(SIZES)}, 'mqar')"),
+    "metaplasticity": flag(False),
+    "metaplastic_layers": Field((), (tuple, list), lambda v: all(isinstance(i, int) for i in v),
+                                "a sequence of layer indices"),
+    "vocab_size": positive(),
+    "d_model": positive(),
+    "num_layers": positive(),
+    "mlp_hidden_dim": Field(None, (int, type(None)), lambda v: v is None or v > 0,
+                            "a positive int, or None (no MLP)"),
+    "norm_eps": positive(1e-6, float),
+    "init_std": positive(0.02, float),
+    "dtype": _name("bfloat16", "a dtype name (compute dtype)"),
+    "residual_in_fp32": flag(True),
+    "remat": flag(False),
+    # What a rematerialised block keeps (language_model.REMAT_SAVES).
+    "remat_saves": _name("nothing", "a language_model.REMAT_SAVES name"),
+    # One stacked, scanned block (see LanguageModel).
+    "scan_layers": flag(False),
+    "implementation": _name("auto", "an op implementation name or 'auto'"),
+    "chunk_size": positive(64),
+    "matmul_precision": _name("default", "a language_model.MATMUL_PRECISIONS name"),
+    # "exact": the Palimpsa op; "rank1": Fast Palimpsa inside chunks of chunk_size
+    # (docs/fast_palimpsa.md); metaplastic kinds only.
+    "precision": one_of("exact", ("exact", "rank1")),
 }
 
-# MesaNet's conjugate-gradient steps per readout (the published training value).
-MESANET_CG_STEPS = 30
-
-# Palimpsa-D / NotPalimpsa, and Gated DeltaNet / MesaNet with the same head layout. Sizes
-# without mlp_hidden_dim take swiglu_hidden_dim(d_model) (2048, 4096, 6912);
-# tiny's 128 is smaller than that rule.
-_DELTA_SIZES = {
-    "tiny": dict(num_layers=2, d_model=64, num_heads=4, head_k_dim=16,
-                 head_v_dim=16, beta_rank=4, vocab_size=512,
-                 mlp_hidden_dim=128),
-    "170m": dict(num_layers=19, d_model=768, num_heads=16, head_k_dim=48,
-                 head_v_dim=48, beta_rank=48, vocab_size=32000),
-    "760m": dict(num_layers=19, d_model=1536, num_heads=16, head_k_dim=96,
-                 head_v_dim=192, beta_rank=96, vocab_size=32000),
-    "2.7b": dict(num_layers=25, d_model=2560, num_heads=20, head_k_dim=128,
-                 head_v_dim=256, beta_rank=160, vocab_size=32000),
-}
-# MetaMamba2 / Mamba2 (expand 2, no MLP); 2.7b is the Mamba2-2.7B backbone.
-_MAMBA_SIZES = {
-    "tiny": dict(num_layers=2, d_model=64, expand=2, head_dim=32,
-                 state_dim=16, num_groups=2, beta_rank=4, vocab_size=512),
-    "170m": dict(num_layers=30, d_model=768, expand=2, head_dim=96,
-                 state_dim=48, num_groups=16, beta_rank=48, vocab_size=32000),
-    "760m": dict(num_layers=38, d_model=1536, expand=2, head_dim=192,
-                 state_dim=96, num_groups=16, beta_rank=96, vocab_size=32000),
-    "2.7b": dict(num_layers=64, d_model=2560, expand=2, head_dim=64,
-                 state_dim=128, num_groups=1, beta_rank=160,
-                 vocab_size=50288),
-}
-# Transformer++: layers chosen to match Palimpsa-D's parameter count.
-_ATTENTION_SIZES = {
-    "tiny": dict(num_layers=2, d_model=64, num_heads=4, head_dim=16,
-                 vocab_size=512, mlp_hidden_dim=128),
-    "170m": dict(num_layers=21, d_model=768, num_heads=12, head_dim=64,
-                 vocab_size=32000),
-    "760m": dict(num_layers=26, d_model=1536, num_heads=16, head_dim=96,
-                 vocab_size=32000),
-    "2.7b": dict(num_layers=34, d_model=2560, num_heads=20, head_dim=128,
-                 vocab_size=32000),
-}
+# Fields an earlier version did not write, with what their absence meant there where that
+# is not today's default (a meta_mamba2 / palimpsa_d config without beta_bias had the bias).
+_EARLIER_ABSENT = {"beta_bias": True}
+# Fields where an earlier version wrote 0 for today's None.
+_EARLIER_ZEROS = ("mlp_hidden_dim", "norm_groups")
 
 
-def _common(model: str) -> dict:
-  mixer, metaplasticity = _MIXER[model]
-  return dict(model=model, mixer=mixer, metaplasticity=metaplasticity,
-              metaplastic_layers=(),
-              norm_eps=1e-5 if mixer == "meta_mamba2" else 1e-6,
-              init_std=0.02, dtype="bfloat16", residual_in_fp32=True,
-              remat=False, remat_saves="nothing", scan_layers=False, implementation="auto",
-              chunk_size=64, matmul_precision="default", precision="exact")
+def schema(mixer: str) -> dict[str, Field]:
+  """Every field of a model config of kind `mixer` (registry.KINDS)."""
+  return {**FIELDS, **registry.KINDS[mixer].fields}
 
 
-def _gates(mixer: str) -> dict:
-  if mixer == "meta_mamba2":
-    a_init = dict(A_init="arange", A_init_range=(1.0, 16.0))
-  else:
-    a_init = dict(A_init="uniform", A_init_range=(0.0, 16.0))
-  return dict(conv_kernel=4, dt_min=1e-3, dt_max=1e-1, dt_init_floor=1e-4,
-              **a_init)
+def _config_dict(fields: dict[str, Any]) -> ml_collections.ConfigDict:
+  """The fields as a ConfigDict; a None of a typed field stays settable from the command
+  line (--config.model.<name>=5)."""
+  fields = dict(fields)
+  for name, field in schema(fields["mixer"]).items():
+    if fields.get(name, 0) is None:
+      kind = next(t for t in field.types if t is not type(None))
+      fields[name] = config_dict.placeholder(kind)
+  return ml_collections.ConfigDict(fields)
+
+
+def _defaults(model: str) -> dict[str, Any]:
+  """The fields of `model` with a default: the common ones and its kind's."""
+  mixer = registry.mixer(model)
+  kind = registry.KINDS[mixer.kind]
+  fields = {name: field.default for name, field in schema(mixer.kind).items()
+            if field.default is not REQUIRED}
+  fields.update(model=model, mixer=mixer.kind, metaplasticity=mixer.metaplasticity,
+                norm_eps=kind.norm_eps)
+  return fields
 
 
 def _apply_overrides(config: ml_collections.ConfigDict,
@@ -122,68 +106,58 @@ def _apply_overrides(config: ml_collections.ConfigDict,
   return config
 
 
-def _check_model(model: str) -> None:
-  if model not in MODELS:
-    raise ValueError(f"model must be one of {MODELS}, got {model!r}")
-
-
 def model_config(model: str, size: str, **overrides) -> ml_collections.ConfigDict:
   """Config of `model` at `size` (docs/models.md, sizes and recipe), with field overrides."""
-  _check_model(model)
+  fields = _defaults(model)
   if size not in SIZES:
     raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-  fields = _common(model)
-  mixer = fields["mixer"]
-  if mixer == "meta_mamba2":
-    fields.update(_MAMBA_SIZES[size], mlp_hidden_dim=0, **_gates(mixer))
-  elif mixer == "attention":
-    fields.update(_ATTENTION_SIZES[size], rope=True, rope_theta=10000.0,
-                  attention_implementation=None)
-  else:
-    fields.update(_DELTA_SIZES[size], **_gates(mixer))
-    if mixer in ("gated_deltanet", "mesanet"):
-      del fields["beta_rank"]
-    if mixer == "mesanet":
-      fields["cg_steps"] = MESANET_CG_STEPS
-  if mixer in ("palimpsa_d", "meta_mamba2"):
-    fields["beta_bias"] = False  # the authors' b_proj has none, so the model exports
-  if mixer == "meta_mamba2":
-    fields["norm_groups"] = 0
-  fields.setdefault("mlp_hidden_dim", swiglu_hidden_dim(fields["d_model"]))
-  fields["size"] = size
-  return _apply_overrides(ml_collections.ConfigDict(fields), overrides)
+  kind = registry.KINDS[fields["mixer"]]
+  fields.update(kind.sizes[size], size=size)
+  if kind.mlp and "mlp_hidden_dim" not in kind.sizes[size]:
+    fields["mlp_hidden_dim"] = swiglu_hidden_dim(fields["d_model"])
+  return _apply_overrides(_config_dict(fields), overrides)
 
 
-def mqar_model_config(mixer: str, d_model: int = 128, vocab_size: int = 8192,
+def mqar_model_config(model: str, d_model: int = 128, vocab_size: int = 8192,
                       **overrides) -> ml_collections.ConfigDict:
   """MQAR model (docs/models.md, MQAR): 2 layers, no MLP, no positional embeddings.
 
-  mixer is a model name (palimpsa_d, not_palimpsa, meta_mamba2, mamba2,
-  gated_deltanet, mesanet, transformer). Forget gates start "small": A spread evenly
-  over [0.01, 0.16] across heads, dt log-uniform over [1e-3, 1e-1].
+  model is a registered mixer name (registry.MIXERS); its kind's MQAR layout
+  (registry.KINDS[...].mqar) sets the mixer's fields. Forget gates start "small": A spread
+  evenly over [0.01, 0.16] across heads, dt log-uniform over [1e-3, 1e-1].
   """
-  _check_model(mixer)
-  fields = _common(mixer)
-  kind = fields["mixer"]
+  fields = _defaults(model)
+  kind = registry.KINDS[fields["mixer"]]
   fields.update(vocab_size=vocab_size, d_model=d_model, num_layers=2,
-                mlp_hidden_dim=0, size="mqar")
-  if kind == "attention":
-    fields.update(num_heads=8, head_dim=d_model // 8, rope=False,
-                  rope_theta=10000.0, attention_implementation=None)
-  else:
-    fields.update(_gates(kind))
-    fields.update(A_init="linspace", A_init_range=(0.01, 0.16))
-    if kind in ("palimpsa_d", "meta_mamba2"):
-      fields.update(beta_bias=True)  # as in the MQAR results (docs/results/)
-    if kind == "meta_mamba2":
-      fields.update(expand=2, head_dim=32, state_dim=16, num_groups=8,
-                    beta_rank=8)
-      if (2 * d_model) % 32:
-        raise ValueError(f"d_model must be a multiple of 16, got {d_model}")
-    else:
-      fields.update(num_heads=8, head_k_dim=16, head_v_dim=32)
-      if kind == "palimpsa_d":
-        fields.update(beta_rank=8)
-      if kind == "mesanet":
-        fields.update(cg_steps=MESANET_CG_STEPS)
-  return _apply_overrides(ml_collections.ConfigDict(fields), overrides)
+                mlp_hidden_dim=None, size="mqar", **kind.mqar(d_model))
+  return _apply_overrides(_config_dict(fields), overrides)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises base.ConfigError naming the first field of the model config that is missing,
+  unknown or bad (the kind's own fields: registry.KINDS)."""
+  if config.get("mixer") not in registry.KINDS:
+    raise base.ConfigError(f"config.model.mixer must be one of {tuple(registry.KINDS)}, "
+                           f"got {config.get('mixer')!r}.")
+  base.check_group(config, schema(config.mixer), "config.model.")
+
+
+def upgrade(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A model config saved by an earlier version (config.json, conversion.json) in today's
+  form: fields it did not write get what their absence meant, fields since removed are
+  dropped, and its 0 for a setting that is not set (_EARLIER_ZEROS) reads as None. An
+  unknown kind is left to `validate`."""
+  fields = dict(saved.to_dict() if isinstance(saved, ml_collections.ConfigDict) else saved)
+  if fields.get("mixer") not in registry.KINDS:
+    return ml_collections.ConfigDict(fields)
+  today = schema(fields["mixer"])
+  fields = {name: value for name, value in fields.items() if name in today}
+  for name, field in today.items():
+    if name not in fields and name in _EARLIER_ABSENT:
+      fields[name] = _EARLIER_ABSENT[name]
+    elif name not in fields and field.default is not REQUIRED:
+      fields[name] = field.default
+  for name in _EARLIER_ZEROS:
+    if fields.get(name) == 0:
+      fields[name] = None
+  return _config_dict(fields)

@@ -8,13 +8,12 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from palimpsa_jax.layers import (READOUT, Attention, GatedDeltaNet, KVCache, MesaNet,
-                                 MetaMamba2, PalimpsaD, RMSNorm, SwiGLU)
+from palimpsa_jax.layers import READOUT, KVCache, RMSNorm, SwiGLU
 from palimpsa_jax.layers import params as params_lib
+from palimpsa_jax.models import config as config_lib
+from palimpsa_jax.models import registry
 from palimpsa_jax.ops.token_loss import TokenLoss, head_logits, token_loss
 
-Mixer = PalimpsaD | MetaMamba2 | GatedDeltaNet | MesaNet | Attention
-METAPLASTIC_MIXERS = ("palimpsa_d", "meta_mamba2")
 # Logical name of the stacked layer axis of config.scan_layers models.
 LAYERS_AXIS = "layers"
 # config.matmul_precision -> the dot algorithm of the model's matmuls that name none
@@ -45,11 +44,12 @@ def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
     ValueError: config.metaplastic_layers holds repeats or indices outside
       [0, num_layers), or is set for a mixer without metaplasticity.
   """
-  listed = [int(i) for i in (config.get("metaplastic_layers") or ())]
-  if listed and config.mixer not in METAPLASTIC_MIXERS:
+  listed = [int(i) for i in config.metaplastic_layers]
+  if listed and not registry.kind(config).metaplastic:
+    metaplastic = tuple(name for name, kind in registry.KINDS.items() if kind.metaplastic)
     raise ValueError(
         f"config.metaplastic_layers={listed} needs a mixer in "
-        f"{METAPLASTIC_MIXERS}, got config.mixer={config.mixer!r}")
+        f"{metaplastic}, got config.mixer={config.mixer!r}")
   if len(set(listed)) != len(listed):
     raise ValueError(f"config.metaplastic_layers={listed} contains repeats")
   outside = [i for i in listed if not 0 <= i < config.num_layers]
@@ -57,65 +57,9 @@ def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
     raise ValueError(
         f"config.metaplastic_layers={listed}: indices {outside} are outside "
         f"[0, num_layers={config.num_layers})")
-  if config.get("metaplasticity", False):
+  if config.metaplasticity:
     return tuple(range(config.num_layers))
   return tuple(sorted(listed))
-
-
-def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
-               metaplasticity: bool | None = None) -> Mixer:
-  """The mixer named by config.mixer, built from the config's fields.
-
-  metaplasticity (palimpsa_d / meta_mamba2 only) overrides
-  config.metaplasticity, e.g. for one layer of a converted model.
-  """
-  if metaplasticity is None:
-    metaplasticity = config.metaplasticity
-  dtype = jnp.dtype(config.dtype)
-  common = dict(rngs=rngs, init_std=config.init_std, dtype=dtype)
-  # Configs written before the field existed read as "exact".
-  precision = config.get("precision", "exact")
-  if precision != "exact" and config.mixer not in ("palimpsa_d", "meta_mamba2"):
-    raise ValueError(
-        f"precision={precision!r} needs a Palimpsa mixer (palimpsa_d or meta_mamba2); "
-        f"config.mixer is {config.mixer!r}, whose only precision is 'exact'")
-  if config.mixer == "attention":
-    return Attention(config.d_model, num_heads=config.num_heads,
-                     head_dim=config.head_dim, rope=config.rope,
-                     rope_theta=config.rope_theta,
-                     implementation=config.get("attention_implementation"),
-                     **common)
-  recurrent = dict(
-      conv_kernel=config.conv_kernel, A_init=config.A_init,
-      A_init_range=tuple(config.A_init_range), dt_min=config.dt_min,
-      dt_max=config.dt_max, dt_init_floor=config.dt_init_floor,
-      norm_eps=config.norm_eps, implementation=config.implementation,
-      chunk_size=config.chunk_size, **common)
-  # A config saved before beta_bias existed had the bias.
-  if config.mixer == "palimpsa_d":
-    return PalimpsaD(config.d_model, num_heads=config.num_heads,
-                     head_k_dim=config.head_k_dim,
-                     head_v_dim=config.head_v_dim, beta_rank=config.beta_rank,
-                     beta_bias=config.get("beta_bias", True),
-                     metaplasticity=metaplasticity, precision=precision, **recurrent)
-  if config.mixer == "meta_mamba2":
-    return MetaMamba2(config.d_model, expand=config.expand,
-                      head_dim=config.head_dim, state_dim=config.state_dim,
-                      num_groups=config.num_groups, beta_rank=config.beta_rank,
-                      beta_bias=config.get("beta_bias", True),
-                      norm_groups=config.get("norm_groups") or None,
-                      metaplasticity=metaplasticity, precision=precision, **recurrent)
-  if config.mixer == "gated_deltanet":
-    return GatedDeltaNet(config.d_model, num_heads=config.num_heads,
-                         head_k_dim=config.head_k_dim,
-                         head_v_dim=config.head_v_dim, **recurrent)
-  if config.mixer == "mesanet":
-    return MesaNet(config.d_model, num_heads=config.num_heads,
-                   head_k_dim=config.head_k_dim, head_v_dim=config.head_v_dim,
-                   cg_steps=config.cg_steps, **recurrent)
-  raise ValueError(
-      "config.mixer must be 'palimpsa_d', 'meta_mamba2', 'gated_deltanet', "
-      f"'mesanet' or 'attention', got {config.mixer!r}")
 
 
 class Block(nnx.Module):
@@ -125,7 +69,7 @@ class Block(nnx.Module):
                metaplasticity: bool | None = None):
     dtype = jnp.dtype(config.dtype)
     self.mixer_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dtype)
-    self.mixer = make_mixer(config, rngs, metaplasticity)
+    self.mixer = registry.make_mixer(config, rngs, metaplasticity)
     if config.mlp_hidden_dim:
       self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps,
                               dtype=dtype)
@@ -169,14 +113,15 @@ class LanguageModel(nnx.Module):
   """
 
   def __init__(self, config: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    config_lib.validate(config)
     metaplastic = metaplastic_layers(config)
     self.embed = params_lib.make_param(
         params_lib.normal_init(config.init_std)(
             rngs.params(), (config.vocab_size, config.d_model)),
         ("vocab", "embed"))
     self.num_layers = config.num_layers
-    self.scan_layers = bool(config.get("scan_layers", False))
-    flags = [i in metaplastic if config.mixer in METAPLASTIC_MIXERS else None
+    self.scan_layers = config.scan_layers
+    flags = [i in metaplastic if registry.kind(config).metaplastic else None
              for i in range(config.num_layers)]
     if self.scan_layers:
       if len(set(flags)) > 1:
@@ -196,12 +141,12 @@ class LanguageModel(nnx.Module):
     self.residual_dtype = (jnp.dtype(jnp.float32) if config.residual_in_fp32
                            else self.dtype)
     self.remat = config.remat
-    saves = config.get("remat_saves", "nothing")
+    saves = config.remat_saves
     if saves not in REMAT_SAVES:
       raise ValueError(f"config.remat_saves must be one of {sorted(REMAT_SAVES)}, "
                        f"got {saves!r}")
     self.remat_policy = REMAT_SAVES[saves]
-    precision = config.get("matmul_precision", "default")
+    precision = config.matmul_precision
     if precision not in MATMUL_PRECISIONS:
       raise ValueError(f"config.matmul_precision must be one of {sorted(MATMUL_PRECISIONS)}, "
                        f"got {precision!r}")

@@ -10,8 +10,9 @@ A setting that may be "not set" is None there (total_steps: num_epochs passes; g
 auto; device_batch, decay_steps, clip_norm, early_stop_accuracy: none), never a 0 that means
 something else; `from_saved` reads the zeros that earlier versions wrote for these as None.
 
-The groups config.model (checked by the model builder), config.args and config.finetune (the
-config file's own arguments, already checked when parsed) are not described here.
+The groups config.model (its schema is models/config.py's, checked by the model builder),
+config.args and config.finetune (the config file's own arguments, already checked when parsed)
+are not described here.
 """
 
 from collections.abc import Callable
@@ -53,8 +54,23 @@ def _any(_: Any) -> bool:
   return True
 
 
+def positive(default: Any = REQUIRED, kind: type = int) -> Field:
+  """A positive `kind` (also the model config's fields, models/config.py)."""
+  return Field(default, (kind,), lambda v: v > 0, f"a positive {kind.__name__}")
+
+
+def flag(default: bool) -> Field:
+  return Field(default, (bool,), _any, "True or False")
+
+
+def one_of(default: Any, choices: tuple[Any, ...]) -> Field:
+  """One of `choices` (strings, or None too)."""
+  return Field(default, tuple(dict.fromkeys(type(c) for c in choices)), lambda v: v in choices,
+               f"one of {choices}")
+
+
 def _positive_int(default: Any) -> Field:
-  return Field(default, (int,), lambda v: v > 0, "a positive int")
+  return positive(default)
 
 
 def _fraction(default: Any) -> Field:
@@ -181,14 +197,18 @@ _EARLIER_ZEROS = (
     (None, "device_batch", lambda v: v == 0), (None, "early_stop_accuracy", lambda v: v == 0),
     ("optimizer", "decay_steps", lambda v: v == 0), ("optimizer", "clip_norm", lambda v: v <= 0),
 )
+# configs/mqar.py arguments where earlier versions wrote 0 for today's None (the paper's layout).
+_EARLIER_ARG_ZEROS = ("num_heads", "head_v_dim")
 
 
 def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
   """A config.json written by train.py, in today's spelling (earlier runs' too).
 
   config.args and config.finetune of earlier versions hold arguments under names since
-  renamed (config_args.RENAMED); they are read under the new names. Their 0 for a setting
-  that is not set (_EARLIER_ZEROS) is read as None.
+  renamed (config_args.RENAMED, e.g. MQAR's mixer, now model); they are read under the new
+  names. Their 0 for a setting that is not set (_EARLIER_ZEROS, _EARLIER_ARG_ZEROS) is read
+  as None. config.model is upgraded by the model's own schema (models/config.py, upgrade),
+  which the callers above this floor apply.
   """
   saved = dict(saved)
   if isinstance(saved.get("optimizer"), dict):
@@ -201,6 +221,9 @@ def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
   renamed = config_args.RENAMED_LM if saved.get("task") == "lm" else None
   if isinstance(saved.get("args"), dict):
     saved["args"] = config_args.upgrade_args(saved["args"], renamed)
+    for name in _EARLIER_ARG_ZEROS:
+      if saved["args"].get(name) == 0:
+        saved["args"][name] = None
   if isinstance(saved.get("finetune"), dict):
     saved["finetune"] = config_args.upgrade_args(saved["finetune"])
   return ml_collections.ConfigDict(saved)
@@ -214,8 +237,9 @@ def _is_type(value: Any, types: tuple[type, ...]) -> bool:
   return isinstance(value, types)
 
 
-def _check_group(group: ml_collections.ConfigDict, fields: dict[str, Field],
-                 prefix: str) -> None:
+def check_group(group: ml_collections.ConfigDict, fields: dict[str, Field],
+                prefix: str) -> None:
+  """Raises ConfigError for the first field of `group` that is unknown, missing or bad."""
   unknown = sorted(set(group) - set(fields))
   if unknown:
     raise ConfigError(f"{prefix}{unknown[0]} is not a config field; the fields of "
@@ -235,7 +259,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """
   top = {k: v for k, v in config.items()
          if k not in FREE_GROUPS and k not in ("optimizer", "mesh", "data")}
-  _check_group(top, FIELDS, "config.")
+  check_group(top, FIELDS, "config.")
   if "model" not in config:
     raise ConfigError("config.model is missing; expected the model config "
                      "(models/config.py).")
@@ -252,7 +276,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if not isinstance(config.get(name), ml_collections.ConfigDict):
       raise ConfigError(f"config.{name} must be a group of fields "
                        f"({', '.join(fields)}), got {config.get(name)!r}.")
-    _check_group(config[name], fields, f"config.{name}.")
+    check_group(config[name], fields, f"config.{name}.")
   if config.task == "mqar" and config.data.num_train_examples < config.batch_size:
     raise ConfigError(
         f"config.data.num_train_examples={config.data.num_train_examples} is smaller "

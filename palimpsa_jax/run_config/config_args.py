@@ -2,7 +2,7 @@
 
 One spelling per setting: an argument that sets a run-config field has that field's name
 (learning_rate sets config.optimizer.learning_rate, implementation config.model.implementation).
-Arguments without a field of their own (preset, mixer, size, tokens, warmup_steps, ...) are
+Arguments without a field of their own (preset, model, size, tokens, warmup_steps, ...) are
 documented in their config file. RENAMED maps the spellings of earlier versions to today's:
 a command that uses one is refused naming the new one, and a saved config.json that holds one
 is read under the new one (`upgrade_args`). REMOVED lists arguments that no longer exist: a
@@ -30,6 +30,7 @@ RENAMED = {
     "test_examples": "num_test_examples",
     "heads": "num_heads",
     "head_v": "head_v_dim",
+    "mixer": "model",  # configs/mqar.py chose the model as mixer=
 }
 # Earlier arguments with no successor -> why they went.
 REMOVED = {
@@ -87,7 +88,10 @@ def parse_config_arg(arg: str | None, renamed: dict[str, str] | None = None,
   the new spelling of a key in `renamed` (default RENAMED_FRACTION).
   """
   renamed = RENAMED_FRACTION if renamed is None else renamed
-  args = dict(defaults)
+  # Fresh FieldReferences: setting a field of the result must not change `defaults`.
+  args = {key: ml_collections.FieldReference(value.get(), field_type=value.get_type())
+          if isinstance(value, ml_collections.FieldReference) else value
+          for key, value in defaults.items()}
   for item in (arg or "").split(","):
     if not item.strip():
       continue

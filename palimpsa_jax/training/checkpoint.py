@@ -110,7 +110,10 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   if not path.exists():
     raise FileNotFoundError(
         f"{path} not found: is {workdir!r} a workdir written by train.py?")
-  return base.from_saved(json.loads(path.read_text()))
+  saved = json.loads(path.read_text())
+  if isinstance(saved.get("model"), dict):  # an earlier version's model config in today's form
+    saved["model"] = models.config.upgrade(saved["model"])
+  return base.from_saved(saved)
 
 
 class Checkpointer:

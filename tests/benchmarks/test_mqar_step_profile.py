@@ -8,7 +8,7 @@ from benchmarks import mqar_step_profile
 
 
 def test_group_configs_take_the_paper_preset_and_the_rates_and_seeds():
-  configs = mqar_step_profile.group_configs("mixer=mamba2,num_train_examples=512", 5)
+  configs = mqar_step_profile.group_configs("model=mamba2,num_train_examples=512", 5)
   assert [c.optimizer.learning_rate for c in configs] == [1e-3, 2.15e-3, 4.64e-3, 1e-2, 1e-3]
   assert [c.seed for c in configs] == [0, 0, 0, 0, 1]
   assert configs[0].seq_len == 512 and configs[0].data.vocab_size == 8192  # the paper's

@@ -31,7 +31,7 @@ def test_grid_and_shards():
   assert sorted(r.name for s in shards for r in s) == sorted(r.name for r in runs)
   arg = runs[0].config_arg({"num_epochs": 4})
   assert arg.startswith(
-      "preset=paper,mixer=palimpsa_d,seq_len=512,num_kv_pairs=128,learning_rate=0.001")
+      "preset=paper,model=palimpsa_d,seq_len=512,num_kv_pairs=128,learning_rate=0.001")
   assert arg.endswith("num_epochs=4")
   with pytest.raises(ValueError, match="i/n"):
     sweep.shard(runs, "3")
@@ -157,7 +157,7 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
     del extra
     return tiny_lm.tiny_mqar_config(**{
         "optimizer.learning_rate": run.lr, "seed": run.seed, "args.learning_rate": run.lr,
-        "args.seed": run.seed, "args.mixer": run.mixer})
+        "args.seed": run.seed, "args.model": run.mixer})
   monkeypatch.setattr(sweep, "run_config", tiny_config)
   args = ["--root", str(tmp_path), "--mixers", "mamba2", "--settings", "512:128",
           "--lrs", "1e-2,3e-2", "--seeds", "0,1", "--two_stage"]

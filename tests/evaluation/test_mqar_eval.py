@@ -110,7 +110,7 @@ def test_a_run_of_another_task_is_refused_in_one_line(workdir, tmp_path):
 
 def test_a_converted_model_is_named_by_its_source_and_metaplastic_layers():
   from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
-  trained = ml_collections.ConfigDict({"args": {"mixer": "mamba2"},
+  trained = ml_collections.ConfigDict({"args": {"model": "mamba2"},
                                        "model": models.mqar_model_config("mamba2")})
   assert mqar_eval.mixer_name(trained) == "mamba2"
   converted = ml_collections.ConfigDict(

@@ -9,11 +9,10 @@ import pytest
 from flax import nnx
 
 from palimpsa_jax.layers import recurrent as recurrent_module
-from palimpsa_jax.models import make_mixer, model_config
+from palimpsa_jax.models import make_mixer, model_config, registry
 from tests.ops.numerics import FLOAT32_TOL, assert_close_to_reference
 
-MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2",
-          "gated_deltanet", "mesanet", "transformer")
+MODELS = tuple(registry.MIXERS)  # every registered mixer
 BATCH, LENGTH, PREFIX = 2, 12, 5
 
 
@@ -84,11 +83,12 @@ def test_shapes_dtypes_and_diagnostics(case):
   chex.assert_tree_all_finite(y)
   chex.assert_type(jax.tree.leaves(nnx.state(mixer, nnx.Param)), jnp.float32)
   assert "output_rms" in diagnostics
-  if model in ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2"):
+  registered = registry.MIXERS[model]
+  if registry.KINDS[registered.kind].metaplastic:  # the Palimpsa family
     chex.assert_tree_all_finite({key: diagnostics[key] for key in (
         "variance_mean", "precision_mean", "precision_std", "metaplastic_fraction")})
     assert 0 <= diagnostics["metaplastic_fraction"] <= 1
-    if model in ("not_palimpsa", "mamba2"):
+    if not registered.metaplasticity:
       chex.assert_trees_all_close(diagnostics["precision_mean"], 1.0, rtol=1e-6)
 
 

@@ -1,5 +1,7 @@
 """Model configs: parameter budgets, MQAR settings, inits, masks, sharding names."""
 
+import inspect
+
 import chex
 import flax.linen
 import jax
@@ -13,7 +15,10 @@ from palimpsa_jax.models import (abstract_parameter_count, build_model,
                                  make_mixer,
                                  model_config, mqar_model_config,
                                  parameter_table, weight_decay_mask)
+from palimpsa_jax.models import config as config_lib
+from palimpsa_jax.models import registry
 from palimpsa_jax.models.config import MODELS, NOMINAL_PARAMS
+from palimpsa_jax.run_config import base
 
 
 @pytest.mark.parametrize("size", ["170m", "760m", "2.7b"])
@@ -99,7 +104,7 @@ def test_logical_names_map_to_mesh_axes_and_plain_dict_masks():
 def test_mqar_settings():
   pd = mqar_model_config("palimpsa_d")
   assert (pd.num_layers, pd.d_model, pd.vocab_size, pd.mlp_hidden_dim) == (
-      2, 128, 8192, 0)
+      2, 128, 8192, None)
   assert (pd.num_heads, pd.head_k_dim, pd.head_v_dim, pd.beta_rank) == (
       8, 16, 32, 8)
   mm = mqar_model_config("meta_mamba2")
@@ -110,7 +115,8 @@ def test_mqar_settings():
   assert not mqar_model_config("transformer").rope
   assert not mqar_model_config("not_palimpsa").metaplasticity
   assert not mqar_model_config("mamba2").metaplasticity
-  assert mqar_model_config("mamba2", d_model=64).d_model == 64
+  small = mqar_model_config("mamba2", d_model=64)  # 4 heads of P=32: 4 B/C groups
+  assert (small.d_model, small.num_groups) == (64, 4)
 
 
 @pytest.mark.parametrize("model", ["palimpsa_d", "mamba2", "gated_deltanet", "mesanet"])
@@ -188,3 +194,77 @@ def test_default_beta_up_projection_has_no_bias_as_the_authors(model):
            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
   assert any("beta_up" in p for p in paths)
   assert not any("beta_up" in p and p[-1] == "bias" for p in paths)
+
+
+def test_every_registered_mixer_is_a_model_of_a_known_kind():
+  assert MODELS == tuple(registry.MIXERS)
+  assert set(registry.PAPER_MQAR) == {
+      "palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet"}
+  for name, mixer in registry.MIXERS.items():
+    assert mixer.kind in registry.KINDS, name
+    assert not mixer.metaplasticity or registry.KINDS[mixer.kind].metaplastic, name
+
+
+@pytest.mark.parametrize("kind", sorted(registry.KINDS))
+def test_a_kinds_fields_are_its_layers_arguments(kind):
+  """make_mixer passes every field of a kind to its layer under the argument's name."""
+  family = registry.KINDS[kind]
+  parameters = set(inspect.signature(family.layer.__init__).parameters)
+  if kind == "mesanet":  # MesaNet takes Gated DeltaNet's arguments as **kwargs
+    parameters |= set(inspect.signature(registry.GatedDeltaNet.__init__).parameters)
+  arguments = {family.renamed.get(f, f) for f in family.fields} | set(family.model_fields)
+  renamed_back = {v: k for k, v in family.renamed.items()}
+  arguments = {renamed_back.get(a, a) for a in arguments}
+  assert arguments <= parameters, arguments - parameters
+  assert set(family.sizes) == set(config_lib.SIZES)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_config_made_here_passes_the_schema(model):
+  for size in config_lib.SIZES:
+    config_lib.validate(model_config(model, size))
+  config_lib.validate(mqar_model_config(model))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("mlp_hidden_dim", 0, "config.model.mlp_hidden_dim must be a positive int, or None (no MLP), "
+                          "got 0."),
+    ("num_heads", None, "config.model.num_heads must be a positive int, got None."),
+    ("precision", "rank2",
+     "config.model.precision must be one of ('exact', 'rank1'), got 'rank2'."),
+    ("heads", 4, "config.model.heads is not a config field"),
+])
+def test_a_bad_model_field_is_named_when_the_model_is_built(field, value, message):
+  config = model_config("palimpsa_d", "tiny")
+  with config.unlocked():
+    config[field] = value
+  with pytest.raises(base.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    build_model(config, nnx.Rngs(0))
+
+
+def test_a_missing_model_field_is_named():
+  config = model_config("mamba2", "tiny")
+  del config["state_dim"]
+  with pytest.raises(base.ConfigError, match="config.model.state_dim is missing"):
+    config_lib.validate(config)
+  with pytest.raises(base.ConfigError, match="config.model.mixer must be one of"):
+    config_lib.validate(model_config("mamba2", "tiny", mixer="lstm"))
+
+
+def test_an_earlier_model_config_is_upgraded_to_todays():
+  """0 for None, and the fields added since with what their absence meant."""
+  today = model_config("palimpsa_d", "tiny", mlp_hidden_dim=None)
+  earlier = today.to_dict()
+  earlier.update(mlp_hidden_dim=0)
+  for added in ("beta_bias", "precision", "metaplastic_layers", "scan_layers"):
+    del earlier[added]
+  upgraded = config_lib.upgrade(earlier)
+  assert upgraded.beta_bias is True  # a config saved without the field had the bias
+  assert upgraded.mlp_hidden_dim is None and upgraded.precision == "exact"
+  today.beta_bias = True
+  assert upgraded.to_dict() == today.to_dict()
+  # A field an earlier version wrote and the schema no longer has is dropped.
+  assert config_lib.upgrade({**earlier, "removed_field": 1}).to_dict() == today.to_dict()
+  mamba = model_config("mamba2", "tiny").to_dict()
+  assert config_lib.upgrade({**mamba, "norm_groups": 0}).norm_groups is None
+  assert config_lib.upgrade({**mamba, "norm_groups": 2}).norm_groups == 2

@@ -45,7 +45,7 @@ def test_base_config_holds_every_field_with_its_default(task):
 
 
 @pytest.mark.parametrize("name, arg", [
-    ("mqar", ""), ("mqar", "preset=paper,mixer=mamba2,seq_len=1024,num_kv_pairs=256"),
+    ("mqar", ""), ("mqar", "preset=paper,model=mamba2,seq_len=1024,num_kv_pairs=256"),
     ("lm", "size=tiny"), ("lm", "model=mamba2,size=170m"),
 ])
 def test_config_files_set_every_required_field(name, arg):
@@ -131,9 +131,9 @@ def _leaves(config: ml_collections.ConfigDict) -> dict[str, object]:
 def test_an_argument_with_a_field_name_sets_that_field(name, arg):
   config = _config_file(name).get_config(arg)
   fields = _leaves(config)
-  # An argument at 0 is "not set" (mqar's total_steps: num_epochs passes; num_heads and
+  # An argument at None is "not set" (mqar's total_steps: num_epochs passes; num_heads and
   # head_v_dim: the mixer's own layout); the config file chooses the field then.
-  shared = [k for k in config.args if k in fields and config.args[k] != 0]
+  shared = [k for k in config.args if k in fields and config.args[k] is not None]
   assert {"learning_rate", "batch_size", "seq_len"} <= set(shared)
   assert {k: fields[k] for k in shared} == {k: config.args[k] for k in shared}
   assert not set(config.args) & set(config_args.RENAMED_LM | config_args.RENAMED_FRACTION)
@@ -143,6 +143,8 @@ def test_an_argument_with_a_field_name_sets_that_field(name, arg):
     ("mqar", "lr=1e-3", "learning_rate"), ("mqar", "kv=8", "num_kv_pairs"),
     ("mqar", "impl=chunked", "implementation"), ("mqar", "warmup=0.1", "warmup_fraction"),
     ("lm", "size=tiny,steps=5", "total_steps"), ("lm", "size=tiny,warmup=10", "warmup_steps"),
+    ("mqar", "mixer=mamba2", "model"), ("lm", "mixer=mamba2", "model"),
+    ("finetune", "source=runs/conversion,mixer=mamba2", "model"),
 ])
 def test_an_earlier_argument_name_is_refused_naming_the_new_one(name, old, new):
   with pytest.raises(config_args.ConfigArgumentError) as error:
@@ -173,6 +175,27 @@ def test_a_config_json_in_the_earlier_spelling_loads_under_todays_names(tmp_path
   saved = json.loads(lm.to_json_best_effort())
   saved["args"]["warmup"] = saved["args"].pop("warmup_steps")
   assert base.from_saved(saved).args.warmup_steps == lm.args.warmup_steps
+
+
+def test_a_config_json_that_chose_the_model_as_mixer_loads_as_today(tmp_path):
+  """An MQAR config.json of an earlier version: args.mixer, the paper's layout as
+  num_heads=0 / head_v_dim=0, and a model config with 0 for None and without the fields
+  added since; it loads as the config made today."""
+  config = _config_file("mqar").get_config("preset=paper,model=mamba2")
+  assert config.args.num_heads is None and config.model.norm_groups is None
+  saved = json.loads(config.to_json_best_effort())
+  saved["args"]["mixer"] = saved["args"].pop("model")
+  saved["args"].update(num_heads=0, head_v_dim=0)
+  saved["model"].update(mlp_hidden_dim=0, norm_groups=0)
+  for added in ("precision", "remat_saves", "scan_layers", "head_loss", "matmul_precision"):
+    del saved["model"][added]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  loaded = checkpoint.load_config(str(tmp_path))
+  assert json.loads(loaded.to_json_best_effort()) == json.loads(config.to_json_best_effort())
+  base.validate(loaded)
+  loaded.model.norm_groups = 4  # as --config.model.norm_groups=4 does: the field is typed
+  with pytest.raises(TypeError):
+    loaded.model.norm_groups = "4"
 
 
 def test_the_zeros_of_an_earlier_config_json_are_read_as_none():

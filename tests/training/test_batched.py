@@ -122,7 +122,7 @@ def _mqar_config(arg):
 @pytest.mark.parametrize("mixer", ["palimpsa_d"])
 def test_real_mixer_group_equals_each_run_alone(tmp_path, monkeypatch, mixer):
   monkeypatch.undo()  # the project's model, not the tiny one
-  common = (f"mixer={mixer},seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=32,num_heads=2,"
+  common = (f"model={mixer},seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=32,num_heads=2,"
             "num_train_examples=64,num_test_examples=32,batch_size=16,num_epochs=2,"
             "evals_per_epoch=2")
   configs = [_mqar_config(f"{common},learning_rate={lr},seed={seed}") for lr, seed in RUNS[:2]]

@@ -10,7 +10,7 @@ import json
 import chex
 import pytest
 
-_CONFIG = ("--config=configs/mqar.py:mixer=palimpsa_d,seq_len=16,num_kv_pairs=2,vocab_size=32,"
+_CONFIG = ("--config=configs/mqar.py:model=palimpsa_d,seq_len=16,num_kv_pairs=2,vocab_size=32,"
            "d_model=16,num_heads=2,head_v_dim=8,num_train_examples=64,num_test_examples=32,"
            "batch_size=16,num_epochs=2")
 _FLAGS = ("--config.eval_batch_size=32", "--config.log_every_steps=1",
