@@ -51,8 +51,8 @@ def _holder_text(path: str) -> str:
 class WorkdirLock:
   """Holds <workdir>/lock from `acquire()` to `release()` (also a context manager).
 
-  Directories that acquire() created are removed again by release() when they hold nothing
-  but the lock file, so a start refused after taking the lock leaves nothing behind.
+  A workdir that holds nothing but the lock file at release() loses it again, with the
+  directories acquire() created, so a start refused after taking the lock leaves nothing behind.
   """
 
   def __init__(self, workdir: str):
@@ -121,13 +121,13 @@ class WorkdirLock:
         pass
 
   def release(self) -> None:
-    """Releases the lock: empties the file, or removes it with the directories acquire()
-    made when they hold nothing else."""
+    """Releases the lock: removes the file (and the directories acquire() made) when the
+    workdir holds nothing else, else empties it."""
     if self._fd is None:
       return
     fd, self._fd = self._fd, None
     try:
-      if self._created and os.listdir(self.workdir) == [LOCK_FILE]:
+      if os.listdir(self.workdir) == [LOCK_FILE]:
         os.unlink(self.path)  # before the unlock: see the st_ino check in _acquire_here
         for path in self._created:
           try:
