@@ -187,7 +187,7 @@ def test_a_config_json_that_chose_the_model_as_mixer_loads_as_today(tmp_path):
   saved["args"]["mixer"] = saved["args"].pop("model")
   saved["args"].update(num_heads=0, head_v_dim=0)
   saved["model"].update(mlp_hidden_dim=0, norm_groups=0)
-  for added in ("precision", "remat_saves", "scan_layers", "head_loss", "matmul_precision"):
+  for added in ("precision", "remat_saves", "scan_layers", "matmul_precision"):
     del saved["model"][added]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   loaded = checkpoint.load_config(str(tmp_path))
