@@ -13,7 +13,7 @@ import pytest
 
 from palimpsa_jax.ops.palimpsa.implementations import GPU_BACKENDS
 from pallas_kernels.palimpsa_gpu import config as gpu_config
-from pallas_kernels.palimpsa_gpu import make_config
+from pallas_kernels.palimpsa_gpu import make_config, stages
 
 bf16, f32 = jnp.bfloat16, jnp.float32
 # name: ((B, T, H, K, V), dtype of q, k, v, beta, return_variance, chunk_size).
@@ -113,7 +113,7 @@ def test_each_implementation_picks_the_pinned_kernels(monkeypatch, call, device)
     with pytest.raises(NotImplementedError, match=f"Mosaic GPU kernel of the {stage} cannot"):
       _config(monkeypatch, call, device, "pallas_gpu_mosaic")
   assert auto.accumulate_bwd == (not DEVICES[device][0])
-  assert auto.walk_pieces == PIECES.get((call, device), 1)
+  assert stages.walk_pieces(auto) == PIECES.get((call, device), 1)
 
 
 @pytest.mark.parametrize("call", CALLS)
