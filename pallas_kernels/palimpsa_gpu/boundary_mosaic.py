@@ -101,7 +101,8 @@ def fits(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, *, interpret: bool,
 
 
 def _x_dtype(v_dtype, beta_dtype):
-  """The dtype the kernel reads v and beta in: theirs, or float32 where they differ."""
+  """The dtype the kernel reads v and beta in (`boundary_states` converts them): theirs, or
+  float32 where they differ."""
   return v_dtype if jnp.dtype(v_dtype) == jnp.dtype(beta_dtype) else f32
 
 
@@ -253,7 +254,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   if v.dtype != beta.dtype:
     v, beta = v.astype(f32), beta.astype(f32)
   if kp % k_part or tp % chunk or not fits(chunk, k_part, vp, k.dtype, v.dtype,
-                                                interpret=bool(interpret), slots=slots):
+                                           interpret=bool(interpret), slots=slots):
     raise ValueError(
         f"chunk={chunk}, k_part={k_part}, slots={slots} with K={kp}, V={vp}, Tp={tp} and "
         f"{jnp.dtype(k.dtype).name} k, {jnp.dtype(v.dtype).name} v do not fit the kernel")
@@ -266,15 +267,15 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   bh, num_blocks = gates.shape[:2]
   num_v, num_k = -(-vp // BLOCK_V), kp // k_part
   sds = jax.ShapeDtypeStruct
+  # No automatic barriers: every thread reads back from shared memory only what it wrote
+  # itself (the same layout), or what a TMA copy brought in after a barrier; the tensor
+  # cores read after commit_smem; slots are refilled after commit_smem.
   kernel = mosaic_kernel(
       functools.partial(_kernel, heads=heads, chunk=chunk, num_blocks=num_blocks,
                         num_chunks=num_chunks, num_v=num_v, num_k=num_k),
       out_type=[sds((bh, num_chunks, vp, kp), f32)] * 2 + [sds((bh, vp, kp), f32)] * 2,
       scratch_types=_scratch(chunk, k_part, vp, slots, k.dtype, v.dtype) + [
           plgpu.Barrier(num_arrivals=3, num_barriers=slots), plgpu.Barrier(num_arrivals=1)],
-      # No automatic barriers: every thread reads back from shared memory only what it wrote
-      # itself (the same layout), or what a TMA copy brought in after a barrier; the tensor
-      # cores read after commit_smem; slots are refilled after commit_smem.
       grid=(2 * num_v * num_k, bh), grid_names=("p", "n"), interpret=interpret,
       name="palimpsa_boundary_mosaic")
   return tuple(kernel(k, v, beta, gates, m0.astype(f32), b0.astype(f32)))

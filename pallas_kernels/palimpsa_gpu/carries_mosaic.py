@@ -138,6 +138,8 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, interpret: bool
   gates = jnp.pad(chunk_gate.astype(f32), ((0, 0), (0, ncp - nc)))
   flat = lambda x: x.astype(f32).reshape(*x.shape[:-2], size)
   sds = jax.ShapeDtypeStruct
+  # No automatic barriers: every thread reads back only what it wrote itself, or what a
+  # TMA copy brought in after a barrier; stores leave through commit_smem.
   kernel = mosaic_kernel(
       functools.partial(_kernel, num_chunks=nc, tile=tile, depth=depth,
                         vec_size=4 if tile % (4 * WARPGROUP) == 0 else 2),
@@ -145,8 +147,6 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, interpret: bool
       scratch_types=[plgpu.SMEM((depth, tile), f32)] * 2 + [
           plgpu.SMEM((ncp,), f32), plgpu.Barrier(num_arrivals=2, num_barriers=depth),
           plgpu.Barrier(num_arrivals=3)],
-      # No automatic barriers: every thread reads back only what it wrote itself, or what a
-      # TMA copy brought in after a barrier; stores leave through commit_smem.
       grid=(size // tile, bh), grid_names=("t", "n"), interpret=interpret,
       name="palimpsa_adjoint_carries_mosaic")
   carry_m, carry_b, dm0, db0 = kernel(gates, flat(dm_end), flat(db_end), flat(adj_m),
