@@ -90,8 +90,8 @@ def smem_bytes(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, slots: int = 
   return smem_bytes_of(_scratch(chunk, k_part, vp, slots, k_dtype, x_dtype))
 
 
-def fits(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, *, interpret: bool,
-         slots: int = SLOTS) -> bool:
+def supported(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, *, interpret: bool,
+              slots: int = SLOTS) -> bool:
   """Whether the kernel takes these tiles: a chunk of 16-128 steps (a power of two), a
   K-part of a multiple of 16 columns and, compiled, a CTA that fits in shared memory
   (x_dtype: of v and beta)."""
@@ -106,10 +106,10 @@ def _x_dtype(v_dtype, beta_dtype):
   return v_dtype if jnp.dtype(v_dtype) == jnp.dtype(beta_dtype) else f32
 
 
-def supports(call: StageCall) -> bool:
-  """Whether the kernel takes the call with its default K-part (`fits`)."""
-  return fits(call.chunk, default_k_part(call.kp), call.vp, call.k_dtype,
-              _x_dtype(call.v_dtype, call.beta_dtype), interpret=call.interpret)
+def supports_call(call: StageCall) -> bool:
+  """Whether the kernel takes the call with its default K-part (`supported`)."""
+  return supported(call.chunk, default_k_part(call.kp), call.vp, call.k_dtype,
+                   _x_dtype(call.v_dtype, call.beta_dtype), interpret=call.interpret)
 
 
 def tiles(call: StageCall) -> dict:
@@ -245,7 +245,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
     interpret: False (compiled), True, or the interpreter's parameters
       (`plgpu.InterpretGPUParams`, e.g. with detect_races).
     slots: row blocks in flight per CTA (at least 1).
-    `fits(chunk, k_part, Vp, k.dtype, v.dtype, ...)` must hold.
+    `supported(chunk, k_part, Vp, k.dtype, v.dtype, ...)` must hold.
 
   Returns:
     m_starts, b_starts [BH, NC, Vp, Kp]; m_final, b_final [BH, Vp, Kp]; float32.
@@ -253,8 +253,8 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   tp, kp, vp = k.shape[1], k.shape[-1], v.shape[-1]
   if v.dtype != beta.dtype:
     v, beta = v.astype(f32), beta.astype(f32)
-  if kp % k_part or tp % chunk or not fits(chunk, k_part, vp, k.dtype, v.dtype,
-                                           interpret=bool(interpret), slots=slots):
+  if kp % k_part or tp % chunk or not supported(chunk, k_part, vp, k.dtype, v.dtype,
+                                                interpret=bool(interpret), slots=slots):
     raise ValueError(
         f"chunk={chunk}, k_part={k_part}, slots={slots} with K={kp}, V={vp}, Tp={tp} and "
         f"{jnp.dtype(k.dtype).name} k, {jnp.dtype(v.dtype).name} v do not fit the kernel")

@@ -22,7 +22,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _NUM_STAGES = 2
 
 
-def supports(call: StageCall) -> bool:
+def supports_call(call: StageCall) -> bool:
   """Every call the op takes (K, V <= 256, any dtypes)."""
   del call
   return True

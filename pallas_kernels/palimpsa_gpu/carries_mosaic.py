@@ -35,7 +35,7 @@ DEPTH = 4
 HOPPER_ONLY = False  # Hopper and newer.
 
 
-def supports(call: StageCall) -> bool:
+def supports_call(call: StageCall) -> bool:
   """Every call the op takes (its states' Vp * Kw is a multiple of 256)."""
   del call
   return True

@@ -1,7 +1,7 @@
 """The kernel of each stage on each Pallas backend, and `make_config`, which picks among them.
 
 Every stage module of KERNELS has the same four parts:
-  supports(call: StageCall) -> bool: whether its kernel takes the call's sizes and dtypes;
+  supports_call(call: StageCall) -> bool: whether its kernel takes the call's sizes and dtypes;
   tiles(call) -> dict: the GpuKernelConfig fields it reads, chosen from the sizes;
   launch(cfg, *arrays, ...): its kernel with cfg's tiles, the same arguments on both
     backends of a stage;
@@ -83,7 +83,7 @@ def make_config(q, v, log_alpha, prior_precision, *, return_variance, chunk_size
   for stage, name in STAGES.items():
     mosaic = KERNELS[stage, "mosaic"]
     fields.update(KERNELS[stage, "triton"].tiles(call))
-    fields[stage] = config.stage_backend(name, backend, mosaic.supports(call), interpret,
+    fields[stage] = config.stage_backend(name, backend, mosaic.supports_call(call), interpret,
                                          hopper_only=mosaic.HOPPER_ONLY)
     if fields[stage] == "mosaic":
       fields.update(mosaic.tiles(call))

@@ -71,8 +71,8 @@ def smem_bytes(chunk: int, sub: int, row_dtypes, every: int | None = None) -> in
   return smem_bytes_of(_smem_scratch(chunk, sub, every, row_dtypes))
 
 
-def fits(chunk: int, sub: int, row_dtypes, *, interpret: bool,
-         every: int | None = None) -> bool:
+def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
+              every: int | None = None) -> bool:
   """Whether the chunk cuts into quarters of whole checkpoint segments of whole
   sub-chunks and, compiled, the CTA fits in shared memory."""
   quarter, every = chunk // 4, every or checkpoint_every(chunk)
@@ -80,13 +80,13 @@ def fits(chunk: int, sub: int, row_dtypes, *, interpret: bool,
           and (interpret or smem_bytes(chunk, sub, row_dtypes, every) <= SMEM_LIMIT))
 
 
-def supports(call: StageCall) -> bool:
+def supports_call(call: StageCall) -> bool:
   """Whether the kernel takes the call's chunk and rows (q, k, v, beta, dO and, with the
-  variance, its float32 cotangent) in sub-chunks of SUB steps (`fits`)."""
+  variance, its float32 cotangent) in sub-chunks of SUB steps (`supported`)."""
   rows = [call.q_dtype, call.k_dtype, call.v_dtype, call.beta_dtype, call.v_dtype]
   if call.with_var:
     rows.append(jnp.float32)
-  return fits(call.chunk, SUB, rows, interpret=call.interpret)
+  return supported(call.chunk, SUB, rows, interpret=call.interpret)
 
 
 def tiles(call: StageCall) -> dict:
@@ -289,7 +289,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   Args:
     q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
     a: [BH, Tp] step gates; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
-    Kp and Vp are multiples of 16, Tp of chunk; `fits(chunk, sub, ...)` holds.
+    Kp and Vp are multiples of 16, Tp of chunk; `supported(chunk, sub, ...)` holds.
     bh_range: (first, count): walk only these batch*heads.
     accumulate: add the tiles' sums by TMA reduce-add into one part (compiled only:
       interpret mode has no reduce-add); else one partial sum per tile.
@@ -315,7 +315,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   with_var = dvar is not None
   row_inputs = [k, q, v, beta, do] + ([dvar] if with_var else [])
   row_dtypes = [x.dtype for x in row_inputs]
-  if not fits(chunk, sub, row_dtypes, interpret=interpret, every=every):
+  if not supported(chunk, sub, row_dtypes, interpret=interpret, every=every):
     raise ValueError(f"chunk={chunk}, sub={sub}, every={every} with rows of "
                      f"{[jnp.dtype(d).name for d in row_dtypes]} do not fit the kernel")
 

@@ -22,7 +22,7 @@ from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, large
 from pallas_kernels.palimpsa_gpu.launch import triton_params
 
 
-def supports(call: StageCall) -> bool:
+def supports_call(call: StageCall) -> bool:
   """Every call the op takes (K, V <= 256, any dtypes)."""
   del call
   return True

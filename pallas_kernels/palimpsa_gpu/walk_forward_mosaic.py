@@ -55,18 +55,19 @@ def smem_bytes(kp: int, row_dtypes, out_dtype, with_var: bool) -> int:
   return smem_bytes_of(_smem_scratch(kp, row_dtypes, out_dtype, with_var))
 
 
-def fits(chunk: int, kp: int, row_dtypes, out_dtype, with_var: bool, *,
-         interpret: bool) -> bool:
+def supported(chunk: int, kp: int, row_dtypes, out_dtype, with_var: bool, *,
+              interpret: bool) -> bool:
   """Whether the chunk cuts into whole slots, K fits in registers and, compiled, the CTA
   fits in shared memory (row_dtypes: k, q, v, beta)."""
   return (chunk % SLOT_STEPS == 0 and kp % TILE == 0 and kp <= MAX_K
           and (interpret or smem_bytes(kp, row_dtypes, out_dtype, with_var) <= SMEM_LIMIT))
 
 
-def supports(call: StageCall) -> bool:
-  """Whether the kernel takes the call's chunk, K and rows (`fits`)."""
-  return fits(call.chunk, call.kp, [call.k_dtype, call.q_dtype, call.v_dtype, call.beta_dtype],
-              call.v_dtype, call.with_var, interpret=call.interpret)
+def supports_call(call: StageCall) -> bool:
+  """Whether the kernel takes the call's chunk, K and rows (`supported`)."""
+  rows = [call.k_dtype, call.q_dtype, call.v_dtype, call.beta_dtype]
+  return supported(call.chunk, call.kp, rows, call.v_dtype, call.with_var,
+                   interpret=call.interpret)
 
 
 def tiles(call: StageCall) -> dict:
@@ -179,7 +180,7 @@ def walk_forward(q, k, v, beta, a, ip, m_starts, b_starts, *, heads: int, chunk:
     q, k: [B, Tp, H, Kp]; v, beta: [B, Tp, H, Vp] (the caller's layout, padded; Kp and
       Vp multiples of 16, Tp of chunk); a: [BH, Tp] step gates; ip: [BH] prior
       precision; m_starts, b_starts: [BH, NC, Vp, Ks] with Ks >= Kp (columns past Kp
-      are not read). `fits(chunk, Kp, ...)` holds.
+      are not read). `supported(chunk, Kp, ...)` holds.
     heads: H (batch*head n is batch n // H, head n % H).
 
   Returns:
@@ -191,7 +192,7 @@ def walk_forward(q, k, v, beta, a, ip, m_starts, b_starts, *, heads: int, chunk:
   groups = -(-nc // WALKS)
   t_all = groups * WALKS * chunk
   row_dtypes = [k.dtype, q.dtype, v.dtype, beta.dtype]
-  if not fits(chunk, kp, row_dtypes, out_dtype, with_var, interpret=interpret):
+  if not supported(chunk, kp, row_dtypes, out_dtype, with_var, interpret=interpret):
     raise ValueError(f"chunk={chunk}, K={kp} with rows of "
                      f"{[jnp.dtype(d).name for d in row_dtypes]} do not fit the kernel")
 

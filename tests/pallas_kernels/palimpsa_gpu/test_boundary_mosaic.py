@@ -107,5 +107,5 @@ def test_rejects_tiles_it_does_not_take():
     with pytest.raises(ValueError, match=f"chunk={chunk}, k_part={k_part}"):
       boundary_mosaic.boundary_states(*args, heads=1, chunk=chunk, k_part=k_part,
                                       interpret=True)
-  assert not boundary_mosaic.fits(128, 256, 256, jnp.float32, jnp.float32,
+  assert not boundary_mosaic.supported(128, 256, 256, jnp.float32, jnp.float32,
                                        interpret=False)

@@ -340,21 +340,21 @@ def test_kernel_choice(monkeypatch):
   rows that fit it (backward: 16-bit rows up to chunk 128, float32 rows up to chunk 64;
   forward: K up to 128)."""
   bf16, f32 = jnp.bfloat16, jnp.float32
-  assert walk_backward_mosaic.fits(64, 4, [bf16] * 5, interpret=False)
-  assert walk_backward_mosaic.fits(64, 4, [bf16] * 5 + [f32], interpret=False)
-  assert walk_backward_mosaic.fits(64, 4, [f32] * 6, interpret=False)
-  assert walk_backward_mosaic.fits(128, 4, [bf16] * 6, interpret=False)
-  assert not walk_backward_mosaic.fits(128, 4, [f32] * 5, interpret=False)
-  assert walk_backward_mosaic.fits(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
-  assert not walk_backward_mosaic.fits(16, 8, [f32] * 5, interpret=True)  # 4-step quarters.
+  assert walk_backward_mosaic.supported(64, 4, [bf16] * 5, interpret=False)
+  assert walk_backward_mosaic.supported(64, 4, [bf16] * 5 + [f32], interpret=False)
+  assert walk_backward_mosaic.supported(64, 4, [f32] * 6, interpret=False)
+  assert walk_backward_mosaic.supported(128, 4, [bf16] * 6, interpret=False)
+  assert not walk_backward_mosaic.supported(128, 4, [f32] * 5, interpret=False)
+  assert walk_backward_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
+  assert not walk_backward_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # 4-step quarters.
   limit = walk_backward_mosaic.SMEM_LIMIT
   assert walk_backward_mosaic.smem_bytes(64, 4, [bf16] * 5) <= limit // 2
   for kp in (16, 96, 128):
     for dtype in (bf16, f32):
-      assert walk_forward_mosaic.fits(128, kp, [dtype] * 4, dtype, True, interpret=False)
+      assert walk_forward_mosaic.supported(128, kp, [dtype] * 4, dtype, True, interpret=False)
   assert walk_forward_mosaic.smem_bytes(96, [bf16] * 4, bf16, False) <= (
       limit // 2)  # Two CTAs per SM at D760's heads.
-  assert not walk_forward_mosaic.fits(64, 144, [bf16] * 4, bf16, False, interpret=True)
+  assert not walk_forward_mosaic.supported(64, 144, [bf16] * 4, bf16, False, interpret=True)
   auto = lambda *args, **kwargs: gpu_config.stage_backend("stage", "auto", *args, **kwargs)
   assert auto(True, interpret=True) == "mosaic"
   assert auto(False, interpret=True) == "triton"
