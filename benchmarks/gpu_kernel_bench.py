@@ -29,12 +29,11 @@ from benchmarks import results as results_lib
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
-from pallas_kernels.palimpsa_gpu import (backward, boundary_mosaic, boundary_triton, forward,
-                                         make_config, palimpsa_gpu, walk_backward_mosaic,
-                                         walk_forward_mosaic, walk_triton)
-from pallas_kernels.palimpsa_gpu.config import forward_block_v, largest_block_v
+from pallas_kernels.palimpsa_gpu import backward, forward, layout, make_config, palimpsa_gpu, stages
+from pallas_kernels.palimpsa_gpu.config import largest_block_v
+from pallas_kernels.palimpsa_gpu.walk_forward_triton import block_v_for
 
-REFERENCE_MS = {  # docs/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
+REFERENCE_MS = {  # docs/results/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
     "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
     "MQAR": (1.32, 6.67)}
 
@@ -72,62 +71,28 @@ def _stage_args(cfg, args):
   m0, b0 = forward.initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
   q_rows, k_rows, v_rows, beta_rows, k_bound = forward.forward_rows(cfg, q, k, v, beta)
   bnd = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
-  ms, bs, _, _ = _boundary_fn(cfg)(*bnd)
-  fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step,
-         forward.ip_row(ipv, cfg.k + cfg.k_pad), ms, bs)
+  ms, bs, _, _ = _stage_fn("boundary", cfg)(*bnd)
+  fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step, ipv, ms, bs)
   to_bwd = lambda x: backward.backward_starts(cfg, x[..., :cfg.v, :cfg.k])
-  bwd = (qh, kh, vh, betah, gates.step, forward.ip_row(ipv, cfg.k_bwd),
-         jnp.ones(vh.shape, vh.dtype), to_bwd(ms), to_bwd(bs))
+  bwd = (qh, kh, vh, betah, gates.step, layout.ip_row(ipv, cfg.k_bwd),
+         jnp.ones(vh.shape, vh.dtype), None, to_bwd(ms), to_bwd(bs))
   return bnd, fwd, bwd
 
 
-def _boundary_fn(cfg):
-  if cfg.boundary_fwd == "mosaic":
-    return jax.jit(functools.partial(
-        boundary_mosaic.boundary_states, heads=cfg.h, chunk=cfg.chunk,
-        k_part=cfg.k_part_boundary, interpret=False))
-  return jax.jit(functools.partial(
-      boundary_triton.boundary_states, heads=cfg.h, chunk=cfg.chunk,
-      block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
-      num_warps=cfg.num_warps_boundary, interpret=False))
-
-
-def _forward_walk_fn(cfg, dtype):
-  if cfg.walk_fwd == "mosaic":  # Takes the prior precision per batch*head, not per column.
-    fn = functools.partial(walk_forward_mosaic.walk_forward, heads=cfg.h, chunk=cfg.chunk,
-                           with_var=False, out_dtype=dtype, interpret=False)
-    return jax.jit(lambda *a: fn(*a[:5], a[5][:, 0], *a[6:]))
-  return jax.jit(functools.partial(
-      walk_triton.walk_forward, heads=cfg.h, chunk=cfg.chunk,
-      block_v=cfg.block_v, unroll=cfg.unroll, k_part=cfg.k_part,
-      with_var=False, out_dtype=dtype, num_warps=cfg.num_warps, interpret=False))
-
-
-def _backward_walk_fn(cfg):
-  if cfg.walk_bwd == "mosaic":
-    fn = functools.partial(walk_backward_mosaic.walk_backward, dvar=None, chunk=cfg.chunk,
-                           sub=cfg.sub, interpret=False, accumulate=cfg.accumulate_bwd)
-  else:
-    fn = functools.partial(walk_triton.walk_backward, dvar=None, chunk=cfg.chunk,
-                           block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-                           k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
-                           num_warps=cfg.num_warps_bwd, prefetch=cfg.prefetch_bwd,
-                           interpret=False)
-  return jax.jit(lambda *a: fn(*a[:7], m_starts=a[7], b_starts=a[8]))
-
-
 STAGES = ("boundary", "walk_fwd", "walk_bwd")
+# The op's stage (stages.STAGES) behind each of STAGES.
+_OP_STAGES = {"boundary": "boundary_fwd", "walk_fwd": "walk_fwd", "walk_bwd": "walk_bwd"}
 
 
-def _stage_fn(stage, cfg, dtype):
-  if stage == "boundary":
-    return _boundary_fn(cfg)
-  return _forward_walk_fn(cfg, dtype) if stage == "walk_fwd" else _backward_walk_fn(cfg)
+def _stage_fn(stage, cfg):
+  """The stage's kernel as cfg chooses it, jitted alone (the backward walk without the
+  variance's cotangent)."""
+  return jax.jit(functools.partial(stages.run, _OP_STAGES[stage], cfg))
 
 
 def stage_times(cfg, args):
   """ms of (boundary, forward walk, backward walk), each jitted alone."""
-  return tuple(time_queued(_stage_fn(stage, cfg, args[2].dtype), [stage_args], 2, 10)
+  return tuple(time_queued(_stage_fn(stage, cfg), [stage_args], 2, 10)
                for stage, stage_args in zip(STAGES, _stage_args(cfg, args)))
 
 
@@ -157,7 +122,7 @@ def _variants(base):
       continue
     for warps in (1, 2):
       for unroll in (2, 4):
-        bv = forward_block_v(base.v + base.v_pad, k_part, warps)
+        bv = block_v_for(base.v + base.v_pad, k_part, warps)
         cfg = dataclasses.replace(base, walk_fwd="triton", block_v=bv, num_warps=warps,
                                   unroll=unroll, k_part=k_part)
         out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
@@ -187,7 +152,7 @@ def sweep(base, base_times, args, log):
   for stage, label, cfg in _variants(base):
     stage_args = _stage_args(cfg, args)[STAGES.index(stage)]
     try:
-      t = time_queued(_stage_fn(stage, cfg, args[2].dtype), [stage_args], warmup=1, iters=5)
+      t = time_queued(_stage_fn(stage, cfg), [stage_args], warmup=1, iters=5)
     except Exception as e:  # A variant that does not compile is reported, not fatal.
       log(f"    {stage} {label}: failed {type(e).__name__}: {str(e)[:200]}")
       continue
@@ -290,7 +255,8 @@ def main():
         table="\n".join([TABLE_HEADER, *rows]),
         notes=["stages each jitted alone with the base tiles; fwd and fwd+bwd: the whole kernel "
                f"with the {'best' if args_ns.sweep else 'base'} tiles, 10 calls queued (median "
-               "of 2 batches); floor and authors' times: docs/gpu_performance.md", *notes])
+               "of 2 batches); floor: docs/gpu_performance.md; authors' times: "
+               "docs/results/gpu_performance.md", *notes])
     log(f"wrote {results_lib.write_record(record, args_ns.records)}")
 
 

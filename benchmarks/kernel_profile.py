@@ -148,7 +148,7 @@ def run_stage(stage: str, shape, calls: int) -> None:
     raise SystemExit(f"--stage {stage}: this GPU runs it with Triton, not Mosaic GPU "
                      "(kernel_profile profiles the Mosaic kernels, sm_90)")
   cfg = dataclasses.replace(cfg, accumulate_bwd=False)
-  fn = gpu_kernel_bench._stage_fn(stage, cfg, args[2].dtype)  # pylint: disable=protected-access
+  fn = gpu_kernel_bench._stage_fn(stage, cfg)  # pylint: disable=protected-access
   stage_args = gpu_kernel_bench._stage_args(cfg, args)[  # pylint: disable=protected-access
       gpu_kernel_bench.STAGES.index(stage)]
   for _ in range(calls):

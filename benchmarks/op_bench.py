@@ -10,8 +10,8 @@ that leaves elements unwritten fails. Then, after warm-up, over rotating input s
 - "ms": per call, with --iters calls queued back to back and one block_until_ready at the end
   (median of 3 such batches). That is the device time of a call, gaps between its kernels
   included, without the host's dispatch and sync round trip; it is what triton's do_bench (the
-  reference timings of docs/gpu_performance.md) measures with CUDA events, and what the ratios
-  below use.
+  reference timings of docs/results/gpu_performance.md) measures with CUDA events, and what the
+  ratios below use.
 - "ms synced": the median of --iters single calls, each blocked on (adds the round trip).
   On CPU the host runs the calls itself: queuing gains nothing there and the two differ by noise.
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER

@@ -159,5 +159,5 @@ def test_deferred_imports_are_few_and_say_why():
 ])
 def test_imports_are_read_with_their_targets(source, expected):
   """The reader these tests rely on sees nested, package-level and relative imports."""
-  path = REPO / "pallas_kernels" / "palimpsa_gpu" / "walk_triton.py"
+  path = REPO / "pallas_kernels" / "palimpsa_gpu" / "op.py"
   assert _imports(path, source) == expected

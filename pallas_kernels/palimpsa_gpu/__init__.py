@@ -1,7 +1,8 @@
-"""Exact Palimpsa on NVIDIA GPUs with Pallas (Triton lowering; a Mosaic GPU backward walk on
-Hopper and newer)."""
+"""Exact Palimpsa on NVIDIA GPUs with Pallas: each stage's kernel on Mosaic GPU (Hopper and
+newer) or Triton."""
 
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, make_config
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
 from pallas_kernels.palimpsa_gpu.op import palimpsa_gpu
+from pallas_kernels.palimpsa_gpu.stages import make_config
 
 __all__ = ["GpuKernelConfig", "make_config", "palimpsa_gpu"]

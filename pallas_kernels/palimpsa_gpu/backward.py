@@ -7,10 +7,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import (boundary_triton, carries_mosaic, carries_triton, layout,
-                                         walk_backward_mosaic, walk_triton)
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, largest_block_v
-from pallas_kernels.palimpsa_gpu.forward import ip_row, pad_state
+from pallas_kernels.palimpsa_gpu import boundary_triton, layout, stages
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
+from pallas_kernels.palimpsa_gpu.forward import pad_state
 
 
 def backward_starts(cfg: GpuKernelConfig, saved: jax.Array) -> jax.Array:
@@ -63,20 +62,11 @@ def backward(cfg: GpuKernelConfig, residuals, cotangents):
   dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, f32)
            if cfg.return_variance else None)
   walk_outs = []
-  ip_cols = ip_row(ip, kw)
-  size = bh // cfg.walk_pieces
+  ip_cols = layout.ip_row(ip, kw)
+  size = bh // stages.walk_pieces(cfg)
   for first in range(0, bh, size):
-    walk_args = (qh, kh, vh, betah, gates.step, ip_cols, doh, dvarh, m_starts, ibar_starts)
-    if cfg.walk_bwd == "mosaic":
-      outs = walk_backward_mosaic.walk_backward(*walk_args, chunk=cfg.chunk, sub=cfg.sub,
-                                                interpret=cfg.interpret, bh_range=(first, size),
-                                                accumulate=cfg.accumulate_bwd)
-    else:
-      outs = walk_triton.walk_backward(
-          *walk_args, chunk=cfg.chunk, block_v=cfg.block_v_bwd, sub=cfg.sub,
-          groups=cfg.groups_bwd, k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
-          num_warps=cfg.num_warps_bwd, interpret=cfg.interpret, prefetch=cfg.prefetch_bwd,
-          bh_range=(first, size))
+    outs = stages.run("walk_bwd", cfg, qh, kh, vh, betah, gates.step, ip_cols, doh, dvarh,
+                      m_starts, ibar_starts, bh_range=(first, size))
     dq, dk, dv, dbeta, s, adj_m, adj_ibar = outs
     walk_outs.append((jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(dv, axis=0),
                       jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_ibar))
@@ -93,13 +83,8 @@ def backward(cfg: GpuKernelConfig, residuals, cotangents):
                                        kw - cfg.k)
   dm_end = dmu_f * r_final
   dibar_end = dprec_f - dmu_f * mu_final * r_final
-  if cfg.carries_bwd == "mosaic":
-    carry_m, carry_ibar, dm0, dibar0 = carries_mosaic.adjoint_carries(
-        dm_end, dibar_end, gates.chunk, adj_m, adj_ibar, interpret=cfg.interpret)
-  else:
-    carry_m, carry_ibar, dm0, dibar0 = carries_triton.adjoint_carries(
-        dm_end, dibar_end, gates.chunk, adj_m, adj_ibar, block_v=largest_block_v(vp, kw, 1024),
-        interpret=cfg.interpret)
+  carry_m, carry_ibar, dm0, dibar0 = stages.run("carries_bwd", cfg, dm_end, dibar_end,
+                                                 gates.chunk, adj_m, adj_ibar)
 
   # Carries are constant inside a chunk: their contributions are matmuls.
   c = cfg.chunk

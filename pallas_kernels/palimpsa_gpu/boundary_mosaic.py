@@ -27,6 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import bf16_terms
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
+from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import SMEM_LIMIT, smem_bytes_of
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -39,6 +41,7 @@ SLOTS = 2
 # over more columns until the accumulator's registers run out (the boundary sweep's record).
 MAX_DEFAULT_K_PART = 96
 TERMS = 3  # bfloat16 terms of a float32 operand.
+HOPPER_ONLY = True  # wgmma is Hopper's (sm_90); Blackwell's tensor cores take tcgen05.
 GATE_PAD = 32  # Chunk-gate entries per block (at most 4 used): copies of whole 128 bytes.
 
 
@@ -95,6 +98,23 @@ def supported(chunk: int, k_part: int, vp: int, k_dtype, x_dtype, *, interpret: 
   return (chunk in (16, 32, 64, 128) and k_part % 16 == 0 and 0 < k_part <= 256
           and slots >= 1 and (interpret or smem_bytes(chunk, k_part, vp, k_dtype, x_dtype,
                                                       slots) <= SMEM_LIMIT))
+
+
+def _x_dtype(v_dtype, beta_dtype):
+  """The dtype the kernel reads v and beta in (`boundary_states` converts them): theirs, or
+  float32 where they differ."""
+  return v_dtype if jnp.dtype(v_dtype) == jnp.dtype(beta_dtype) else f32
+
+
+def supports_call(call: StageCall) -> bool:
+  """Whether the kernel takes the call with its default K-part (`supported`)."""
+  return supported(call.chunk, default_k_part(call.kp), call.vp, call.k_dtype,
+                   _x_dtype(call.v_dtype, call.beta_dtype), interpret=call.interpret)
+
+
+def tiles(call: StageCall) -> dict:
+  """GpuKernelConfig's boundary field: one K-part as wide as `default_k_part` allows."""
+  return dict(k_part_boundary=default_k_part(call.kp))
 
 
 def _kernel(k_g, v_g, beta_g, gates_g, m0_g, b0_g, ms_g, bs_g, mf_g, bf_g, k_s, x_s, gate_s,
@@ -247,20 +267,21 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   bh, num_blocks = gates.shape[:2]
   num_v, num_k = -(-vp // BLOCK_V), kp // k_part
   sds = jax.ShapeDtypeStruct
-  kernel = plgpu.kernel(
+  # No automatic barriers: every thread reads back from shared memory only what it wrote
+  # itself (the same layout), or what a TMA copy brought in after a barrier; the tensor
+  # cores read after commit_smem; slots are refilled after commit_smem.
+  kernel = mosaic_kernel(
       functools.partial(_kernel, heads=heads, chunk=chunk, num_blocks=num_blocks,
                         num_chunks=num_chunks, num_v=num_v, num_k=num_k),
       out_type=[sds((bh, num_chunks, vp, kp), f32)] * 2 + [sds((bh, vp, kp), f32)] * 2,
       scratch_types=_scratch(chunk, k_part, vp, slots, k.dtype, v.dtype) + [
           plgpu.Barrier(num_arrivals=3, num_barriers=slots), plgpu.Barrier(num_arrivals=1)],
-      grid=(2 * num_v * num_k, bh), grid_names=("p", "n"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane,
-          # Every thread reads back from shared memory only what it wrote itself (the
-          # same layout), or what a TMA copy brought in after a barrier; the tensor
-          # cores read after commit_smem; slots are refilled after commit_smem.
-          unsafe_no_auto_barriers=True),
-      interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-                 else plgpu.InterpretGPUParams() if interpret else None),
-      kernel_name="palimpsa_boundary_mosaic")
+      grid=(2 * num_v * num_k, bh), grid_names=("p", "n"), interpret=interpret,
+      name="palimpsa_boundary_mosaic")
   return tuple(kernel(k, v, beta, gates, m0.astype(f32), b0.astype(f32)))
+
+
+def launch(cfg: GpuKernelConfig, k, v, beta, to_end, chunk_gate, m0, b0):
+  """`boundary_states` with cfg's K-part (arguments as there)."""
+  return boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, heads=cfg.h, chunk=cfg.chunk,
+                         k_part=cfg.k_part_boundary, interpret=cfg.interpret)

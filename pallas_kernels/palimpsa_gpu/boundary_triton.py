@@ -10,15 +10,32 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.common import bf16_terms
+from pallas_kernels.common import bf16_terms, largest_power_of_two_dividing
 from pallas_kernels.palimpsa_gpu import layout
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
+from pallas_kernels.palimpsa_gpu.launch import triton_params
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Triton software-pipelining stages of the chunk loop: two overlap the next chunk's loads
 # with this chunk's products, more only take shared memory.
 _NUM_STAGES = 2
+
+
+def supports_call(call: StageCall) -> bool:
+  """Every call the op takes (K, V <= 256, any dtypes)."""
+  del call
+  return True
+
+
+def tiles(call: StageCall) -> dict:
+  """GpuKernelConfig's boundary fields (chosen by benchmarks/gpu_kernel_bench.py's sweeps):
+  one program per K-part of the largest power of two dividing K up to 32 columns (no
+  padding) and V-tile of up to 2048 entries, a warp per 512 entries."""
+  k_part = min(largest_power_of_two_dividing(call.kp), 32)
+  block_v = largest_block_v(call.vp, k_part, 2048, minimum=16)
+  return dict(k_part_boundary=k_part, block_v_boundary=block_v,
+              num_warps_boundary=max(1, block_v * k_part // 512))
 
 
 def dot_precision(interpret: bool):
@@ -111,8 +128,6 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
   exact_bf16 = v.dtype == beta.dtype == jnp.bfloat16
   kernel = functools.partial(_boundary_kernel, chunk=chunk, num_chunks=nc,
                              exact_bf16=exact_bf16, interpret=interpret)
-  params = None if interpret else plgpu_triton.CompilerParams(
-      num_warps=num_warps, num_stages=_NUM_STAGES)
   return pl.pallas_call(
       kernel, grid=grid,
       in_specs=[seq_k, seq_v, seq_v,
@@ -121,5 +136,13 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
       out_specs=[starts, starts, state, state],
       out_shape=[jax.ShapeDtypeStruct((bh, nc, vp, kp), f32)] * 2
       + [jax.ShapeDtypeStruct((bh, vp, kp), f32)] * 2,
-      compiler_params=params, interpret=interpret, name="palimpsa_boundary",
+      compiler_params=triton_params(num_warps, interpret, _NUM_STAGES), interpret=interpret,
+      name="palimpsa_boundary",
   )(k, v, beta, to_end, chunk_gate, m0, b0)
+
+
+def launch(cfg: GpuKernelConfig, k, v, beta, to_end, chunk_gate, m0, b0):
+  """`boundary_states` with cfg's tiles (arguments as there)."""
+  return boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, heads=cfg.h, chunk=cfg.chunk,
+                         block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
+                         num_warps=cfg.num_warps_boundary, interpret=cfg.interpret)

@@ -23,12 +23,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
+from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+
 f32 = jnp.float32
 WARPGROUP = 128
 # Largest flat tile a CTA walks (8 KiB per state and slot) and ring slots: at D760
 # (BH=64, S=18432) 576 CTAs of 64 KiB of shared memory, three per SM.
 MAX_TILE = 2048
 DEPTH = 4
+HOPPER_ONLY = False  # Hopper and newer.
+
+
+def supports_call(call: StageCall) -> bool:
+  """Every call the op takes (its states' Vp * Kw is a multiple of 256)."""
+  del call
+  return True
+
+
+def tiles(call: StageCall) -> dict:
+  """No GpuKernelConfig fields: the flat tile follows from the state's size at launch."""
+  del call
+  return {}
 
 
 def default_tile(state_size: int) -> int:
@@ -122,22 +138,23 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, interpret: bool
   gates = jnp.pad(chunk_gate.astype(f32), ((0, 0), (0, ncp - nc)))
   flat = lambda x: x.astype(f32).reshape(*x.shape[:-2], size)
   sds = jax.ShapeDtypeStruct
-  kernel = plgpu.kernel(
+  # No automatic barriers: every thread reads back only what it wrote itself, or what a
+  # TMA copy brought in after a barrier; stores leave through commit_smem.
+  kernel = mosaic_kernel(
       functools.partial(_kernel, num_chunks=nc, tile=tile, depth=depth,
                         vec_size=4 if tile % (4 * WARPGROUP) == 0 else 2),
       out_type=[sds((bh, nc, size), f32)] * 2 + [sds((bh, size), f32)] * 2,
       scratch_types=[plgpu.SMEM((depth, tile), f32)] * 2 + [
           plgpu.SMEM((ncp,), f32), plgpu.Barrier(num_arrivals=2, num_barriers=depth),
           plgpu.Barrier(num_arrivals=3)],
-      grid=(size // tile, bh), grid_names=("t", "n"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane,
-          # Every thread reads back only what it wrote itself, or what a TMA copy
-          # brought in after a barrier; stores leave through commit_smem.
-          unsafe_no_auto_barriers=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-      kernel_name="palimpsa_adjoint_carries_mosaic")
+      grid=(size // tile, bh), grid_names=("t", "n"), interpret=interpret,
+      name="palimpsa_adjoint_carries_mosaic")
   carry_m, carry_b, dm0, db0 = kernel(gates, flat(dm_end), flat(db_end), flat(adj_m),
                                       flat(adj_b))
   state = lambda x: x.reshape(*x.shape[:-1], vp, kw)
   return state(carry_m), state(carry_b), state(dm0), state(db0)
+
+
+def launch(cfg: GpuKernelConfig, dm_end, db_end, chunk_gate, adj_m, adj_b):
+  """`adjoint_carries` with its default tile and depth (arguments as there)."""
+  return adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, interpret=cfg.interpret)

@@ -6,9 +6,25 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.common import k_parts, largest_power_of_two_dividing
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
+from pallas_kernels.palimpsa_gpu.launch import triton_params
+
+# State entries per program at most: the V-tile is the largest that keeps within them.
+TILE_ENTRIES = 1024
+
+
+def supports_call(call: StageCall) -> bool:
+  """Every call the op takes (K, V <= 256, any dtypes)."""
+  del call
+  return True
+
+
+def tiles(call: StageCall) -> dict:
+  """No GpuKernelConfig fields: the V-tile follows from the state's width at launch."""
+  del call
+  return {}
 
 
 def _carries_kernel(g_ref, am_ref, ab_ref, em_ref, eb_ref, cm_ref, cb_ref, m0_ref,
@@ -61,7 +77,6 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, block_v: int,
   state = pl.BlockSpec((None, block_v, kw), lambda n, j: (n, j, 0))
   f32 = jnp.float32
   kernel = functools.partial(_carries_kernel, num_chunks=nc, unroll=unroll)
-  params = None if interpret else plgpu_triton.CompilerParams(num_warps=4, num_stages=1)
   return pl.pallas_call(
       kernel, grid=(bh, vp // block_v),
       in_specs=[pl.BlockSpec((None, nc), lambda n, j: (n, 0)), chunks, chunks, state,
@@ -69,5 +84,14 @@ def adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b, *, block_v: int,
       out_specs=[chunks, chunks, state, state],
       out_shape=[jax.ShapeDtypeStruct((bh, nc, vp, kw), f32)] * 2
       + [jax.ShapeDtypeStruct((bh, vp, kw), f32)] * 2,
-      compiler_params=params, interpret=interpret, name="palimpsa_adjoint_carries",
+      compiler_params=triton_params(4, interpret), interpret=interpret,
+      name="palimpsa_adjoint_carries",
   )(chunk_gate, adj_m, adj_b, dm_end, db_end)
+
+
+def launch(cfg: GpuKernelConfig, dm_end, db_end, chunk_gate, adj_m, adj_b):
+  """`adjoint_carries` over V-tiles of at most TILE_ENTRIES state entries (arguments as
+  there)."""
+  _, _, vp, kw = adj_m.shape
+  return adjoint_carries(dm_end, db_end, chunk_gate, adj_m, adj_b,
+                         block_v=largest_block_v(vp, kw, TILE_ENTRIES), interpret=cfg.interpret)

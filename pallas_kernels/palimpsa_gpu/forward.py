@@ -4,8 +4,7 @@ between them (padding, layouts, the linear state), with the residuals of the bac
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.palimpsa_gpu import (boundary_mosaic, boundary_triton, layout,
-                                         walk_forward_mosaic, walk_triton)
+from pallas_kernels.palimpsa_gpu import layout, stages
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
 
 
@@ -20,11 +19,6 @@ def prepare(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, sta
   gates = layout.make_gates(log_alpha, starts, cfg.h, tp, cfg.chunk)
   ip = jnp.tile(prior_precision.astype(jnp.float32), cfg.b)  # [BH]
   return qh, kh, vh, betah, gates, ip
-
-
-def ip_row(ip: jax.Array, width: int) -> jax.Array:
-  """[BH] -> [BH, width]: the prior precision of every column, padded ones included."""
-  return jnp.broadcast_to(ip[:, None], (ip.shape[0], width))
 
 
 def pad_state(cfg: GpuKernelConfig, x: jax.Array, k_width: int) -> jax.Array:
@@ -62,26 +56,9 @@ def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, ini
   m0, ibar0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   q_rows, k_rows, v_rows, beta_rows, k_bound = forward_rows(cfg, q, k, v, beta)
   boundary_args = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, ibar0)
-  if cfg.boundary_fwd == "mosaic":
-    m_starts, ibar_starts, m_final, ibar_final = boundary_mosaic.boundary_states(
-        *boundary_args, heads=cfg.h, chunk=cfg.chunk, k_part=cfg.k_part_boundary,
-        interpret=cfg.interpret)
-  else:
-    m_starts, ibar_starts, m_final, ibar_final = boundary_triton.boundary_states(
-        *boundary_args, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v_boundary,
-        k_part=cfg.k_part_boundary, num_warps=cfg.num_warps_boundary,
-        interpret=cfg.interpret)
-  if cfg.walk_fwd == "mosaic":
-    outs = walk_forward_mosaic.walk_forward(
-        q_rows, k_rows, v_rows, beta_rows, gates.step, ip, m_starts, ibar_starts,
-        heads=cfg.h, chunk=cfg.chunk, with_var=cfg.return_variance, out_dtype=v.dtype,
-        interpret=cfg.interpret)
-  else:
-    outs = walk_triton.walk_forward(
-        q_rows, k_rows, v_rows, beta_rows, gates.step, ip_row(ip, cfg.k + cfg.k_pad),
-        m_starts, ibar_starts, heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v,
-        unroll=cfg.unroll, k_part=cfg.k_part, with_var=cfg.return_variance,
-        out_dtype=v.dtype, num_warps=cfg.num_warps, interpret=cfg.interpret)
+  m_starts, ibar_starts, m_final, ibar_final = stages.run("boundary_fwd", cfg, *boundary_args)
+  outs = stages.run("walk_fwd", cfg, q_rows, k_rows, v_rows, beta_rows, gates.step, ip,
+                    m_starts, ibar_starts)
   # The walk writes [B, Tp, H, Vp]: the caller's layout, padded.
   out = outs[0][:, :cfg.t, :, :cfg.v]
   var = outs[1][:, :cfg.t, :, :cfg.v] if cfg.return_variance else None

@@ -63,6 +63,11 @@ def rows_spec(heads: int, t_block: int, d_block: int,
   return pl.BlockSpec((None, t_block, None, d_block), caller)
 
 
+def ip_row(ip: jax.Array, width: int) -> jax.Array:
+  """[BH] -> [BH, width]: the prior precision of every column, padded ones included."""
+  return jnp.broadcast_to(ip[:, None], (ip.shape[0], width))
+
+
 def from_head_major(x: jax.Array, b: int, h: int, t: int, d: int) -> jax.Array:
   """[B*H, Tp, Dp] -> [B, T, H, D] (drops padding)."""
   x = x[:, :t, :d].reshape(b, h, t, d)

@@ -19,8 +19,9 @@ import functools
 import jax
 
 from pallas_kernels.palimpsa_gpu.backward import backward
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, check_config, make_config
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, check_config
 from pallas_kernels.palimpsa_gpu.forward import forward
+from pallas_kernels.palimpsa_gpu.stages import make_config
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,8 +1,8 @@
 """The backward chunk walk as a Pallas Mosaic GPU kernel (Hopper and newer).
 
-Same outputs as `walk_triton.walk_backward` with [16, 16] state tiles (one V-tile of 16 rows and
-one K-slice of 16 columns per walk, sub-chunks of `sub` steps). What differs is where
-the data lives:
+Same outputs as `walk_backward_triton.walk_backward` with [16, 16] state tiles (one V-tile of
+16 rows and one K-slice of 16 columns per walk, sub-chunks of `sub` steps). What differs is
+where the data lives:
 
 - A CTA is one warpgroup; warp w walks chunk 4g + w, so the CTA holds its state and
   adjoints as [4, 16, 16] arrays in a layout that gives each warp its own [16, 16] tile
@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
+from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
     K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
     smem_bytes_of, sum_stores)
@@ -41,6 +43,8 @@ SLOTS = 2  # Quarter-chunk slots of the row ring.
 # Checkpoint spacing: 8 steps (two sub-chunks of 4) is the widest that still fits two CTAs
 # per SM with 16-bit rows; wider spacing re-advances more steps than occupancy repays.
 EVERY = 8
+SUB = 4  # Steps per sub-chunk (the states recomputed together in registers).
+HOPPER_ONLY = False  # Hopper and newer.
 
 
 def checkpoint_every(chunk: int) -> int:
@@ -74,6 +78,30 @@ def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
   quarter, every = chunk // 4, every or checkpoint_every(chunk)
   return (chunk % 4 == 0 and every > 0 and every % sub == 0 and quarter % every == 0
           and (interpret or smem_bytes(chunk, sub, row_dtypes, every) <= SMEM_LIMIT))
+
+
+def supports_call(call: StageCall) -> bool:
+  """Whether the kernel takes the call's chunk and rows (q, k, v, beta, dO and, with the
+  variance, its float32 cotangent) in sub-chunks of SUB steps (`supported`)."""
+  rows = [call.q_dtype, call.k_dtype, call.v_dtype, call.beta_dtype, call.v_dtype]
+  if call.with_var:
+    rows.append(jnp.float32)
+  return supported(call.chunk, SUB, rows, interpret=call.interpret)
+
+
+def tiles(call: StageCall) -> dict:
+  """GpuKernelConfig's backward-walk field: sub-chunks of SUB steps (its other tiles are
+  fixed: [16, 16] per warp, checkpoints every `checkpoint_every` steps)."""
+  del call
+  return dict(sub=SUB)
+
+
+def temp_bytes(cfg: GpuKernelConfig) -> int:
+  """Bytes of partial sums (one part with reduce-add) and broadcast gates per batch*head of
+  one call (the walk has no scratch in global memory)."""
+  tp, vp, kp = cfg.t + cfg.t_pad, cfg.v + cfg.v_pad, cfg.k_bwd
+  pv, pk = (1, 1) if cfg.accumulate_bwd else (vp // TILE, kp // TILE)
+  return 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + TILE)
 
 
 def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
@@ -268,7 +296,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
     every: steps between checkpoints (default `checkpoint_every(chunk)`).
 
   Returns:
-    As `walk_triton.walk_backward` with groups = Vp / 16 and k_split = Kp / 16: dq, dk
+    As `walk_backward_triton.walk_backward` with groups = Vp / 16 and k_split = Kp / 16: dq, dk
     [P, BH, Tp, Kp] (P = Vp / 16 parts); dv, dbeta [P, BH, Tp, Vp] (P = Kp / 16);
     s [Kp/16, Vp/16, BH, Tp]; adj_m, adj_b [BH, NC, Vp, Kp]. With `accumulate`, P = 1
     and s is [1, 1, BH, Tp].
@@ -317,18 +345,14 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   scratch = _smem_scratch(chunk, sub, every, row_dtypes) + [
       plgpu.Barrier(num_arrivals=len(row_inputs) + 1, num_barriers=SLOTS),
       plgpu.Barrier(num_arrivals=3)]
-  kernel = plgpu.kernel(
+  # No automatic barriers: every thread reads back only what it wrote itself, or what a TMA
+  # copy brought in after a barrier; stores leave through commit_smem.
+  kernel = mosaic_kernel(
       functools.partial(_kernel, chunk=chunk, sub=sub, every=every, num_k=nk,
                         with_var=with_var, accumulate=accumulate, interpret=interpret),
       out_type=adjoint_types if accumulate else sum_types + adjoint_types,
       scratch_types=scratch, grid=(nv * nk, groups, bh), grid_names=("p", "g", "n"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane,
-          # Every thread reads back only what it wrote itself, or what a TMA copy
-          # brought in after a barrier; stores leave through commit_smem.
-          unsafe_no_auto_barriers=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-      kernel_name="palimpsa_walk_backward_mosaic")
+      interpret=interpret, name="palimpsa_walk_backward_mosaic")
   if accumulate:  # Zeroed sums the kernel adds into (aliased in and out).
     refs = [jax.new_ref(jnp.zeros(t.shape, t.dtype)) for t in sum_types]
     adj_m, adj_b = kernel(*ins, *refs)
@@ -338,3 +362,12 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   back = lambda x: x.reshape(x.shape[0], bh, t_all, x.shape[-1])[:, :, :tp]
   return (back(dq), back(dk), back(dv), back(dbeta),
           s.reshape(pk, pv, bh, t_all)[..., :tp], adj_m[:, :nc], adj_b[:, :nc])
+
+
+def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
+           bh_range: tuple[int, int] | None = None):
+  """`walk_backward` for cfg's call, adding its sums by reduce-add where cfg says so
+  (arguments as there)."""
+  return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, chunk=cfg.chunk,
+                       sub=cfg.sub, interpret=cfg.interpret, bh_range=bh_range,
+                       accumulate=cfg.accumulate_bwd)

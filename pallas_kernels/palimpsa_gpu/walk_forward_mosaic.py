@@ -1,9 +1,9 @@
 """The forward chunk walk as a Pallas Mosaic GPU kernel (Hopper and newer).
 
-Same readouts as `walk_triton.walk_forward`. A CTA is one warpgroup: warp w walks chunk 4g + w
-of one batch*head for one V-tile of 16 rows over all of K, holding M and the precision
-I = Ibar + Ip as K/16 tiles [4, 16, 16] each (`mosaic_tiles.TILE_PER_WARP`: one [16, 16]
-tile per warp). A step is, per tile, M = a M + v k, I = a I + ((1 - a) Ip + beta k^2)
+Same readouts as `walk_forward_triton.walk_forward`. A CTA is one warpgroup: warp w walks
+chunk 4g + w of one batch*head for one V-tile of 16 rows over all of K, holding M and the
+precision I = Ibar + Ip as K/16 tiles [4, 16, 16] each (`mosaic_tiles.TILE_PER_WARP`: one
+[16, 16] tile per warp). A step is, per tile, M = a M + v k, I = a I + ((1 - a) Ip + beta k^2)
 (FMAs), r = 1 / I (rcp.approx) and the readout sum_k M r q, whose K-tiles' products each
 lane folds into one FMA chain before a reduce-scatter over the warp's lanes
 (`mosaic_tiles.readout_stores`).
@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
+from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
     K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
     readout_stores, smem_bytes_of)
@@ -31,6 +33,7 @@ SLOTS = 2  # Slots of the row ring.
 SLOT_STEPS = 8  # Steps per ring slot (and per staged block of readouts).
 # The widest K held in registers: 8 tiles of M and I take 128 of a thread's registers.
 MAX_K = 128
+HOPPER_ONLY = False  # Hopper and newer.
 
 
 def _smem_scratch(kp: int, row_dtypes, out_dtype, with_var: bool) -> list:
@@ -58,6 +61,19 @@ def supported(chunk: int, kp: int, row_dtypes, out_dtype, with_var: bool, *,
   fits in shared memory (row_dtypes: k, q, v, beta)."""
   return (chunk % SLOT_STEPS == 0 and kp % TILE == 0 and kp <= MAX_K
           and (interpret or smem_bytes(kp, row_dtypes, out_dtype, with_var) <= SMEM_LIMIT))
+
+
+def supports_call(call: StageCall) -> bool:
+  """Whether the kernel takes the call's chunk, K and rows (`supported`)."""
+  rows = [call.k_dtype, call.q_dtype, call.v_dtype, call.beta_dtype]
+  return supported(call.chunk, call.kp, rows, call.v_dtype, call.with_var,
+                   interpret=call.interpret)
+
+
+def tiles(call: StageCall) -> dict:
+  """No GpuKernelConfig fields: its tiles are fixed ([16, 16] per warp, 8-step slots)."""
+  del call
+  return {}
 
 
 def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):
@@ -202,17 +218,18 @@ def walk_forward(q, k, v, beta, a, ip, m_starts, b_starts, *, heads: int, chunk:
   scratch = _smem_scratch(kp, row_dtypes, out_dtype, with_var) + [
       plgpu.Barrier(num_arrivals=2 * nk + 3, num_barriers=SLOTS),
       plgpu.Barrier(num_arrivals=2 * nk + 1)]
-  kernel = plgpu.kernel(
+  # No automatic barriers: every thread reads back only what a TMA copy brought in after a
+  # barrier; staged readouts leave through commit_smem.
+  kernel = mosaic_kernel(
       functools.partial(_kernel, chunk=chunk, nk=nk, heads=heads, groups=groups,
                         with_var=with_var, interpret=interpret),
       out_type=out_types, scratch_types=scratch, grid=(nv, groups, bh),
-      grid_names=("v", "g", "n"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Lane,
-          # Every thread reads back only what a TMA copy brought in after a barrier;
-          # staged readouts leave through commit_smem.
-          unsafe_no_auto_barriers=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-      kernel_name="palimpsa_walk_forward_mosaic")
+      grid_names=("v", "g", "n"), interpret=interpret, name="palimpsa_walk_forward_mosaic")
   outs = kernel(*ins)
   return [x.reshape(b, t_all, heads, vp)[:, :tp] for x in outs]
+
+
+def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip, m_starts, b_starts):
+  """`walk_forward` for cfg's call (arguments as there)."""
+  return walk_forward(q, k, v, beta, a, ip, m_starts, b_starts, heads=cfg.h, chunk=cfg.chunk,
+                      with_var=cfg.return_variance, out_dtype=v.dtype, interpret=cfg.interpret)

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.palimpsa_gpu import (backward, carries_triton, forward,
-                                         walk_backward_mosaic, walk_forward_mosaic,
-                                         walk_triton)
+from pallas_kernels.palimpsa_gpu import (backward, carries_triton, forward, stages,
+                                         walk_backward_mosaic, walk_backward_triton,
+                                         walk_forward_mosaic, walk_forward_triton)
 from pallas_kernels.palimpsa_gpu import config as gpu_config
 from pallas_kernels.palimpsa_gpu import make_config, palimpsa_gpu
 from pallas_kernels.palimpsa_gpu import op as op_module
@@ -136,7 +136,7 @@ def test_backward_walk_in_pieces_agrees():
   base = make_config(args[0], args[2], args[4], args[5], return_variance=False,
                      chunk_size=16, interpret=True)
   pieces = dataclasses.replace(base, max_walk_temp_bytes=1)
-  assert (base.walk_pieces, pieces.walk_pieces) == (1, b * h)
+  assert (stages.walk_pieces(base), stages.walk_pieces(pieces)) == (1, b * h)
 
   def grads(cfg):
     loss = lambda *a: jnp.sum(_run(cfg, *a)[0] ** 2)
@@ -249,10 +249,11 @@ def test_segmented_reverse_cumsum_matches_a_loop(restart_rate):
 def test_forward_walk_rejects_an_unroll_longer_than_the_chunk():
   x = jnp.zeros((1, 16, 1, 16))
   with pytest.raises(ValueError, match="unroll=32 steps per body"):
-    walk_triton.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
-                             jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)), heads=1,
-                             chunk=16, block_v=16, unroll=32, k_part=16, with_var=False,
-                             out_dtype=jnp.float32, num_warps=1, interpret=True)
+    walk_forward_triton.walk_forward(x, x, x, x, jnp.ones((1, 16)), jnp.ones((1, 16)),
+                                     jnp.zeros((1, 1, 16, 16)), jnp.zeros((1, 1, 16, 16)),
+                                     heads=1, chunk=16, block_v=16, unroll=32, k_part=16,
+                                     with_var=False, out_dtype=jnp.float32, num_warps=1,
+                                     interpret=True)
 
 
 _WALK_ARGS = ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts", "b_starts")
@@ -286,18 +287,18 @@ _PIECES_256 = (False, 256, (1, 2), 4)  # a range of batch-heads; checkpoints eve
         for accumulate in (False, True) for case in (_VAR_192, _PIECES_256)])
 def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_var, t,
                                                   bh_range, every):
-  """walk_backward_mosaic.walk_backward gives walk_triton.walk_backward's partial sums (or,
-  with `accumulate`, their totals) and adjoints: with and without the variance's cotangent,
-  a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range, and
-  checkpoints every 8 (default) or 4 steps. Compiled: bfloat16 rows."""
+  """walk_backward_mosaic.walk_backward gives walk_backward_triton.walk_backward's partial sums
+  (or, with `accumulate`, their totals) and adjoints: with and without the variance's
+  cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range,
+  and checkpoints every 8 (default) or 4 steps. Compiled: bfloat16 rows."""
   chunk, k_dim, v_dim = 64, 32, 48
   x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, jnp.float32 if interpret else jnp.bfloat16)
   if not with_var:
     x["dvar"] = None
   args = [x[n] for n in _WALK_ARGS]
-  triton = walk_triton.walk_backward(*args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16,
-                                     k_part=16, k_split=k_dim // 16, num_warps=1,
-                                     interpret=interpret, prefetch=True, bh_range=bh_range)
+  triton = walk_backward_triton.walk_backward(
+      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16, k_split=k_dim // 16,
+      num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
     triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
@@ -354,22 +355,21 @@ def test_kernel_choice(monkeypatch):
   assert walk_forward_mosaic.smem_bytes(96, [bf16] * 4, bf16, False) <= (
       limit // 2)  # Two CTAs per SM at D760's heads.
   assert not walk_forward_mosaic.supported(64, 144, [bf16] * 4, bf16, False, interpret=True)
-  assert gpu_config.mosaic_or_triton(True, interpret=True) == "mosaic"
-  assert gpu_config.mosaic_or_triton(False, interpret=True) == "triton"
+  auto = lambda *args, **kwargs: gpu_config.stage_backend("stage", "auto", *args, **kwargs)
+  assert auto(True, interpret=True) == "mosaic"
+  assert auto(False, interpret=True) == "triton"
   hopper = gpu_config.compute_capability() >= (9, 0)
-  assert gpu_config.mosaic_or_triton(True, interpret=False) == (
-      "mosaic" if hopper else "triton")
-  assert gpu_config.mosaic_or_triton(False, interpret=False) == "triton"
+  assert auto(True, interpret=False) == ("mosaic" if hopper else "triton")
+  assert auto(False, interpret=False) == "triton"
   sm90 = gpu_config.compute_capability()[0] == 9
-  assert gpu_config.mosaic_or_triton(True, interpret=False, hopper_only=True) == (
-      "mosaic" if sm90 else "triton")
-  assert gpu_config.mosaic_or_triton(True, interpret=True, hopper_only=True) == "mosaic"
+  assert auto(True, interpret=False, hopper_only=True) == ("mosaic" if sm90 else "triton")
+  assert auto(True, interpret=True, hopper_only=True) == "mosaic"
   args = _random_op_args(0, (1, 64, 1, 144, 16))
   cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=False,
                     chunk_size=64, interpret=True)
   assert (cfg.walk_fwd, cfg.walk_bwd) == ("triton", "mosaic")
   monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-  assert gpu_config.mosaic_or_triton(True, interpret=True) == "triton"
+  assert auto(True, interpret=True) == "triton"
 
 
 @pytest.mark.parametrize("interpret, chunk, k_dim, v_dim, k_state, with_var", [
@@ -379,8 +379,8 @@ def test_kernel_choice(monkeypatch):
     pytest.param(False, 128, 48, 96, 48, True, marks=pytest.mark.gpu)])
 def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim, k_state,
                                                  with_var):
-  """walk_forward_mosaic.walk_forward gives walk_triton.walk_forward's readouts and variances
-  (float32 rows interpreted, bfloat16 rows compiled)."""
+  """walk_forward_mosaic.walk_forward gives walk_forward_triton.walk_forward's readouts and
+  variances (float32 rows interpreted, bfloat16 rows compiled)."""
   dtype = jnp.float32 if interpret else jnp.bfloat16
   b, h, nc = 2, 2, 3 if k_dim == 16 else 4
   t = nc * chunk
@@ -391,10 +391,10 @@ def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim,
   m_starts, b_starts = pad(x["m_starts"]), pad(x["b_starts"])
   ip = x["ip_row"][:, 0]
   ip_rows = jnp.broadcast_to(ip[:, None], (b * h, k_dim))
-  want = walk_triton.walk_forward(q, k, v, beta, x["a"], ip_rows, m_starts, b_starts,
-                                  heads=h, chunk=chunk, block_v=16, unroll=2, k_part=16,
-                                  with_var=with_var, out_dtype=dtype, num_warps=1,
-                                  interpret=interpret)
+  want = walk_forward_triton.walk_forward(q, k, v, beta, x["a"], ip_rows, m_starts, b_starts,
+                                          heads=h, chunk=chunk, block_v=16, unroll=2, k_part=16,
+                                          with_var=with_var, out_dtype=dtype, num_warps=1,
+                                          interpret=interpret)
   got = walk_forward_mosaic.walk_forward(q, k, v, beta, x["a"], ip, m_starts, b_starts,
                                          heads=h, chunk=chunk, with_var=with_var,
                                          out_dtype=dtype, interpret=interpret)
