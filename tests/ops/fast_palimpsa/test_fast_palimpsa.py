@@ -13,68 +13,14 @@ import pytest
 from palimpsa_jax.ops import PalimpsaState, fast_palimpsa, kernel_sharding, palimpsa
 from palimpsa_jax.ops.fast_palimpsa import (fast_palimpsa_decode, init_fast_palimpsa_cache,
                                            reference_fast_palimpsa)
+from tests.ops.fast_palimpsa.fast_palimpsa_suite import (GRADS, RESULTS, check_against_reference,
+                                                       op_with_grads, reference)
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 rel_error)
 from tests.ops.palimpsa.palimpsa_suite import DIFF_ARGS, make_inputs, random_cotangents
 
 IMPLEMENTATIONS = ("chunked", "sequential")
-RESULTS = ("out", "variance", "mu", "precision")
-GRADS = tuple(f"d{n}" for n in DIFF_ARGS)
 SEQUENCES = ("q", "k", "v", "beta", "log_alpha")
-
-
-def _with_grads(fn, diff, seg, cotangents):
-  """(out, variance, mu, precision) and the grads of <result, cotangents> w.r.t. diff."""
-
-  def flat(q, k, v, beta, la, ip, mu0, p0):
-    r = fn(q, k, v, beta, la, ip, initial_state=PalimpsaState(mu0, p0), segment_ids=seg)
-    return r.out, r.variance, r.state.mu, r.state.precision
-
-  res, vjp = jax.vjp(flat, *diff)
-  return res, vjp(tuple(jnp.asarray(c, r.dtype) for c, r in zip(cotangents, res)))
-
-
-@functools.partial(jax.jit, static_argnames=("implementation", "chunk_size", "interpret"))
-def _op_with_grads(diff, seg, cotangents, implementation, chunk_size, interpret=False):
-  fn = functools.partial(fast_palimpsa, return_variance=True, implementation=implementation,
-                         chunk_size=chunk_size, interpret=interpret)
-  return _with_grads(fn, diff, seg, cotangents)
-
-
-@functools.partial(jax.jit, static_argnames=("chunk_size",))
-def _reference_with_grads(diff, seg, cotangents, chunk_size):
-  return _with_grads(functools.partial(reference_fast_palimpsa, chunk_size=chunk_size), diff,
-                     seg, cotangents)
-
-
-def _reference(x, cotangents, chunk_size):
-  with jax.enable_x64(True):
-    diff = tuple(jnp.asarray(x[n], jnp.float64) for n in DIFF_ARGS)
-    seg = None if x.get("segment_ids") is None else jnp.asarray(x["segment_ids"])
-    cts = tuple(jnp.asarray(c, jnp.float64) for c in cotangents)
-    return jax.tree.map(np.asarray, _reference_with_grads(diff, seg, cts, chunk_size))
-
-
-def check_against_reference(implementation, seed, shape, chunk, lengths, dtype, fwd_tol,
-                            grad_tol, interpret=False):
-  """Output, variance, final state and the grads of all eight inputs (initial state
-  included) of `implementation` against the float64 reference, on fresh random inputs."""
-  x = make_inputs(seed, shape, dtype, lengths)
-  cts = random_cotangents(seed + 1, shape)
-  diff = tuple(jnp.asarray(x[n], dtype if i < 6 else jnp.float32)
-               for i, n in enumerate(DIFF_ARGS))
-  seg = None if lengths is None else jnp.asarray(x["segment_ids"])
-  res, grads = _op_with_grads(diff, seg, cts, implementation, chunk, interpret)
-  ref_res, ref_grads = _reference(x, cts, chunk)
-  b, t, h, kd, vd = shape
-  chex.assert_shape(res, [(b, t, h, vd), (b, t, h, vd), (b, h, vd, kd), (b, h, vd, kd)])
-  chex.assert_type(res, [dtype, jnp.float32, jnp.float32, jnp.float32])
-  label = f"{implementation} {shape} C={chunk} {jnp.dtype(dtype).name} "
-  assert_close_to_reference(dict(zip(RESULTS, res)), dict(zip(RESULTS, ref_res)), fwd_tol, label)
-  assert_close_to_reference(dict(zip(GRADS, grads)), dict(zip(GRADS, ref_grads)), grad_tol,
-                            label)
-
-
 # (B, T, H, K, V), chunk_size, segment lengths per row (None: no segment ids).
 SHAPES = (
     ((2, 37, 2, 8, 4), 16, ((10, 20, 7), (37,))),  # padded last chunk, restarts inside chunks
@@ -214,9 +160,9 @@ def test_corner_cases_finite():
     x.update({n: np.full_like(x[n], val) for n, val in override.items()})
     cts = random_cotangents(60 + i, shape)
     diff = tuple(jnp.asarray(x[n], jnp.float32) for n in DIFF_ARGS)
-    res, grads = _op_with_grads(diff, None, cts, "chunked", 8)
+    res, grads = op_with_grads(diff, None, cts, "chunked", 8)
     chex.assert_tree_all_finite((res, grads))
-    ref_res, _ = _reference(x, cts, 8)
+    ref_res, _ = reference(x, cts, 8)
     assert_close_to_reference(dict(zip(RESULTS, res)), dict(zip(RESULTS, ref_res)), 1e-4,
                               str(override))
 

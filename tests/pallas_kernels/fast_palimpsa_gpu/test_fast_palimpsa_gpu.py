@@ -9,7 +9,7 @@ import pytest
 
 from palimpsa_jax.ops import fast_palimpsa
 from pallas_kernels.fast_palimpsa_gpu import fast_palimpsa_gpu
-from tests.ops.fast_palimpsa.test_fast_palimpsa import check_against_reference
+from tests.ops.fast_palimpsa.fast_palimpsa_suite import check_against_reference
 from tests.ops.numerics import BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference
 from tests.ops.palimpsa.palimpsa_suite import make_inputs
 
