@@ -19,9 +19,8 @@ preset=cpu is a first run of a couple of minutes on a CPU: the tiny Palimpsa-D (
 the repository's own documentation (docs/*.md, README.md held out), context 128, batch 8,
 300 steps (docs/training.md, "A first LM run on a CPU").
 170m, 760m and 2.7b scan their layers (scan_layers); tiny unrolls them. Remat (remat,
-remat_saves) follows REMAT_BY_SIZE: none for the models whose 8 x 4096 step fits 80 GB
-without it, else remat that recomputes only elementwise work (docs/training.md,
-"Activation memory").
+remat_saves) follows REMAT_BY_SIZE: none for the models whose device_batch x 4096 step fits
+80 GB without it; the others keep what it names (docs/training.md, "Activation memory").
 Unless `total_steps` is given, it is ceil(tokens / (batch_size * seq_len)), so changing
 batch_size or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
@@ -75,9 +74,10 @@ SIZE_DEFAULTS = {
 # others keeps). Chosen for device_batch x 4096 tokens on one 80 GB GPU from the traced bytes
 # a block keeps (benchmarks/activation_bytes.py) times layers and tokens, plus 16 bytes a
 # parameter (float32 weights, gradients and two Adam moments) and 8 GiB for the backward's
-# temporaries, against 74.5 GiB (docs/training.md, "Activation memory"). Palimpsa-D 760M: 50.5
-# + 11.6 + 8 = 70.1 GiB without remat; Gated DeltaNet 170M: 64.4 + 2.5 + 8 = 74.9, so remat. 2.7b keeps only each block's input (nothing else fits
-# beside its 40 GiB of parameters and optimizer state at 4 x 4096).
+# temporaries, against 74.5 GiB (a run that close needs XLA_PYTHON_CLIENT_MEM_FRACTION=0.97;
+# docs/training.md, "Activation memory"). Palimpsa-D 760M: 50.5 + 11.6 + 8 = 70.1 GiB
+# without remat; Gated DeltaNet 170M: 64.4 + 2.5 + 8 = 74.9, so remat. 2.7b keeps only each
+# block's input: nothing more fits beside its 41 GiB of parameters and optimizer state.
 REMAT_BY_SIZE = {
     "170m": (("palimpsa_d", "not_palimpsa", "meta_mamba2"), "matmuls_readouts_and_states"),
     "760m": (("palimpsa_d",), "matmuls_readouts_and_states"),
