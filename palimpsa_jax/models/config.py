@@ -5,8 +5,8 @@ A model config is a flat ml_collections.ConfigDict. Shared fields:
   "attention"),
   metaplasticity, metaplastic_layers, vocab_size, d_model, num_layers, mlp_hidden_dim (0: no MLP),
   norm_eps, init_std, dtype (compute dtype name), residual_in_fp32, remat,
-  remat_saves (what a rematerialised block keeps: "nothing", "matmuls",
-  "matmuls_and_readouts" or "matmuls_readouts_and_states"; see LanguageModel), scan_layers (one stacked, scanned block;
+  remat_saves (what a rematerialised block keeps: "nothing", "matmuls", "matmuls_and_readouts"
+  or "matmuls_readouts_and_states"; see LanguageModel), scan_layers (one stacked, scanned block;
   see LanguageModel), implementation, chunk_size, matmul_precision, head_loss (the
   training loss's implementation, models.head_loss: "xla" or "pallas_gpu").
 Mixer fields:
