@@ -233,6 +233,18 @@ def torch_interop(records: list[Record]) -> str:
           + "\n".join(f"- {note}" for note in record["notes"]))
 
 
+def activation_bytes(records: list[Record]) -> str:
+  """Bytes a block keeps per token and layer at 8 x 4096 tokens: each (model, size, precision)
+  from the newest activation_bytes record that has it."""
+  chosen = newest_rows(
+      records, "activation_bytes", key=lambda r, row: (row["model"], row["size"],
+                                                       row["precision"]),
+      where=lambda r, row: (r["settings"]["batch"], r["settings"]["seq_len"]) == (8, 4096))
+  columns = list(rows_of(next(iter(chosen.values()))[0])[0])
+  rows = [[row[c] for c in columns] + [day(record)] for record, row in chosen.values()]
+  return markdown(columns + ["measured"], rows)
+
+
 def _as_recorded(benchmark: str) -> Callable[[list[Record]], str]:
   def view(records: list[Record]) -> str:
     record = newest(records, benchmark)
@@ -253,6 +265,7 @@ VIEWS: dict[str, Callable[[list[Record]], str]] = {
     "mqar_paper": mqar_paper,
     "mqar_batched_throughput": _as_recorded("mqar_batched_throughput"),
     "torch_interop": torch_interop,
+    "activation_bytes": activation_bytes,
 }
 
 

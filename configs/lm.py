@@ -18,7 +18,9 @@ batch 128 (128 x 4096 = 0.52M tokens per step). Per size (SIZE_DEFAULTS):
 preset=cpu is a first run of a couple of minutes on a CPU: the tiny Palimpsa-D (float32) on
 the repository's own documentation (docs/*.md, README.md held out), context 128, batch 8,
 300 steps (docs/training.md, "A first LM run on a CPU").
-170m, 760m and 2.7b scan their layers with remat (scan_layers, remat); tiny unrolls them.
+170m, 760m and 2.7b scan their layers (scan_layers); tiny unrolls them. Remat (remat,
+remat_saves) follows REMAT_BY_SIZE: none for the models whose device_batch x 4096 step fits
+80 GB without it; the others keep what it names (docs/training.md, "Activation memory").
 Unless `total_steps` is given, it is ceil(tokens / (batch_size * seq_len)), so changing
 batch_size or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
@@ -54,22 +56,32 @@ DEFAULTS = dict(
     device_batch=8,  # Most sequences per device and microbatch (gradient accumulation).
     scan_layers=False,  # One scanned block for all layers (fast compile, docs/training.md).
     remat=False,  # Recompute each block's activations in the backward pass.
+    remat_saves="nothing",  # What a rematerialised block keeps (model.remat_saves).
     precision="exact",  # "rank1": Fast Palimpsa in palimpsa_d, meta_mamba2 (docs/fast_palimpsa.md).
 )
 
 # docs/models.md, sizes and recipe (170m, 760m); 2.7b and tiny are ours. Explicit arguments win.
-# From 170m up the layers are one scanned block with remat: a slightly slower step in far
-# less memory that compiles in seconds instead of minutes (docs/training.md, "Scanned
-# layers"). tiny (CPU smoke tests) stays unrolled.
+# From 170m up the layers are one scanned block: it compiles in seconds instead of minutes
+# (docs/training.md, "Scanned layers"). tiny (CPU smoke tests) stays unrolled.
 SIZE_DEFAULTS = {
     "tiny": dict(seq_len=512, batch_size=16, tokens=2000 * 16 * 512, learning_rate=3e-3,
                  warmup_steps=200, device_batch=16),
-    "170m": dict(tokens=15e9, learning_rate=3e-3, device_batch=8, scan_layers=True,
-                 remat=True),
-    "760m": dict(tokens=30e9, learning_rate=1.25e-3, device_batch=8, scan_layers=True,
-                 remat=True),
-    "2.7b": dict(tokens=30e9, learning_rate=8e-4, device_batch=4, scan_layers=True,
-                 remat=True),
+    "170m": dict(tokens=15e9, learning_rate=3e-3, device_batch=8, scan_layers=True),
+    "760m": dict(tokens=30e9, learning_rate=1.25e-3, device_batch=8, scan_layers=True),
+    "2.7b": dict(tokens=30e9, learning_rate=8e-4, device_batch=4, scan_layers=True),
+}
+# Remat per size: (the models that train without it, what a rematerialised block of the
+# others keeps). Chosen for device_batch x 4096 tokens on one 80 GB GPU from the traced bytes
+# a block keeps (benchmarks/activation_bytes.py) times layers and tokens, plus 16 bytes a
+# parameter (float32 weights, gradients and two Adam moments) and 8 GiB for the backward's
+# temporaries, against 74.5 GiB (a run that close needs XLA_PYTHON_CLIENT_MEM_FRACTION=0.97;
+# docs/training.md, "Activation memory"). Palimpsa-D 760M: 50.5 + 11.6 + 8 = 70.1 GiB
+# without remat; Gated DeltaNet 170M: 64.4 + 2.5 + 8 = 74.9, so remat. 2.7b keeps only each
+# block's input: nothing more fits beside its 41 GiB of parameters and optimizer state.
+REMAT_BY_SIZE = {
+    "170m": (("palimpsa_d", "not_palimpsa", "meta_mamba2"), "matmuls_readouts_and_states"),
+    "760m": (("palimpsa_d",), "matmuls_readouts_and_states"),
+    "2.7b": ((), "nothing"),
 }
 
 
@@ -96,6 +108,12 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
+  if args.size in REMAT_BY_SIZE:  # tiny: no remat.
+    without_remat, saves = REMAT_BY_SIZE[args.size]
+    if "remat" not in given:
+      args.remat = args.model not in without_remat
+    if "remat_saves" not in given:
+      args.remat_saves = saves
   if args.total_steps is None:
     if args.tokens <= 0 or args.batch_size <= 0 or args.seq_len <= 0:
       raise ValueError(
@@ -114,6 +132,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                      precision=args.precision)
   config.model.scan_layers = args.scan_layers
   config.model.remat = args.remat
+  config.model.remat_saves = args.remat_saves
   config.seed = args.seed
   config.seq_len = args.seq_len
   config.batch_size = args.batch_size  # Global, in sequences.

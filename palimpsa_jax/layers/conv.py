@@ -51,13 +51,16 @@ class ShortConv(nnx.Module):
       state = self.init_state(batch)
     width = self.kernel_size
     weights = (self.kernel[...], None if self.bias is None else self.bias[...])
+    # The backward recomputes the taps and the SiLU from x (in the caller's dtype, often
+    # bfloat16): autodiff of the float32 forward kept each shifted tap, their sum and the
+    # SiLU's internals, W + 3 float32 copies of x.
+    convolve = jax.checkpoint(self._convolve)
     if width > 1 and context_parallel.active() is not None:
-      y = context_parallel.with_halo(self._convolve, x, state, segment_ids, weights,
-                                     width - 1)
+      y = context_parallel.with_halo(convolve, x, state, segment_ids, weights, width - 1)
     else:
       halo_ids = (None if segment_ids is None
                   else jnp.repeat(segment_ids[:, :1], width - 1, axis=1))
-      y = self._convolve(x, state, halo_ids, segment_ids, *weights)
+      y = convolve(x, state, halo_ids, segment_ids, *weights)
     padded = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)
     new_state = padded[:, padded.shape[1] - (width - 1):]
     return y, new_state

@@ -10,7 +10,7 @@ from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.layers.checks import check_mixer_input
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
 from palimpsa_jax.layers.linear import Dense
-from palimpsa_jax.layers.norms import GatedRMSNorm
+from palimpsa_jax.layers.norms import GatedRMSNorm, projected_gated_norm
 from palimpsa_jax.layers.qkv import ConvolvedQKV
 from palimpsa_jax.layers.readout import named_readout
 from palimpsa_jax.layers.recurrent import RecurrentMixer
@@ -92,8 +92,7 @@ class GatedDeltaNet(ConvolvedQKV, RecurrentMixer):
         segment_ids=segment_ids, implementation=implementation,
         chunk_size=self.chunk_size)
     g = self.gate_proj(x).reshape(batch, length, h, vd)
-    y = self.out_proj(self.out_norm(named_readout(result.out), g).reshape(batch, length,
-                                                          h * vd))
+    y = projected_gated_norm(self.out_norm, self.out_proj, named_readout(result.out), g)
     diagnostics = None
     if return_diagnostics:
       diagnostics = {"state_rms": rms(result.state), "output_rms": rms(y),

@@ -10,6 +10,7 @@ from palimpsa_jax.layers import params as params_lib
 from palimpsa_jax.layers.checks import check_mixer_input
 from palimpsa_jax.layers.diagnostics import gate_diagnostics, rms
 from palimpsa_jax.layers.gated_deltanet import GatedDeltaNet
+from palimpsa_jax.layers.norms import projected_gated_norm
 from palimpsa_jax.layers.readout import named_readout
 from palimpsa_jax.ops import MesaState, mesa_net
 
@@ -71,8 +72,7 @@ class MesaNet(GatedDeltaNet):
         segment_ids=segment_ids, implementation=implementation,
         chunk_size=self.chunk_size, cg_steps=self.cg_steps)
     g = self.gate_proj(x).reshape(batch, length, h, vd)
-    y = self.out_proj(self.out_norm(named_readout(result.out), g).reshape(batch, length,
-                                                          h * vd))
+    y = projected_gated_norm(self.out_norm, self.out_proj, named_readout(result.out), g)
     diagnostics = None
     if return_diagnostics:
       diagnostics = {"state_rms": rms(result.state.kv), "output_rms": rms(y),

@@ -106,6 +106,32 @@ class MetaMamba2(MetaplasticMixer):
     return MetaMamba2Cache(self.conv.init_state(batch_size),
                            self._initial_memory(batch_size, self.head_dim, self.state_dim))
 
+  def _op_inputs(self, xs, dt_raw, low_rank):
+    """The op's value, beta and log decay from x [B, T, H, P] and the matmul outputs
+    dt_raw [B, T, H] and low_rank [B, T, r] (None without metaplasticity).
+
+    Returns v [B, T, H, P] and beta [B, T, H, P] (or None) in `dtype`, log_alpha
+    [B, T, H] float32.
+    """
+    batch, length, h, p = xs.shape
+    dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias[...])
+    log_alpha = -jnp.exp(self.A_log[...]) * dt  # [B, T, H]
+    v = (xs.astype(jnp.float32) * dt[..., None]).astype(self.dtype)
+    beta = None
+    if low_rank is not None:
+      gate = jax.nn.sigmoid(self.beta_up(low_rank).astype(jnp.float32))
+      beta = (gate.reshape(batch, length, h, p)
+              * jax.nn.softplus(self.b_scale[...])[:, None] * dt[..., None])
+      beta = beta.astype(self.dtype)
+    return v, beta, log_alpha
+
+  def _output(self, readout, xs, z):
+    """out_proj(norm((readout + D * x) * silu(z))) [B, T, d] from readout, x [B, T, H, P]
+    and z [B, T, d_inner]."""
+    batch, length = xs.shape[:2]
+    out = readout.astype(jnp.float32) + self.D[...][:, None] * xs.astype(jnp.float32)
+    return self.out_proj(self.norm(out.reshape(batch, length, self.d_inner), z))
+
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
     check_mixer_input(x, self.d_model)
@@ -121,24 +147,16 @@ class MetaMamba2(MetaplasticMixer):
     b = jnp.repeat(b.reshape(batch, length, g, n), h // g, axis=2)
     c = jnp.repeat(c.reshape(batch, length, g, n), h // g, axis=2)
 
-    dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...])
-    log_alpha = -jnp.exp(self.A_log[...]) * dt  # [B, T, H]
-    v = (xs.astype(jnp.float32) * dt[..., None]).astype(self.dtype)
-    beta = None
-    if self.metaplasticity:
-      gate = jax.nn.sigmoid(
-          self.beta_up(self.beta_down(x)).astype(jnp.float32))
-      beta = (gate.reshape(batch, length, h, p)
-              * jax.nn.softplus(self.b_scale[...])[:, None] * dt[..., None])
-      beta = beta.astype(self.dtype)
-
+    low_rank = self.beta_down(x) if self.metaplasticity else None
+    # The gates and the value written are elementwise in the matmul outputs and x: the
+    # backward recomputes them rather than keep their float32 forms.
+    v, beta, log_alpha = jax.checkpoint(self._op_inputs)(xs, dt, low_rank)
     result, memory = self._memory(
         c, b, v, beta, log_alpha, None if cache is None else cache.state, segment_ids,
         return_diagnostics, implementation)
-    out = (result.out.astype(jnp.float32)
-           + self.D[...][:, None] * xs.astype(jnp.float32))
-    out = self.norm(out.reshape(batch, length, d_inner), z)
-    y = self.out_proj(out)
+    # The backward keeps the readout, x and z in the compute dtype and recomputes their
+    # float32 sum and its norm (out_proj's forward matmul is not run again).
+    y = jax.checkpoint(self._output)(result.out, xs, z)
     diagnostics = None
     if return_diagnostics:
       diagnostics = {

@@ -30,4 +30,7 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, T, d] -> [B, T, d] in the compute dtype."""
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    # The backward keeps the two matmul outputs and recomputes silu(gate) * up from them
+    # (down_proj's weight gradient needs it; its forward matmul is not run again).
+    down = jax.checkpoint(lambda gate, up: self.down_proj(jax.nn.silu(gate) * up))
+    return down(self.gate_proj(x), self.up_proj(x))

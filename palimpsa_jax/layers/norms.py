@@ -1,6 +1,6 @@
 """RMSNorm and the gated RMSNorm used at the output of every recurrent mixer."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import functools
 
 import jax
@@ -16,8 +16,16 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+# The norms recompute their float32 internals in the backward from their input (often
+# bfloat16, and kept anyway by the matmul or op that produced it): autodiff of the float32
+# forward kept the normalised x in float32, twice the bytes of a bfloat16 input.
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   """x / ||x|| over the last axis, computed in float32, returned in x.dtype."""
+  return _l2_normalize(x, eps)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(1,))
+def _l2_normalize(x: jax.Array, eps: float) -> jax.Array:
   xf = x.astype(jnp.float32)
   y = xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
   return y.astype(x.dtype)
@@ -35,7 +43,13 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., features] -> [..., features] in `dtype`."""
-    return (rms_normalize(x, self.eps) * self.scale[...]).astype(self.dtype)
+    return _rms_norm(x, self.scale[...], self.eps, jnp.dtype(self.dtype))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: jnp.dtype) -> jax.Array:
+  """RMSNorm's output in dtype; the backward keeps x and recomputes the rest."""
+  return (rms_normalize(x, eps) * scale).astype(dtype)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -66,6 +80,21 @@ class GatedRMSNorm(nnx.Module):
     """x, gate [..., features] -> [..., features] in `dtype`."""
     return gated_rms_norm(x, gate, self.scale[...], self.group_size, self.eps,
                           self.norm_before_gate, jnp.dtype(self.dtype))
+
+
+def projected_gated_norm(norm: GatedRMSNorm, projection: Callable[[jax.Array], jax.Array],
+                         x: jax.Array, gate: jax.Array) -> jax.Array:
+  """projection(norm(x, gate)) with the heads' features joined: x, gate [B, T, H, V] ->
+  projection's output of [B, T, H * V].
+
+  The backward keeps x and gate (in the compute dtype) and recomputes the norm's output,
+  which the projection's weight gradient needs; the projection's forward is not rerun.
+  """
+  def run(x, gate):
+    y = norm(x, gate)
+    return projection(y.reshape(*y.shape[:-2], -1))
+
+  return jax.checkpoint(run)(x, gate)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))

@@ -90,34 +90,52 @@ class PalimpsaD(ConvolvedQKV, MetaplasticMixer):
         *self._initial_conv_states(batch_size),
         self._initial_memory(batch_size, self.head_v_dim, self.head_k_dim))
 
+  def _op_inputs(self, v, dt_raw, s_raw, low_rank):
+    """The op's value, beta and log decay from v [B, T, H, V] and the matmul outputs
+    dt_raw, s_raw [B, T, H] and low_rank [B, T, r] (None without metaplasticity).
+
+    Returns written [B, T, H, V] and beta [B, T, H, V] (or None) in `dtype`, log_alpha
+    [B, T, H] float32.
+    """
+    batch, length, h, vd = v.shape
+    dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias[...])
+    log_alpha = -jnp.exp(self.A_log[...]) * dt  # [B, T, H]
+    s = jax.nn.sigmoid(s_raw.astype(jnp.float32))[..., None]
+    written = (v.astype(jnp.float32) * s).astype(self.dtype)
+    beta = None
+    if low_rank is not None:
+      gate = jax.nn.sigmoid(self.beta_up(low_rank).astype(jnp.float32))
+      beta = (gate.reshape(batch, length, h, vd)
+              * jax.nn.softplus(self.b_scale[...])[:, None] * s)
+      beta = beta.astype(self.dtype)
+    return written, beta, log_alpha
+
+  def _output(self, readout, v, gate):
+    """out_proj(gated norm(readout + D * v)) [B, T, d] from readout, v [B, T, H, V] and
+    gate [B, T, H * V]."""
+    batch, length, h, vd = v.shape
+    out = readout.astype(jnp.float32) + self.D[...][:, None] * v.astype(jnp.float32)
+    normed = self.out_norm(out, gate.reshape(batch, length, h, vd))
+    return self.out_proj(normed.reshape(batch, length, h * vd))
+
   def _forward(self, x, cache, segment_ids, implementation,
                return_diagnostics):
     check_mixer_input(x, self.d_model)
     batch, length, _ = x.shape
     h, vd = self.num_heads, self.head_v_dim
     q, k, v, conv_states = self._qkv(x, cache, segment_ids)
-
-    dt = jax.nn.softplus(self.dt_proj(x).astype(jnp.float32)
-                         + self.dt_bias[...])
-    log_alpha = -jnp.exp(self.A_log[...]) * dt  # [B, T, H]
-    s = jax.nn.sigmoid(self.s_proj(x).astype(jnp.float32))[..., None]
-    written = (v.astype(jnp.float32) * s).astype(self.dtype)
-    beta = None
-    if self.metaplasticity:
-      gate = jax.nn.sigmoid(
-          self.beta_up(self.beta_down(x)).astype(jnp.float32))
-      beta = (gate.reshape(batch, length, h, vd)
-              * jax.nn.softplus(self.b_scale[...])[:, None] * s)
-      beta = beta.astype(self.dtype)
-
+    low_rank = self.beta_down(x) if self.metaplasticity else None
+    # The gates and the value written are elementwise in the small matmul outputs and v:
+    # the backward recomputes them rather than keep their float32 forms.
+    written, beta, log_alpha = jax.checkpoint(self._op_inputs)(
+        v, self.dt_proj(x), self.s_proj(x), low_rank)
     result, memory = self._memory(
         q.astype(self.dtype), k.astype(self.dtype), written, beta, log_alpha,
         None if cache is None else cache.state, segment_ids, return_diagnostics,
         implementation)
-    out = (result.out.astype(jnp.float32)
-           + self.D[...][:, None] * v.astype(jnp.float32))
-    g = self.gate_proj(x).reshape(batch, length, h, vd)
-    y = self.out_proj(self.out_norm(out, g).reshape(batch, length, h * vd))
+    # The backward keeps the readout, v and the gate in the compute dtype and recomputes
+    # their float32 sum and its norm (out_proj's forward matmul is not run again).
+    y = jax.checkpoint(self._output)(result.out, v, self.gate_proj(x))
     new_cache = PalimpsaDCache(*conv_states, memory)
     diagnostics = None
     if return_diagnostics:

@@ -48,9 +48,16 @@ class ConvolvedQKV:
     batch, length, _ = x.shape
     h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
     conv_states = (None,) * 3 if cache is None else cache[:3]
-    q, q_conv = self.q_conv(self.q_proj(x), conv_states[0], segment_ids)
-    k, k_conv = self.k_conv(self.k_proj(x), conv_states[1], segment_ids)
+
+    def convolve_and_normalize(conv, projected, state, scale):
+      y, new_state = conv(projected, state, segment_ids)
+      y = l2_normalize(y.reshape(batch, length, h, kd))
+      return (y if scale is None else y * scale), new_state
+
+    # From the projection to the normalised q or k in one checkpoint: the backward keeps
+    # the projection's output alone and recomputes the convolution's output from it.
+    normalized = jax.checkpoint(convolve_and_normalize, static_argnums=(0, 3))
+    q, q_conv = normalized(self.q_conv, self.q_proj(x), conv_states[0], kd ** -0.5)
+    k, k_conv = normalized(self.k_conv, self.k_proj(x), conv_states[1], None)
     v, v_conv = self.v_conv(self.v_proj(x), conv_states[2], segment_ids)
-    q = l2_normalize(q.reshape(batch, length, h, kd)) * (kd ** -0.5)
-    k = l2_normalize(k.reshape(batch, length, h, kd))
     return q, k, v.reshape(batch, length, h, vd), (q_conv, k_conv, v_conv)

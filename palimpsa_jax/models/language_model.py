@@ -24,14 +24,27 @@ MATMUL_PRECISIONS = {"default": None, "float32": "F32_F32_F32",
 # config.remat_saves -> what a rematerialised block keeps from its forward pass; the
 # rest is recomputed in the backward. "nothing": only the block's input. "matmuls":
 # also every matmul's output (its dots without batch dimensions). "matmuls_and_readouts":
-# also each mixer's readout (layers.READOUT), so a recurrent op's forward pass is not
-# run again (its custom-VJP residuals, e.g. boundary states, still are).
+# also each mixer's readout (layers.READOUT); a Pallas op's forward kernels still run
+# again, for its custom-VJP residuals. "matmuls_readouts_and_states": also what the
+# backward needs of any Pallas kernel's outputs (the Palimpsa op's final states), so no
+# forward kernel runs twice; only elementwise work and layout copies are recomputed
+# (docs/training.md, "Activation memory"). Names inside a custom VJP's forward rule are
+# not seen by a policy (jax 0.11.2), so the kernels are told apart by their primitive.
 _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+_READOUTS = jax.checkpoint_policies.save_only_these_names(READOUT)
+
+
+def _kernel_outputs_saveable(primitive, *_, **__) -> bool:
+  return primitive.name == "pallas_call"
+
+
 REMAT_SAVES = {
     "nothing": jax.checkpoint_policies.nothing_saveable,
     "matmuls": _DOTS,
-    "matmuls_and_readouts": jax.checkpoint_policies.save_from_both_policies(
-        _DOTS, jax.checkpoint_policies.save_only_these_names(READOUT)),
+    "matmuls_and_readouts": jax.checkpoint_policies.save_from_both_policies(_DOTS, _READOUTS),
+    "matmuls_readouts_and_states": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_from_both_policies(_DOTS, _READOUTS),
+        _kernel_outputs_saveable),
 }
 
 

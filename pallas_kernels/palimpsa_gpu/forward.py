@@ -44,6 +44,13 @@ def forward_rows(cfg: GpuKernelConfig, q, k, v, beta):
           layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k))
 
 
+def boundary_states(cfg: GpuKernelConfig, k_bound, v_rows, beta_rows, gates, m0, ibar0):
+  """(m_starts, ibar_starts [BH, NC, Vp, Kb], m_final, ibar_final [BH, Vp, Kb]) f32 from
+  forward_rows' k_bound, v_rows, beta_rows, the gates and the initial linear state."""
+  return stages.run("boundary_fwd", cfg, k_bound, v_rows, beta_rows, gates.to_end, gates.chunk,
+                    m0, ibar0)
+
+
 def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, initial_mu,
             initial_precision, starts):
   """((out, var, mu_final, precision_final), residuals); arguments as palimpsa_gpu's.
@@ -55,8 +62,8 @@ def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, ini
       cfg, q, k, v, beta, log_alpha, prior_precision, starts)
   m0, ibar0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
   q_rows, k_rows, v_rows, beta_rows, k_bound = forward_rows(cfg, q, k, v, beta)
-  boundary_args = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, ibar0)
-  m_starts, ibar_starts, m_final, ibar_final = stages.run("boundary_fwd", cfg, *boundary_args)
+  m_starts, ibar_starts, m_final, ibar_final = boundary_states(
+      cfg, k_bound, v_rows, beta_rows, gates, m0, ibar0)
   outs = stages.run("walk_fwd", cfg, q_rows, k_rows, v_rows, beta_rows, gates.step, ip,
                     m_starts, ibar_starts)
   # The walk writes [B, Tp, H, Vp]: the caller's layout, padded.

@@ -5,6 +5,8 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+# jax.ad_checkpoint.print_saved_residuals only prints; this is the list it prints.
+from jax._src.ad_checkpoint import saved_residuals
 import numpy as np
 import pytest
 
@@ -166,6 +168,24 @@ def test_saved_boundary_states_fit_the_residual_budget():
   chex.assert_trees_all_equal(padded[..., :vd, :kd], m_starts)
   # That the dropped padding held zeros is what the interpreted suite's gradients check
   # (its K=8 and V=20 are padded to 16 and 32).
+
+
+def test_the_vjp_keeps_no_chunk_start_states():
+  """The op's backward recomputes the chunk-start states: its saved residuals hold no
+  [BH, NC, V, K] array (the interpreted suite checks the gradients it gets that way)."""
+  b, t, h, kd, vd = 1, 64, 2, 16, 32
+  q = jnp.ones((b, t, h, kd)) / 8
+  v = jnp.ones((b, t, h, vd))
+  log_alpha = jnp.full((b, t, h), -0.1)
+
+  def out(q, k, v, beta, log_alpha):
+    return palimpsa_gpu(q, k, v, beta, log_alpha, jnp.ones((h,)), jnp.zeros((b, h, vd, kd)),
+                        jnp.ones((b, h, vd, kd)), None, return_variance=False, chunk_size=16,
+                        interpret=True)[0]
+
+  shapes = [aval.shape for aval, _ in saved_residuals(out, q, q, v, v, log_alpha)]
+  assert (b * h, t // 16, vd, kd) not in shapes, shapes
+  assert (b * h, vd, kd) in shapes  # the final states are kept
 
 
 def test_bf16_chunk_writes_match_float32_products():
