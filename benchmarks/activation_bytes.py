@@ -33,8 +33,8 @@ if __package__ in (None, ""):  # Run as a script: the repository's packages.
 from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
 from palimpsa_jax import models  # pylint: disable=wrong-import-position
 from palimpsa_jax.models import config as model_configs  # pylint: disable=wrong-import-position
-from palimpsa_jax.models.language_model import (METAPLASTIC_MIXERS,  # pylint: disable=wrong-import-position
-                                                REMAT_SAVES, Block)
+from palimpsa_jax.models import registry  # pylint: disable=wrong-import-position
+from palimpsa_jax.models.language_model import REMAT_SAVES, Block  # pylint: disable=wrong-import-position
 from pallas_kernels.palimpsa_gpu import op as gpu_op  # pylint: disable=wrong-import-position
 
 # jax.ad_checkpoint.print_saved_residuals only prints; its engine, saved_residuals, returns
@@ -44,8 +44,7 @@ from pallas_kernels.palimpsa_gpu import op as gpu_op  # pylint: disable=wrong-im
 # printer calls; summing residual avals of a hand-traced vjp would repeat its bookkeeping.
 from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=wrong-import-position
 
-MODELS = ("palimpsa_d", "not_palimpsa", "meta_mamba2", "mamba2", "gated_deltanet", "mesanet",
-          "transformer")
+MODELS = tuple(registry.MIXERS)
 SIZES = ("170m", "760m", "2.7b")
 
 
@@ -60,7 +59,7 @@ def gpu_kernel_tracing():
 def block_config(model: str, size: str, precision: str = "exact"):
   """The model config at size, with the implementation a GPU runs (see the module doc)."""
   config = models.model_config(model, size, precision=precision)
-  if config.mixer in METAPLASTIC_MIXERS:
+  if registry.kind(config).metaplastic:
     config.implementation = "pallas_gpu"
   return config
 

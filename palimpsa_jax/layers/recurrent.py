@@ -1,6 +1,5 @@
 """The calling convention shared by the recurrent mixers."""
 
-import functools
 from typing import Any
 
 import jax
@@ -78,11 +77,8 @@ class MetaplasticMixer(RecurrentMixer):
                         implementation=implementation, chunk_size=self.chunk_size)
       return result._replace(out=named_readout(result.out)), result.state
     if memory is None:
-      # Autodiff of Fast Palimpsa's XLA form keeps a dozen float32 arrays per chunk, among
-      # them two V x K states: the backward recomputes them from the op's inputs instead.
-      run = jax.checkpoint(functools.partial(
-          fast_palimpsa, return_variance=return_variance, chunk_size=self.chunk_size))
-      result = run(q, k, v, beta, log_alpha, ip, segment_ids=segment_ids)
+      result = fast_palimpsa(q, k, v, beta, log_alpha, ip, segment_ids=segment_ids,
+                             return_variance=return_variance, chunk_size=self.chunk_size)
       return result._replace(out=named_readout(result.out)), result.state
     out, memory = fast_palimpsa_decode(q, k, v, beta, log_alpha, ip, memory,
                                        chunk_size=self.chunk_size)

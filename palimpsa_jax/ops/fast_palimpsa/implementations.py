@@ -14,6 +14,9 @@ with it, may decline a call with NotImplementedError, and stays in the table as 
 raising KernelUnavailable where its module cannot be imported.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.fast_palimpsa.chunked import fast_palimpsa_chunked
@@ -50,6 +53,16 @@ def chunked(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_preci
   del interpret
   b, t = q.shape[:2]
   starts = jnp.zeros((b, t), bool) if segment_starts is None else segment_starts
+  # Autodiff of the matmul form keeps a dozen float32 arrays per chunk, among them two V x K
+  # states: the backward recomputes them (and the float32 casts) from the inputs instead, as
+  # the GPU kernel does.
+  return jax.checkpoint(functools.partial(_chunked, return_variance=return_variance,
+                                          chunk_size=chunk_size))(
+      q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision, starts)
+
+
+def _chunked(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision, starts,
+             *, return_variance, chunk_size):
   ipb = prior_precision[None, :, None, None]
   out, var, m, ibar = fast_palimpsa_chunked(
       *_f32(q, k, v, beta, log_alpha), starts, prior_precision, initial_mu * initial_precision,
