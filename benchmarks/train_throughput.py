@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # Run as a script: the repository's benchmarks pa
 
 from benchmarks import results as results_lib
 from palimpsa_jax import models
-from palimpsa_jax.ops.gated_delta import validation as gated_delta_validation
+from palimpsa_jax.ops.gated_delta_rule import validation as gated_delta_validation
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
