@@ -1,1 +1,2 @@
-"""Benchmark scripts; each runs as `python benchmarks/NAME.py` and imports as `benchmarks.NAME`."""
+"""Benchmark scripts; each runs from the repository root as `python -m benchmarks.NAME` and
+imports as `benchmarks.NAME`."""

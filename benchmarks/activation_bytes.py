@@ -1,7 +1,7 @@
 """Bytes one block keeps for its backward, per token, for every mixer and size: traced on CPU.
 
-    python benchmarks/activation_bytes.py                                  # every model, size
-    python benchmarks/activation_bytes.py --models palimpsa_d --sizes 760m --precision rank1
+    python -m benchmarks.activation_bytes                                  # every model, size
+    python -m benchmarks.activation_bytes --models palimpsa_d --sizes 760m --precision rank1
 
 For each model and size, one Block of the language model at batch x seq_len tokens is traced
 (never compiled or run, so any size takes seconds on a CPU) and the arrays its backward keeps
@@ -17,7 +17,6 @@ share without remat; and what all the layers keep without remat at batch x seq_l
 
 import argparse
 import contextlib
-import shlex
 import sys
 import time
 from unittest import mock
@@ -26,23 +25,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-if __package__ in (None, ""):  # Run as a script: the repository's packages.
-  import pathlib
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
-from palimpsa_jax import models  # pylint: disable=wrong-import-position
-from palimpsa_jax.models import config as model_configs  # pylint: disable=wrong-import-position
-from palimpsa_jax.models import registry  # pylint: disable=wrong-import-position
-from palimpsa_jax.models.language_model import REMAT_SAVES, Block  # pylint: disable=wrong-import-position
-from pallas_kernels.palimpsa_gpu import op as gpu_op  # pylint: disable=wrong-import-position
+from benchmarks import results as results_lib
+from palimpsa_jax import models
+from palimpsa_jax.models import config as model_configs
+from palimpsa_jax.models import registry
+from palimpsa_jax.models.language_model import REMAT_SAVES, Block
+from pallas_kernels.palimpsa_gpu import op as gpu_op
 
 # jax.ad_checkpoint.print_saved_residuals only prints; its engine, saved_residuals, returns
 # (aval, where it comes from) for every array the vjp keeps, from make_jaxpr of jax.vjp: the
 # exact set the backward reads (arguments, literals and intermediates, each array once),
 # without lowering or compiling. It is private in jax 0.11.2 but is what the public
 # printer calls; summing residual avals of a hand-traced vjp would repeat its bookkeeping.
-from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=wrong-import-position
+from jax._src.ad_checkpoint import saved_residuals
 
 MODELS = tuple(registry.MIXERS)
 SIZES = ("170m", "760m", "2.7b")
@@ -147,8 +142,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
   table = render(rows, args.batch, args.seq_len)
   print(table)
   if not args.no_record:
-    command = "python " + shlex.join(
-        ["benchmarks/activation_bytes.py"] + (sys.argv[1:] if argv is None else argv))
+    command = results_lib.command_line("activation_bytes",
+                                       sys.argv[1:] if argv is None else argv)
     record = results_lib.make_record(
         "activation_bytes", "Bytes a block keeps for its backward, per token and layer",
         command, table=table,

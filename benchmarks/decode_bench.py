@@ -1,7 +1,7 @@
 """Decoding speed of Palimpsa-D against Transformer++: the path generate.py runs.
 
-    python benchmarks/decode_bench.py        # 170m, batch 1 and 64, prompts of 512 and 8192 tokens
-    python benchmarks/decode_bench.py --size tiny --batches 1,2 --prompt_lengths 16,32 --no_record
+    python -m benchmarks.decode_bench        # 170m, batch 1 and 64, prompts of 512 and 8192 tokens
+    python -m benchmarks.decode_bench --size tiny --batches 1,2 --prompt_lengths 16,32 --no_record
 
 Each model is built at --size with random initial weights (bf16 compute, f32 parameters, the
 default op implementation: the Pallas kernel on a GPU for Palimpsa-D's prefill). For every
@@ -18,7 +18,6 @@ as streaming does); the decode rate is batch / the median step time. Results go 
 import argparse
 import json
 import pathlib
-import shlex
 import sys
 import time
 from typing import Any
@@ -26,9 +25,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import results as results_lib
 from palimpsa_jax import models
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   device_kind = jax.devices()[0].device_kind
   argv_used = sys.argv[1:] if argv is None else argv
-  command = "python " + shlex.join(["benchmarks/decode_bench.py"] + argv_used)
+  command = results_lib.command_line("decode_bench", argv_used)
   result = {"date": results_lib.utc_now(), "device": device_kind,
             "backend": jax.default_backend(), "jax": jax.__version__, "git": results_lib.git_ref(),
             "command": command, "size": args.size, "prefill_chunk": decoding.PREFILL_CHUNK,

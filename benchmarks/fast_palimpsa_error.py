@@ -1,6 +1,6 @@
 """How far Fast Palimpsa is from the exact op: relative error of the output and every gradient.
 
-  python benchmarks/fast_palimpsa_error.py --checkpoint /tmp/fp_mqar
+  python -m benchmarks.fast_palimpsa_error --checkpoint /tmp/fp_mqar
 
 For chunk sizes 16, 32, 64 and four kinds of input, runs `fast_palimpsa` and `palimpsa` on the
 same inputs and prints rel = ||approx - exact|| / ||exact|| (L2 over the whole array) for the
@@ -17,8 +17,6 @@ The table and a record (date, device, versions, git ref, command) go to stdout a
 """
 
 import argparse
-import pathlib
-import shlex
 import sys
 import unittest.mock
 
@@ -26,14 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-if __package__ in (None, ""):  # Run as a script: the repository's packages.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from benchmarks import results as results_lib  # pylint: disable=g-import-not-at-top
-from palimpsa_jax.data import mqar  # pylint: disable=g-import-not-at-top
-from palimpsa_jax.layers import recurrent  # pylint: disable=g-import-not-at-top
-from palimpsa_jax.ops import fast_palimpsa, palimpsa  # pylint: disable=g-import-not-at-top
-from palimpsa_jax.training import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+from benchmarks import results as results_lib
+from palimpsa_jax.data import mqar
+from palimpsa_jax.layers import recurrent
+from palimpsa_jax.ops import fast_palimpsa, palimpsa
+from palimpsa_jax.training import checkpoint as checkpoint_lib
 
 INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
 COLUMNS = ("out",) + tuple(f"d{n}" for n in INPUT_NAMES)
@@ -150,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Measures every (inputs, chunk size) row; returns {"rows", "table"}."""
   args = parse_args(argv)
   argv_used = sys.argv[1:] if argv is None else argv
-  command = "python " + shlex.join(["benchmarks/fast_palimpsa_error.py"] + argv_used)
+  command = results_lib.command_line("fast_palimpsa_error", argv_used)
   cases = [(kind, synthetic_inputs(kind, args.shape, args.seed))
            for kind in ("random", "beta const V", "beta k^2 const")]
   if args.checkpoint:

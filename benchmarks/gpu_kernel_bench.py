@@ -1,6 +1,6 @@
 """Tile tuning and per-stage timings of the palimpsa_gpu kernel (GPU only).
 
-    python3 benchmarks/gpu_kernel_bench.py [--shapes D170 D760] [--sweep]
+    python3 -m benchmarks.gpu_kernel_bench [--shapes D170 D760] [--sweep]
 
 Times the kernel's three stages (boundary states, forward walk, backward walk) each jitted alone
 and, with --sweep, tile variants of each stage, then the whole kernel with the chosen tiles.
@@ -15,15 +15,10 @@ import dataclasses
 import functools
 import itertools
 import math
-import pathlib
-import shlex
 import sys
 
 import jax
 import jax.numpy as jnp
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import results as results_lib
 from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
@@ -250,7 +245,7 @@ def main():
     record = results_lib.make_record(
         "gpu_kernel_bench", f"gpu_kernel_bench {' '.join(args_ns.shapes)}"
         + (" (tile sweep)" if args_ns.sweep else ""),
-        "python " + shlex.join(["benchmarks/gpu_kernel_bench.py"] + sys.argv[1:]),
+        results_lib.command_line("gpu_kernel_bench", sys.argv[1:]),
         settings={"shapes": args_ns.shapes, "sweep": args_ns.sweep, "dtype": "bfloat16"},
         table="\n".join([TABLE_HEADER, *rows]),
         notes=["stages each jitted alone with the base tiles; fwd and fwd+bwd: the whole kernel "

@@ -1,7 +1,7 @@
 """The token loss (palimpsa_jax/ops/token_loss), value and gradients, in each implementation.
 
-    python benchmarks/head_loss_bench.py                     # MQAR's paper shape, on the GPU
-    python benchmarks/head_loss_bench.py --shape 4,64,64,512 --implementations logits,sliced \
+    python -m benchmarks.head_loss_bench                     # MQAR's paper shape, on the GPU
+    python -m benchmarks.head_loss_bench --shape 4,64,64,512 --implementations logits,sliced \
         --no_record                                          # a CPU smoke run
 
 For hidden states [B, T, d] and a table [vocab, d] (--shape B,T,d,vocab, float32 unless
@@ -14,8 +14,6 @@ timing. Prints a table with each time's ratio to the fastest in this run; the re
 """
 
 import argparse
-import pathlib
-import shlex
 import sys
 from typing import Any
 
@@ -23,16 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-if __package__ in (None, ""):  # Run as a script: the repository's packages.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-# pylint: disable=wrong-import-position
 from benchmarks import results as results_lib
 from benchmarks.op_bench import time_queued
 from palimpsa_jax.ops.token_loss import token_loss
 from palimpsa_jax.ops.token_loss.implementations import IMPLEMENTATIONS
 from palimpsa_jax.ops.token_loss.reference import token_loss_reference
-# pylint: enable=wrong-import-position
 
 MQAR_PAPER = (128, 128, 128, 8192)  # Query positions of a batch of 128, d_model 128.
 
@@ -118,8 +111,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   title = (f"head_loss_bench B={batch} T={length} d={width} vocab={vocab} {args.dtype}, "
            f"{device}")
   print(f"{title}, jax {jax.__version__}\n\n{table}")
-  command = "python " + shlex.join(
-      ["benchmarks/head_loss_bench.py"] + (sys.argv[1:] if argv is None else argv))
+  command = results_lib.command_line(
+      "head_loss_bench", sys.argv[1:] if argv is None else argv)
   if not args.no_record:
     record = results_lib.make_record(
         "head_loss_bench", title, command, table=table,

@@ -1,8 +1,8 @@
 """Nsight Compute profile of one stage of the palimpsa_gpu kernel, per state entry and step.
 
-    python3 benchmarks/kernel_profile.py --shape D760 --stage walk_bwd        # GPU with ncu
-    python3 benchmarks/kernel_profile.py --shape D170 --stage walk_fwd --keep /tmp/prof
-    python3 benchmarks/kernel_profile.py --shape D760 --stage walk_fwd \\
+    python3 -m benchmarks.kernel_profile --shape D760 --stage walk_bwd        # GPU with ncu
+    python3 -m benchmarks.kernel_profile --shape D170 --stage walk_fwd --keep /tmp/prof
+    python3 -m benchmarks.kernel_profile --shape D760 --stage walk_fwd \\
         --from_report /tmp/prof/details.txt /tmp/prof/source.csv      # an exported report
 
 Runs the stage alone (benchmarks/gpu_kernel_bench.py's inputs and tiles, bf16 rows) under
@@ -27,14 +27,10 @@ import io
 import math
 import pathlib
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import results as results_lib
 from benchmarks.op_bench import SHAPES
@@ -212,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
   if not args.no_record:
     record = results_lib.make_record(
         "kernel_profile", f"kernel_profile: {title}",
-        "python " + shlex.join(["benchmarks/kernel_profile.py"] + (argv or sys.argv[1:])),
+        results_lib.command_line("kernel_profile", argv or sys.argv[1:]),
         settings={"shape": args.shape, "stage": args.stage},
         table=opcodes, backend="gpu", device=args.device or None,
         notes=["ncu --clock-control none, one launch; per entry and step = executed warp "

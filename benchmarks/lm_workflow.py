@@ -1,7 +1,7 @@
 """train.py as a researcher runs it, measured end to end on one machine (GPU or CPU).
 
-    python benchmarks/lm_workflow.py --output_dir OUT                 # Palimpsa-D 170m
-    python benchmarks/lm_workflow.py --output_dir OUT --size tiny --seq_len 64 --batch 2 \
+    python -m benchmarks.lm_workflow --output_dir OUT                 # Palimpsa-D 170m
+    python -m benchmarks.lm_workflow --output_dir OUT --size tiny --seq_len 64 --batch 2 \
         --steps 12 --kill_after_step 6 --checkpoint_every 4 --eval_every 4 --log_every 2 \
         --corpus_mb 1.5                                              # a CPU check, minutes
 
@@ -36,11 +36,9 @@ import sysconfig
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):
-  sys.path.insert(0, str(ROOT))
+from benchmarks import results as results_lib
 
-from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 HELD_OUT_EVERY = 50
 DOC_SUFFIXES = (".py", ".rst", ".txt")
@@ -201,9 +199,8 @@ def main(argv=None) -> dict:
     subprocess.run(["rm", "-rf", str(work)], check=True)
   work.mkdir(parents=True)
   # No JAX backend in this process: it would take the accelerator's memory from train.py.
-  result = {"date": results_lib.utc_now(), "command": shlex.join(["python",
-                                                           "benchmarks/lm_workflow.py",
-                                                           *(argv or sys.argv[1:])]),
+  result = {"date": results_lib.utc_now(),
+            "command": results_lib.command_line("lm_workflow", argv or sys.argv[1:]),
             "model": args.model, "size": args.size,
             "tokens_per_step": args.batch * args.seq_len}
   report = out / "lm_workflow.json"
@@ -263,7 +260,7 @@ def main(argv=None) -> dict:
   save("warm start")
 
   bench_json = out / "train_throughput.json"
-  run_logged([sys.executable, "benchmarks/train_throughput.py", "--models", args.model,
+  run_logged([sys.executable, "-m", "benchmarks.train_throughput", "--models", args.model,
               "--size", args.size, "--seq_len", str(args.seq_len),
               "--batch_size", str(args.batch), "--steps", "10", "--warmup_steps", "3",
               "--output", str(bench_json),

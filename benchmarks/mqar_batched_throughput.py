@@ -1,6 +1,6 @@
 """MQAR training steps/s: many runs batched in one process vs one run per process.
 
-    python benchmarks/mqar_batched_throughput.py --output $OUT/mqar_batched_throughput.json
+    python -m benchmarks.mqar_batched_throughput --output $OUT/mqar_batched_throughput.json
 
 Per mixer, in the paper's MQAR setting (configs/mqar.py:preset=paper) at one
 (seq_len, kv): the single-run trainer (trainer.train_and_evaluate, train.py's
@@ -23,21 +23,16 @@ import argparse
 import json
 import os
 import pathlib
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # Run as a script: the repository's packages.
-  sys.path.insert(0, str(REPO))
-
-# pylint: disable=wrong-import-position
 from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
-# pylint: enable=wrong-import-position
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 LEARNING_RATES = mqar_sweep.LEARNING_RATES
 # Retries of a failed batched measurement: (extra XLA flag, implementation).
@@ -194,8 +189,8 @@ def main(argv=None) -> None:
           "single_steps_per_sec": done["single"]["total_steps_per_sec"],
           "speedup_over_one_single_process": (done["batched"]["total_steps_per_sec"]
                                               / done["single"]["total_steps_per_sec"])}
-  command = "python " + shlex.join(["benchmarks/mqar_batched_throughput.py"]
-                                   + (sys.argv[1:] if argv is None else argv))
+  command = results_lib.command_line("mqar_batched_throughput",
+                                     sys.argv[1:] if argv is None else argv)
   result = {"command": command, "measurements": records, "summary": summary}
   text = json.dumps(result, indent=2)
   print(text)

@@ -1,8 +1,8 @@
 """Where an MQAR training step's time goes: host batches, device step, kernels.
 
-    python benchmarks/mqar_step_profile.py                                   # Palimpsa-D, paper
-    python benchmarks/mqar_step_profile.py --config model=mamba2,dtype=bfloat16 --runs 12
-    python benchmarks/mqar_step_profile.py --config preset=cpu --steps 5 --trace_steps 2  # CPU
+    python -m benchmarks.mqar_step_profile                                   # Palimpsa-D, paper
+    python -m benchmarks.mqar_step_profile --config model=mamba2,dtype=bfloat16 --runs 12
+    python -m benchmarks.mqar_step_profile --config preset=cpu --steps 5 --trace_steps 2  # CPU
 
 Builds the batched trainer's step (palimpsa_jax/training/batched.py, the step the
 MQAR sweep runs) for --runs runs of one configs/mqar.py config (--config: its
@@ -29,18 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # Run as a script: the repository's packages.
-  sys.path.insert(0, str(REPO))
-
-# pylint: disable=wrong-import-position
 from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
 from benchmarks import step_profile
 from benchmarks.train_throughput import positive_int
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import batched
-# pylint: enable=wrong-import-position
+
 
 def group_configs(config_arg: str, runs: int) -> list[Any]:
   """The configs of the group: `config_arg` (preset=paper unless given) per run."""
@@ -119,8 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"{label}, {device.device_kind}, jax {jax.__version__}; data {data_s:.1f} s, "
         f"compile {compile_s:.1f} s\n\n{summary}\n\n"
         f"{step_profile.format_table(rows, args.top, traced_ms)}", flush=True)
-  command = " ".join(["python", "benchmarks/mqar_step_profile.py"]
-                     + (sys.argv[1:] if argv is None else argv))
+  command = results_lib.command_line("mqar_step_profile",
+                                     sys.argv[1:] if argv is None else argv)
   result = {"label": label, "config": args.config, "runs": len(configs),
             "device": device.device_kind, "jax": jax.__version__, "command": command,
             "host_batch_ms": host_ms, "device_step_ms": device_ms, "loop_step_ms": loop_ms,

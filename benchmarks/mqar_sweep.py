@@ -13,19 +13,19 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
 `timeout`, or Ctrl-C checkpoints every running run first) and started again:
 
   # the whole grid on one GPU, in slots: repeat until `status` shows 0 left
-  timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep
+  timeout -k 60 1440 python -m benchmarks.mqar_sweep run --root runs/mqar_sweep
   # two-stage: each cell's learning rate from seed-0 runs, then seeds 1, 2 at it
-  timeout -k 60 1440 python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --two_stage
+  timeout -k 60 1440 python -m benchmarks.mqar_sweep run --root runs/mqar_sweep --two_stage
   # one worker (shard of the cells) per GPU
-  python benchmarks/mqar_sweep.py run --root runs/mqar_sweep --gpus 0,1
+  python -m benchmarks.mqar_sweep run --root runs/mqar_sweep --gpus 0,1
   # shortened: fewer examples / epochs, one seed, one setting
-  python benchmarks/mqar_sweep.py run --root R --seeds 0 --settings 512:128 --epochs 8
+  python -m benchmarks.mqar_sweep run --root R --seeds 0 --settings 512:128 --epochs 8
   # runs finished / running / left, steps done, GPU time left at the measured rates
-  python benchmarks/mqar_sweep.py status --root runs/mqar_sweep
+  python -m benchmarks.mqar_sweep status --root runs/mqar_sweep
   # results.json, accuracy.png and accuracy_vs_step.png under ROOT, a record of every
   # run (unfinished runs count with their best evaluation so far) beside them, or for the
   # project's sweep into the records rendered into docs/results/mqar.md
-  python benchmarks/mqar_sweep.py collect --root runs/mqar_sweep --records benchmarks/records
+  python -m benchmarks.mqar_sweep collect --root runs/mqar_sweep --records benchmarks/records
 
 `status`, `collect` and `list` take the same grid flags as `run`. The plot
 shows, per mixer and setting, mean +- std over seeds of each seed's best
@@ -40,20 +40,16 @@ import itertools
 import json
 import os
 import pathlib
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # Run as a script: the repository's packages.
-  sys.path.insert(0, str(REPO))
-
-# pylint: disable=wrong-import-position
+from benchmarks import results as results_lib
 from benchmarks.mqar_sweep_report import read_run_metrics, report
 from palimpsa_jax.models import registry
-# pylint: enable=wrong-import-position
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 MIXERS = registry.PAPER_MQAR  # The paper's MQAR comparison (registry.Mixer.paper_mqar).
 SETTINGS = ((512, 128), (1024, 256))
@@ -384,8 +380,7 @@ def main(argv=None) -> None:
                   args.two_stage)
   else:
     report(root, None if args.no_record else args.records or root,
-           "python " + shlex.join(["benchmarks/mqar_sweep.py"]
-                                  + (sys.argv[1:] if argv is None else argv)))
+           results_lib.command_line("mqar_sweep", sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Times the Palimpsa op as it is at several git refs, in one process (an A/B of kernels).
 
-    python benchmarks/op_ab.py --refs main . --only M170 D170     # GPU: main against the working tree
-    python benchmarks/op_ab.py --refs HEAD~1 HEAD --shapes small --impl chunked   # CPU check
+    python -m benchmarks.op_ab --refs main . --only M170 D170     # GPU: main against the working tree
+    python -m benchmarks.op_ab --refs HEAD~1 HEAD --shapes small --impl chunked   # CPU check
 
 The same code's forward+backward time moves by up to 9% between processes and machines
 (docs/gpu_kernel.md, "Measuring"), more than most kernel changes an A/B has to tell apart;
@@ -21,7 +21,6 @@ import contextlib
 import importlib
 import io
 import pathlib
-import shlex
 import statistics
 import subprocess
 import sys
@@ -33,9 +32,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import op_bench
 from benchmarks import results as results_lib
@@ -190,8 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   table = format_table(rows)
   print(table)
   if not args.no_record:
-    command = "python " + shlex.join(
-        ["benchmarks/op_ab.py"] + (sys.argv[1:] if argv is None else argv))
+    command = results_lib.command_line("op_ab", sys.argv[1:] if argv is None else argv)
     record = results_lib.make_record(
         "op_ab", f"op_ab {args.shapes} shapes, {args.dtype} inputs, {rows[0]['impl']}", command,
         device=device.device_kind, table=table,

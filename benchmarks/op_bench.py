@@ -1,7 +1,7 @@
 """Times every Palimpsa implementation (forward and forward+backward) in one process.
 
-    python benchmarks/op_bench.py --shapes small            # CPU: tiny shapes, a quick check
-    python benchmarks/op_bench.py --shapes perf             # GPU/TPU: docs/gpu_performance.md's shapes
+    python -m benchmarks.op_bench --shapes small            # CPU: tiny shapes, a quick check
+    python -m benchmarks.op_bench --shapes perf             # GPU/TPU: docs/gpu_performance.md's shapes
 
 Every implementation is first checked against the float64 sequential reference on the same inputs
 (outputs, variance, final state; gradients on the first steps whose float64 backward fits in
@@ -28,8 +28,6 @@ measured (its record says which it had not reached).
 
 import argparse
 import functools
-import pathlib
-import shlex
 import statistics
 import sys
 import time
@@ -37,9 +35,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import fla_reference
 from benchmarks import results as results_lib
@@ -380,7 +375,7 @@ def main():
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   rows, fla_notes, record_path = [], set(), None
   fla_versions = fla_reference.versions() if args.fla is not None else None
-  command = "python " + shlex.join(["benchmarks/op_bench.py"] + sys.argv[1:])
+  command = results_lib.command_line("op_bench", sys.argv[1:])
   notes = [f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
            f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
            f"ms: per call with {args.iters} calls queued and one block at the end (median "

@@ -1,8 +1,8 @@
 """Where one Palimpsa op call's device time goes: per-kernel times from a profiler trace.
 
-    python benchmarks/op_profile.py --shape D170                    # pallas_gpu, fwd and fwd+bwd
-    python benchmarks/op_profile.py --shape MQAR --modes fwd --top 10 --output mqar.json
-    python benchmarks/op_profile.py --shapes small --shape tiny --impl chunked   # CPU check
+    python -m benchmarks.op_profile --shape D170                    # pallas_gpu, fwd and fwd+bwd
+    python -m benchmarks.op_profile --shape MQAR --modes fwd --top 10 --output mqar.json
+    python -m benchmarks.op_profile --shapes small --shape tiny --impl chunked   # CPU check
 
 Compiles op_bench's forward (out, final state) or forward+backward (loss and the gradients
 of the six inputs) for one shape on bf16 inputs, runs --warmup calls, then traces --calls
@@ -23,9 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import op_bench, step_profile
 from benchmarks import results as results_lib
@@ -66,8 +63,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   device = jax.devices()[0]
   result = {"shape": args.shape, "dims": shape, "implementation": args.impl,
             "device": device.device_kind, "jax": jax.__version__,
-            "command": " ".join(["python", "benchmarks/op_profile.py"]
-                                + (sys.argv[1:] if argv is None else argv)),
+            "command": results_lib.command_line("op_profile",
+                                                 sys.argv[1:] if argv is None else argv),
             "modes": {}}
   for mode in args.modes:
     if mode == "fwd":

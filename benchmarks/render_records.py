@@ -1,7 +1,7 @@
 """Renders the current figures from benchmarks/records/ into the docs, between marker comments.
 
-    python benchmarks/render_records.py            # rewrite the tables in README.md and docs/
-    python benchmarks/render_records.py --check    # exit 1 if a doc differs from its records
+    python -m benchmarks.render_records            # rewrite the tables in README.md and docs/
+    python -m benchmarks.render_records --check    # exit 1 if a doc differs from its records
 
 A doc holds a rendered table as
 
@@ -21,9 +21,6 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import results as results_lib
 from benchmarks.mqar_sweep_report import LABELS

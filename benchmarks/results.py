@@ -5,7 +5,7 @@ A record holds what a reader needs to trust and repeat a figure:
     {"benchmark": "train_throughput", "title": "...", "date": "2026-12-01 06:18 UTC",
      "device": "NVIDIA H200", "num_devices": 1, "backend": "gpu",
      "versions": {"jax": "0.11.2"}, "git_ref": "c88a775" or null,
-     "command": "python benchmarks/...", "settings": {...}, "notes": ["..."],
+     "command": "python -m benchmarks.NAME ...", "settings": {...}, "notes": ["..."],
      "table": {"columns": ["model", ...], "rows": [["palimpsa_d", ...], ...]} or null,
      "figures": {"name": value, ...} or null}
 
@@ -22,13 +22,19 @@ import datetime
 import json
 import pathlib
 import re
+import shlex
 import subprocess
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = pathlib.Path(__file__).with_name("records")
+
+
+def command_line(benchmark: str, argv: Sequence[str], python: str = "python") -> str:
+  """The shell command that reruns a benchmark module with `argv`, as a record stores it."""
+  return shlex.join([python, "-m", f"benchmarks.{benchmark}", *argv])
 
 
 def positive_ints(text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """The model-size tables of docs/results/training.md, measured in one call within a time budget.
 
-    python benchmarks/size_tables.py --output_dir OUT --budget_s 530
-    python benchmarks/size_tables.py --render OUT/size_tables.json   # the markdown tables
+    python -m benchmarks.size_tables --output_dir OUT --budget_s 530
+    python -m benchmarks.size_tables --render OUT/size_tables.json   # the markdown tables
 
 Stages, most important first, each a benchmarks/train_throughput.py process (bf16 compute, f32
 parameters, configs/lm.py optimizer, random tokens) whose rows are merged into
@@ -24,11 +24,9 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(ROOT))
+from benchmarks import results as results_lib
 
-from benchmarks import results as results_lib  # pylint: disable=wrong-import-position
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FIVE = "mamba2,palimpsa_d,not_palimpsa,gated_deltanet"
 
@@ -58,7 +56,7 @@ def run_stage(name: str, flags: list[str], seconds: float, out: pathlib.Path,
   completes writes its record to `records` (None: no record)."""
   output = out / f"size_tables_{name}.json"  # In the run's own folder: runs never share it.
   output.unlink(missing_ok=True)
-  command = [sys.executable, "benchmarks/train_throughput.py", *COMMON, *flags,
+  command = [sys.executable, "-m", "benchmarks.train_throughput", *COMMON, *flags,
              "--output", str(output), *(["--records", records] if records else ["--no_record"])]
   log(f"{name}: $ {shlex.join(command)} (at most {seconds:.0f} s)")
   start = time.perf_counter()
@@ -141,7 +139,7 @@ def main(argv=None) -> dict:
     _, flags, least, most = known[name]
     left = args.budget_s - (time.perf_counter() - start)
     if left < least:
-      result["stages"][name] = {"command": "python benchmarks/train_throughput.py "
+      result["stages"][name] = {"command": "python -m benchmarks.train_throughput "
                                            + shlex.join(COMMON + flags),
                                 "status": f"skipped: {max(left, 0):.0f} s left of the budget"}
       continue

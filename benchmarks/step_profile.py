@@ -1,7 +1,7 @@
 """Where a training step's device time goes: per-kernel times from a profiler trace.
 
-    python benchmarks/step_profile.py                          # Palimpsa-D 170m, 4 x 4096 tokens
-    python benchmarks/step_profile.py --model mamba2 --top 30 --output mamba2_profile.json
+    python -m benchmarks.step_profile                          # Palimpsa-D 170m, 4 x 4096 tokens
+    python -m benchmarks.step_profile --model mamba2 --top 30 --output mamba2_profile.json
 
 Builds and compiles the train step of benchmarks/train_throughput.py (same flags), runs
 --warmup_steps steps, then traces --steps steps with jax.profiler (a perfetto trace under
@@ -27,9 +27,6 @@ import time
 from typing import Any, Callable
 
 import jax
-
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
@@ -305,8 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.batch_size} x {args.seq_len} tokens\n\n{table}")
   result = {"model": args.model, "implementation": args.implementation,
             "device": devices[0].device_kind, "jax": jax.__version__,
-            "command": " ".join(["python", "benchmarks/step_profile.py"]
-                                + (sys.argv[1:] if argv is None else argv)),
+            "command": results_lib.command_line("step_profile",
+                                                 sys.argv[1:] if argv is None else argv),
             "step_ms": step_ms, "kernels": [dataclasses.asdict(r) for r in rows]}
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))

@@ -1,6 +1,6 @@
 """Logits of the authors' PyTorch models against ours, both directions, on one GPU.
 
-  python3 benchmarks/torch_interop.py --out $OUT/torch_interop.json
+  python3 -m benchmarks.torch_interop --out $OUT/torch_interop.json
 
 Needs torch, transformers 5, flash-linear-attention + fla-core 0.6.0 and the
 authors' `palimpsa` package importable (see docs/torch_models.md for the
@@ -30,8 +30,6 @@ import importlib.machinery
 import inspect
 import json
 import os
-import pathlib
-import shlex
 import sys
 import tempfile
 import time
@@ -42,10 +40,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from benchmarks import results as results_lib  # pylint: disable=g-import-not-at-top
+from benchmarks import results as results_lib
 
 THRESHOLDS = {"float32": 1e-4, "bfloat16": 1e-2}
 MODELS = {"palimpsa": "Palimpsa-D 170M", "meta_mamba2": "MetaMamba2 170M"}
@@ -248,7 +243,7 @@ def write_record(result: dict, args: argparse.Namespace, log) -> None:
   notes.append(f"aliased for the authors' code: {', '.join(result['compat']) or 'nothing'}")
   record = results_lib.make_record(
       "torch_interop", "torch_interop (the authors' PyTorch models against ours)",
-      "python3 " + shlex.join(["benchmarks/torch_interop.py"] + sys.argv[1:]),
+      results_lib.command_line("torch_interop", sys.argv[1:], python="python3"),
       settings={"batch": args.batch, "seq_len": args.seq_len}, table=table,
       versions={"torch": result["torch"], "transformers": result["transformers"],
                 "fla": result["fla"]},

@@ -1,9 +1,9 @@
 """End-to-end training throughput of the paper's models (targets: docs/gpu_performance.md).
 
-    python benchmarks/train_throughput.py                       # 4 models at 170m, 4 x 4096 tokens
-    python benchmarks/train_throughput.py --compare_implementations pallas_gpu,chunked
-    python benchmarks/train_throughput.py --mesh fsdp --num_devices 2
-    python benchmarks/train_throughput.py --models palimpsa_d --context_parallel  # A/B
+    python -m benchmarks.train_throughput                       # 4 models at 170m, 4 x 4096 tokens
+    python -m benchmarks.train_throughput --compare_implementations pallas_gpu,chunked
+    python -m benchmarks.train_throughput --mesh fsdp --num_devices 2
+    python -m benchmarks.train_throughput --models palimpsa_d --context_parallel  # A/B
 
 Each model is built from `models.model_config` (bf16 compute, f32 parameters)
 and trained with the real LM recipe (configs/lm.py: AdamW, schedule, clipping,
@@ -27,7 +27,6 @@ import contextlib
 import importlib.util
 import json
 import pathlib
-import shlex
 import statistics
 import sys
 import time
@@ -37,12 +36,9 @@ import jax
 import ml_collections
 import numpy as np
 
-if __package__ in (None, ""):  # Run as a script: the repository's benchmarks package.
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
 from benchmarks import results as results_lib
 from palimpsa_jax import models
-from palimpsa_jax.ops.gated_delta import validation as gated_delta_validation
+from palimpsa_jax.ops.gated_delta_rule import validation as gated_delta_validation
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
@@ -391,7 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.compilation_cache_dir:
     compile_cache.configure(args.compilation_cache_dir)
   argv_used = sys.argv[1:] if argv is None else argv
-  command = "python " + shlex.join(["benchmarks/train_throughput.py"] + argv_used)
+  command = results_lib.command_line("train_throughput", argv_used)
   now = results_lib.utc_now()
   result = {"date": now, "device": device_kind, "num_devices": len(devices),
             "backend": jax.default_backend(), "jax": jax.__version__,

@@ -41,5 +41,5 @@ def test_table_and_record(tmp_path, capsys):
   (path,) = tmp_path.glob("activation_bytes_*.json")
   record = json.loads(path.read_text())
   assert record["settings"]["sizes"] == ["170m"]
-  assert record["command"].startswith("python benchmarks/activation_bytes.py --models")
+  assert record["command"].startswith("python -m benchmarks.activation_bytes --models")
   assert len(record["table"]["rows"]) == 2

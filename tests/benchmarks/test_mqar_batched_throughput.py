@@ -20,7 +20,7 @@ def test_record_has_each_mixers_rates_and_the_failed_attempts(tmp_path):
                         "speedup_over_one_single_process": 6.0}}
   args = argparse.Namespace(setting="512:128", runs=12, steps=150, single_steps=300,
                             records=str(tmp_path))
-  mqar_batched_throughput.write_record(records, summary, args, "python benchmarks/m.py")
+  mqar_batched_throughput.write_record(records, summary, args, "python -m benchmarks.m")
   (path,) = tmp_path.glob("mqar_batched_throughput_*.json")
   record = json.loads(path.read_text())
   assert (record["device"], record["backend"], record["versions"]) == (

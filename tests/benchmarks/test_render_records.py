@@ -13,7 +13,7 @@ _TABLE = "| model | implementation | scanned | step ms (median) | tokens/s |\n|-
 def _record(date, rows, size="170m", **extra):
   return {"benchmark": "train_throughput", "title": "t", "date": date, "device": "NVIDIA H200",
           "num_devices": 1, "backend": "gpu", "versions": {"jax": "0.11.2"}, "git_ref": None,
-          "command": "python benchmarks/train_throughput.py", "notes": [], "figures": None,
+          "command": "python -m benchmarks.train_throughput", "notes": [], "figures": None,
           "settings": {"size": size, "batch_size": 4, "seq_len": 4096, "remat": False,
                        "context_parallel": False, **extra},
           "table": results_lib.parse_table(_TABLE + "\n".join(rows))}
@@ -23,7 +23,7 @@ def test_the_docs_are_rendered_from_the_current_records():
   records = results_lib.load_records()
   stale = [str(path) for path in render_records.documents()
            if render_records.render_text(path.read_text(), records) != path.read_text()]
-  assert not stale, f"run `python benchmarks/render_records.py`; out of date: {stale}"
+  assert not stale, f"run `python -m benchmarks.render_records`; out of date: {stale}"
 
 
 def test_every_view_is_used_in_a_document():

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops import context_parallel
-from palimpsa_jax.ops import gla
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.palimpsa.implementations import (IMPLEMENTATIONS, KERNELS,
@@ -15,6 +14,7 @@ from palimpsa_jax.ops.palimpsa.implementations import (IMPLEMENTATIONS, KERNELS,
 from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
                                           initial_mean_and_precision)
 from palimpsa_jax.ops.palimpsa.validation import validate_palimpsa_args
+from palimpsa_jax.ops.simple_gla import simple_gla
 
 
 def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, segment_ids=None,
@@ -102,8 +102,8 @@ def _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, imple
   general path with beta = 0.)
   """
   gla_impl = "sequential" if implementation == "sequential" else "auto"
-  h = gla.simple_gla(q, k, v.astype(jnp.float32), log_alpha, initial_state=h0,
-                     segment_ids=segment_ids, implementation=gla_impl, chunk_size=chunk_size)
+  h = simple_gla(q, k, v.astype(jnp.float32), log_alpha, initial_state=h0,
+                 segment_ids=segment_ids, implementation=gla_impl, chunk_size=chunk_size)
   inv_ip = 1.0 / ip
   out = (h.out * inv_ip[:, None]).astype(v.dtype)
   var = None

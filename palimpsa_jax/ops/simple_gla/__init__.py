@@ -10,7 +10,7 @@ divides by the prior precision itself. Shapes: q, k [B, T, H, K]; v [B, T, H, V]
 log_alpha [B, T, H]; state [B, H, V, K] float32. All arithmetic runs in float32.
 """
 
-from palimpsa_jax.ops.gla.api import simple_gla
-from palimpsa_jax.ops.gla.types import GLAResult
+from palimpsa_jax.ops.simple_gla.api import simple_gla
+from palimpsa_jax.ops.simple_gla.types import GLAResult
 
 __all__ = ["GLAResult", "simple_gla"]

@@ -1,7 +1,7 @@
 """Argument checks for `gated_delta_rule`: clear errors naming the argument."""
 
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
-from palimpsa_jax.ops.gated_delta import implementations
+from palimpsa_jax.ops.gated_delta_rule import implementations
 
 # The names `gated_delta_rule` accepts: "auto" and the table's.
 IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)

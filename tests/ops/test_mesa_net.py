@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops.mesa import MesaResult, MesaState, mesa_net
-from palimpsa_jax.ops.mesa.chunked import mesa_chunked
-from palimpsa_jax.ops.mesa.sequential import mesa_sequential
+from palimpsa_jax.ops.mesa_net import MesaResult, MesaState, mesa_net
+from palimpsa_jax.ops.mesa_net.chunked import mesa_chunked
+from palimpsa_jax.ops.mesa_net.sequential import mesa_sequential
 from tests.ops.numerics import rel_error, to_float64
 
 B, T, H, K, V = 2, 13, 2, 4, 3

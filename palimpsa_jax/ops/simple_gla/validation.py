@@ -1,7 +1,7 @@
 """Argument checks for `simple_gla`: clear errors naming the argument."""
 
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
-from palimpsa_jax.ops.gla import implementations
+from palimpsa_jax.ops.simple_gla import implementations
 
 # The names `simple_gla` accepts: "auto" and the table's.
 IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)

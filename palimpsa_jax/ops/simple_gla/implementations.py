@@ -10,8 +10,8 @@ h0 [B, H, V, K] the state before step 0; starts [B, T] bool (True where the stat
 from zero before the step).
 """
 
-from palimpsa_jax.ops.gla.chunked import gla_chunked
-from palimpsa_jax.ops.gla.sequential import gla_sequential
+from palimpsa_jax.ops.simple_gla.chunked import gla_chunked
+from palimpsa_jax.ops.simple_gla.sequential import gla_sequential
 
 
 def _sequential(q, k, v, log_alpha, h0, starts, *, chunk_size):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops.gated_delta import DeltaRuleResult, gated_delta_rule
+from palimpsa_jax.ops.gated_delta_rule import DeltaRuleResult, gated_delta_rule
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 to_float64)
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops.gla import GLAResult, simple_gla
+from palimpsa_jax.ops.simple_gla import GLAResult, simple_gla
 from tests.ops.oracles.ssd import ssd_quadratic
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 to_float64)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from palimpsa_jax.ops import mesa_net, palimpsa
-from palimpsa_jax.ops.mesa.sequential import mesa_sequential
+from palimpsa_jax.ops.mesa_net.sequential import mesa_sequential
 from palimpsa_jax.ops.palimpsa.reference import reference_palimpsa
 from tests.ops.numerics import rel_error
 

@@ -10,8 +10,8 @@ s0 [B, H, V, K] the state before step 0; starts [B, T] bool (True where the stat
 from zero before the step).
 """
 
-from palimpsa_jax.ops.gated_delta.chunked import gated_delta_chunked
-from palimpsa_jax.ops.gated_delta.sequential import gated_delta_sequential
+from palimpsa_jax.ops.gated_delta_rule.chunked import gated_delta_chunked
+from palimpsa_jax.ops.gated_delta_rule.sequential import gated_delta_sequential
 
 
 def _sequential(q, k, v, beta, log_alpha, s0, starts, *, chunk_size):

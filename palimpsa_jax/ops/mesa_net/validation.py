@@ -1,7 +1,7 @@
 """Argument checks for `mesa_net`: clear errors naming the argument."""
 
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
-from palimpsa_jax.ops.mesa import implementations
+from palimpsa_jax.ops.mesa_net import implementations
 
 # The names `mesa_net` accepts: "auto" and the table's.
 IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.mesa.implementations import IMPLEMENTATIONS
-from palimpsa_jax.ops.mesa.types import MesaResult, MesaState
-from palimpsa_jax.ops.mesa.validation import validate_mesa_args
+from palimpsa_jax.ops.mesa_net.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.mesa_net.types import MesaResult, MesaState
+from palimpsa_jax.ops.mesa_net.validation import validate_mesa_args
 
 
 def mesa_net(

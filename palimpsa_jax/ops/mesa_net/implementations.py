@@ -10,8 +10,8 @@ lam [H, K]; (h0, g0) the sums before step 0; starts [B, T] bool (True where both
 restart from zero before the step).
 """
 
-from palimpsa_jax.ops.mesa.chunked import mesa_chunked
-from palimpsa_jax.ops.mesa.sequential import mesa_sequential
+from palimpsa_jax.ops.mesa_net.chunked import mesa_chunked
+from palimpsa_jax.ops.mesa_net.sequential import mesa_sequential
 
 
 def _sequential(q, k, v, beta, log_gamma, lam, h0, g0, starts, *, chunk_size, cg_steps):

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.gla.implementations import IMPLEMENTATIONS
-from palimpsa_jax.ops.gla.types import GLAResult
-from palimpsa_jax.ops.gla.validation import validate_gla_args
+from palimpsa_jax.ops.simple_gla.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.simple_gla.types import GLAResult
+from palimpsa_jax.ops.simple_gla.validation import validate_gla_args
 
 
 def simple_gla(

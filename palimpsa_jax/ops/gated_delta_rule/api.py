@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.gated_delta.implementations import IMPLEMENTATIONS
-from palimpsa_jax.ops.gated_delta.types import DeltaRuleResult
-from palimpsa_jax.ops.gated_delta.validation import validate_gated_delta_args
+from palimpsa_jax.ops.gated_delta_rule.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.gated_delta_rule.types import DeltaRuleResult
+from palimpsa_jax.ops.gated_delta_rule.validation import validate_gated_delta_args
 
 
 def gated_delta_rule(

@@ -1,6 +1,0 @@
-"""Gated delta rule (Gated DeltaNet; DeltaNet when log_alpha = 0)."""
-
-from palimpsa_jax.ops.gated_delta.api import gated_delta_rule
-from palimpsa_jax.ops.gated_delta.types import DeltaRuleResult
-
-__all__ = ["DeltaRuleResult", "gated_delta_rule"]
