@@ -102,8 +102,10 @@ def test_load_model_restores_trained_parameters(uninterrupted):
   assert step == 12
   assert not np.allclose(nnx.state(earlier, nnx.Param)["mix"]["kernel"][...],
                          nnx.state(model, nnx.Param)["mix"]["kernel"][...])
-  with pytest.raises(FileNotFoundError, match="workdir written by train.py"):
+  with pytest.raises(FileNotFoundError, match="nowhere' does not exist"):
     checkpoint_lib.load_model(os.path.join(workdir, "nowhere"))
+  with pytest.raises(FileNotFoundError, match="workdir written by train.py"):
+    checkpoint_lib.load_model(os.path.join(workdir, "checkpoints"))
 
 
 _MULTI_DEVICE_RUN = """

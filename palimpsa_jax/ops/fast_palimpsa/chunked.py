@@ -40,7 +40,6 @@ def fast_palimpsa_chunked(q, k, v, beta, log_alpha, starts, prior_precision, m0,
   """
   b, t, h, _ = q.shape
   c = chunk_size
-  ip = prior_precision[:, None]  # [H, 1]: broadcasts against [B,N,H,C] and [B,N,H,K]
   chunked = lambda x: to_chunks(pad_time(x, c), c)
   q, k, v, beta = map(chunked, (q, k, v, beta))
   log_alpha = chunked(log_alpha)  # [B,N,H,C]
@@ -49,13 +48,31 @@ def fast_palimpsa_chunked(q, k, v, beta, log_alpha, starts, prior_precision, m0,
 
   (m_c, ibar_c), (m_end, ibar_end) = _boundary_states(k, v, beta, to_end, from_start[..., -1],
                                                       m0, ibar0)
+  out, var = chunk_reads(q, k, v, beta, decay, from_start, m_c, ibar_c, prior_precision,
+                         return_variance=return_variance, precision=_HIGHEST)
+
+  def unchunk(y):  # [B,N,H,C,V] -> [B,T,H,V]
+    return jnp.moveaxis(y, 3, 2).reshape(b, n * c, h, y.shape[-1])[:, :t]
+
+  return unchunk(out), None if var is None else unchunk(var), m_end, ibar_end
+
+
+def chunk_reads(q, k, v, beta, decay, from_start, m_c, ibar_c, prior_precision, *,
+                return_variance: bool, precision):
+  """(out, variance or None) [B,N,H,C,V] of every chunk from the exact state entering it.
+
+  q, k [B,N,H,C,K]; v, beta [B,N,H,C,V]; decay, from_start as ops.common.chunk_masks';
+  (m_c, ibar_c) [B,N,H,V,K] the linear-form state entering each chunk; prior_precision [H];
+  all float32. precision: of the matmuls (the GPU implementation runs them on tensor cores).
+  """
+  ip = prior_precision[:, None]  # [H, 1]: broadcasts against [B,N,H,C] and [B,N,H,K]
   prec_c = ibar_c + ip[..., None]                           # [B,N,H,V,K]
   prec_k = jnp.mean(prec_c, axis=-2)                         # [B,N,H,K]
   prec_v = jnp.mean(prec_c, axis=-1)                         # [B,N,H,V]
   prec_s = jnp.mean(prec_c, axis=(-2, -1))[..., None]        # [B,N,H,1]
 
   ksq = k * k
-  mm = lambda eq, x, y: jnp.einsum(eq, x, y, precision=_HIGHEST)
+  mm = lambda eq, x, y: jnp.einsum(eq, x, y, precision=precision)
   # Marginal precisions at every step: the start's marginal decayed, plus the collapsed writes.
   ib_k = (from_start[..., None] * (prec_k - ip)[..., None, :]
           + mm("bnhts,bnhsk->bnhtk", decay, jnp.mean(beta, -1, keepdims=True) * ksq)
@@ -73,10 +90,7 @@ def fast_palimpsa_chunked(q, k, v, beta, log_alpha, starts, prior_precision, m0,
   carried *= (from_start[..., None] * prec_v[..., None, :] / prec_s[..., None])
   out = (own + carried) * value_scale
 
-  def unchunk(y):  # [B,N,H,C,V] -> [B,T,H,V]
-    return jnp.moveaxis(y, 3, 2).reshape(b, n * c, h, y.shape[-1])[:, :t]
-
   var = None
   if return_variance:
-    var = unchunk(jnp.sum(q * q / ib_k, axis=-1, keepdims=True) * value_scale)
-  return unchunk(out), var, m_end, ibar_end
+    var = jnp.sum(q * q / ib_k, axis=-1, keepdims=True) * value_scale
+  return out, var

@@ -25,7 +25,7 @@ from palimpsa_jax.ops.palimpsa.implementations import unavailable
 from palimpsa_jax.ops.palimpsa.types import PalimpsaState
 
 try:
-  from pallas_kernels.fast_palimpsa_gpu import fast_palimpsa_gpu
+  from palimpsa_jax.ops.fast_palimpsa.gpu import fast_palimpsa_gpu
 except ImportError as missing:
   fast_palimpsa_gpu = unavailable("pallas_gpu", missing)
 

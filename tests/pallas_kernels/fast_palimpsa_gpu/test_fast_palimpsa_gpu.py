@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from palimpsa_jax.ops import fast_palimpsa
-from pallas_kernels.fast_palimpsa_gpu import fast_palimpsa_gpu
+from palimpsa_jax.ops.fast_palimpsa.gpu import fast_palimpsa_gpu
 from tests.ops.fast_palimpsa.fast_palimpsa_suite import check_against_reference
 from tests.ops.numerics import BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference
 from tests.ops.palimpsa.palimpsa_suite import make_inputs
@@ -117,8 +117,8 @@ def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var, dtype):
   lowers for sm_90 on a CPU host to the Mosaic GPU kernels of the forward (boundary) and
   the backward (boundary again, carries): nothing through Pallas' deprecated Triton
   lowering."""
-  from pallas_kernels.fast_palimpsa_gpu import op as op_module
-  monkeypatch.setattr(op_module, "hopper_available", lambda: True)
+  from pallas_kernels.fast_palimpsa_gpu import support
+  monkeypatch.setattr(support, "hopper_available", lambda: True)
   b, t, h, kd, vd = shape
   sds, f32 = jax.ShapeDtypeStruct, jnp.float32
   args = [sds((b, t, h, kd), dtype)] * 2 + [sds((b, t, h, vd), dtype)] * 2 + [

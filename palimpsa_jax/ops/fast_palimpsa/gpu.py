@@ -1,10 +1,12 @@
-"""`fast_palimpsa_gpu`: Fast Palimpsa on Hopper GPUs.
+"""Fast Palimpsa's "pallas_gpu" implementation: Mosaic GPU chunk states, the chunks' reads
+as matmuls.
 
-Forward: the exact chunk-boundary states by the Mosaic GPU boundary kernel (states.py), then
-every chunk's reads from its entering state as batched matmuls (reads.py). Backward (a custom VJP
-that saves only the inputs, never the [B, H, T/C, V, K] states): the forward is recomputed,
-boundary kernel included, and differentiated; the states' own VJP walks the adjoint carries
-with the Mosaic GPU carries kernel. Everything is float32 inside whatever the input dtype.
+Forward: the exact chunk-boundary states by the Mosaic GPU boundary kernel
+(pallas_kernels/fast_palimpsa_gpu), then every chunk's reads from its entering state as batched
+matmuls on tensor cores (chunked.chunk_reads, the XLA form's own). Backward (a custom VJP that
+saves only the inputs, never the [B, H, T/C, V, K] states): the forward is recomputed, boundary
+kernel included, and differentiated; the states' own VJP walks the adjoint carries with the
+Mosaic GPU carries kernel. Everything is float32 inside whatever the input dtype.
 """
 
 import functools
@@ -12,28 +14,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops.common import chunk_masks
+from palimpsa_jax.ops.fast_palimpsa.chunked import chunk_reads
+import pallas_kernels.fast_palimpsa_gpu as kernels
 from pallas_kernels.common import round_up
-from pallas_kernels.fast_palimpsa_gpu import reads, states
 
 f32 = jnp.float32
-
-
-def hopper_available() -> bool:
-  """Whether the default device is a CUDA GPU of compute capability 9.x (sm_90)."""
-  version = str(getattr(jax.devices()[0], "compute_capability", "0.0"))
-  return jax.devices()[0].platform == "gpu" and version.split(".")[0] == "9"
-
-
-def check_supported(k, v, beta, chunk_size: int, interpret: bool) -> None:
-  """Raises NotImplementedError with the reason where the kernel cannot run the call."""
-  if not interpret and not hopper_available():
-    raise NotImplementedError("the Mosaic GPU kernels need a Hopper (sm_90) GPU")
-  kp, vp = round_up(k.shape[-1], 16), round_up(v.shape[-1], 16)
-  x_dtype = v.dtype if v.dtype == beta.dtype else f32
-  if not states.supported(chunk_size, kp, vp, k.dtype, x_dtype, interpret=interpret):
-    raise NotImplementedError(
-        f"chunk_size={chunk_size} with K={k.shape[-1]}, V={v.shape[-1]}: the kernel takes "
-        f"chunks of 16, 32, 64 or 128 steps and states that fit its shared memory")
 
 
 def fast_palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
@@ -54,9 +40,9 @@ def fast_palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, ini
     state after the last step: mu, precision [B, H, V, K] float32.
 
   Raises:
-    NotImplementedError: the kernel cannot run this call (`check_supported`).
+    NotImplementedError: the kernels cannot run this call (`check_supported`).
   """
-  check_supported(k, v, beta, chunk_size, interpret)
+  kernels.check_supported(k, v, beta, chunk_size, interpret)
   b, t = q.shape[:2]
   starts = jnp.zeros((b, t), bool) if segment_starts is None else segment_starts
   out, var, m, ibar = _recomputed(return_variance, chunk_size, interpret, q, k, v, beta,
@@ -112,20 +98,20 @@ def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_prec
     return x[..., :vd, :kd].reshape((b, h) + x.shape[1:-2] + (vd, kd))
 
   log_alpha = chunks(rows(log_alpha[..., None], 1))[..., 0]  # [B, N, H, C]; padding: gate 1
-  decay, from_start, to_end = reads.chunk_gates(
+  decay, from_start, to_end = chunk_masks(
       log_alpha, jnp.pad(starts, ((0, 0), (0, tp - t))).reshape(b, n, chunk))
   ipb = prior_precision[None, :, None, None]
   state_pad = ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd))
   m0 = jnp.pad(initial_mu * initial_precision, state_pad).reshape(b * h, vp, kp)
   b0 = jnp.pad(initial_precision - ipb, state_pad).reshape(b * h, vp, kp)
-  m_starts, b_starts, m_final, b_final = states.chunk_states(
+  m_starts, b_starts, m_final, b_final = kernels.chunk_states(
       rows(k, kp), rows(v, vp), rows(beta, vp), head_major(to_end).reshape(b * h, tp),
       head_major(from_start[..., -1]), m0, b0, h, chunk, interpret)
   m_c, b_c = (jnp.moveaxis(from_head_major(s), 2, 1) for s in (m_starts, b_starts))
-  out, var = reads.chunk_reads(
+  out, var = chunk_reads(
       *(chunks(rows(x, x.shape[-1])) for x in (q, k, v, beta)), decay, from_start, m_c, b_c,
       prior_precision, return_variance=return_variance,
-      precision=states.dot_precision(interpret))
+      precision=kernels.dot_precision(interpret))
 
   def unchunk(y):  # [B, N, H, C, V] -> [B, T, H, V]
     return jnp.moveaxis(y, 3, 2).reshape(b, tp, h, vd)[:, :t]
