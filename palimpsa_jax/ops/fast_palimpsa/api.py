@@ -1,16 +1,14 @@
 """`fast_palimpsa`: the public op. Validates, builds the initial state and the segment starts,
 dispatches to an implementation of the table in implementations.py."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops import context_parallel, kernel_sharding
+from palimpsa_jax.ops import context_parallel
 from palimpsa_jax.ops.common import segment_starts
 from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS, KERNELS
 from palimpsa_jax.ops.fast_palimpsa.validation import validate_fast_palimpsa_args
-from palimpsa_jax.ops.palimpsa.implementations import KernelUnavailable
+from palimpsa_jax.ops.palimpsa.api import run_kernel
 from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
                                           initial_mean_and_precision)
 
@@ -63,9 +61,9 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
   options = dict(return_variance=return_variance, chunk_size=chunk_size, interpret=interpret)
   outputs = None
   if implementation == "auto" and on_nvidia_gpu():
-    outputs = _run_kernel("pallas_gpu", args, options, explicit=False)
+    outputs = run_kernel(IMPLEMENTATIONS, "pallas_gpu", args, options, explicit=False)
   elif implementation in KERNELS:
-    outputs = _run_kernel(implementation, args, options, explicit=True)
+    outputs = run_kernel(IMPLEMENTATIONS, implementation, args, options, explicit=True)
   if outputs is None:
     name = "chunked" if implementation in ("auto", *KERNELS) else implementation
     outputs = IMPLEMENTATIONS[name](*args, **options)
@@ -76,24 +74,3 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
 def on_nvidia_gpu() -> bool:
   """Whether the default backend is CUDA: where "auto" tries the GPU kernel first."""
   return jax.default_backend() in ("gpu", "cuda")
-
-
-def _run_kernel(implementation, args, options, explicit):
-  """The kernel's outputs (per device shard inside kernel_sharding), or None where it
-  declines or cannot be imported and the caller did not name it (explicit=False)."""
-  q = args[0]
-  try:
-    return kernel_sharding.shard_kernel(
-        functools.partial(IMPLEMENTATIONS[implementation], **options), args,
-        in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
-        out_layouts=("b.h.", "b.h." if options["return_variance"] else None, "bh..", "bh.."),
-        batch_size=q.shape[0], num_heads=q.shape[2])
-  except KernelUnavailable:
-    if explicit:
-      raise
-    return None
-  except NotImplementedError as declined:
-    if explicit:
-      raise ValueError(
-          f"implementation={implementation!r} cannot run this call: {declined}") from declined
-    return None

@@ -84,7 +84,7 @@ def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
     implementation = auto_implementation()
   outputs = None
   if implementation in KERNELS:
-    outputs = _run_kernel(implementation, args, options, explicit)
+    outputs = run_kernel(IMPLEMENTATIONS, implementation, args, options, explicit)
     if outputs is None:  # "auto", and the kernel cannot run this call.
       implementation = "chunked"
   if outputs is None:
@@ -164,8 +164,9 @@ def auto_implementation() -> str:
   return "chunked"
 
 
-def _run_kernel(implementation, args, options, explicit):
-  """Calls a Pallas kernel; None under "auto" (explicit=False) where it cannot run the call.
+def run_kernel(table, implementation, args, options, explicit):
+  """Calls the Pallas kernel table[implementation]; None under "auto" (explicit=False) where
+  it cannot run the call. Fast Palimpsa's kernels share the contract and this rule.
 
   Inside ops.kernel_sharding.kernel_sharding the kernel runs per device shard of the batch
   and heads (shard_map); elsewhere on the whole arrays.
@@ -177,7 +178,7 @@ def _run_kernel(implementation, args, options, explicit):
   q = args[0]
   try:
     return kernel_sharding.shard_kernel(
-        functools.partial(IMPLEMENTATIONS[implementation], **options), args,
+        functools.partial(table[implementation], **options), args,
         in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
         out_layouts=("b.h.", "b.h." if options["return_variance"] else None, "bh..", "bh.."),
         batch_size=q.shape[0], num_heads=q.shape[2])
