@@ -191,5 +191,11 @@ def run_app(program: str, main: Callable[[list[str]], Any],
         sys.exit(0)
       raise
 
-  app.run(one_line(program, main, verbose=lambda: flags.FLAGS.verbose), argv=argv,
-          flags_parser=one_line(program, parse_flags, verbose=lambda: wants_traceback(argv)))
+  try:
+    app.run(one_line(program, main, verbose=lambda: flags.FLAGS.verbose), argv=argv,
+            flags_parser=one_line(program, parse_flags, verbose=lambda: wants_traceback(argv)))
+  except BrokenPipeError:
+    # The reader of the output went away (`train.py -h | head`): stop without a traceback,
+    # and let the interpreter's last flush write to nowhere.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(1)

@@ -1,10 +1,16 @@
 """palimpsa_jax/user_errors.py: every kind of refusal as one line, "program: message"."""
 
+import pathlib
+import subprocess
+import sys
+
 from absl import app
 from absl import flags
 import pytest
 
 from palimpsa_jax import user_errors
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _flag_error(argv, **required):
@@ -81,3 +87,16 @@ def test_dash_h_is_help_unless_it_is_a_flags_value():
   assert user_errors.dash_h_as_help(["p", "--prompt_for_test", "-h"]) == [
       "p", "--prompt_for_test", "-h"]
   assert user_errors.dash_h_as_help(["p", "--", "-h"]) == ["p", "--", "-h"]
+
+
+def test_a_reader_that_goes_away_ends_the_program_without_a_traceback():
+  """`train.py -h | head`: the pipe closes while the command still prints."""
+  script = ("import sys\n"
+            "from palimpsa_jax import user_errors\n"
+            "def main(argv):\n"
+            "  raise BrokenPipeError(32, 'Broken pipe')\n"
+            "sys.argv = ['prog']\n"
+            "user_errors.run_app('prog', main)\n")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=REPO, timeout=60, check=False)
+  assert (done.returncode, done.stderr) == (1, "")
