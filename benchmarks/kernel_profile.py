@@ -159,7 +159,7 @@ def profile(stage: str, shape_name: str, folder: pathlib.Path) -> tuple[str, str
                      "or summarize an exported report with --from_report")
   report = folder / "report"
   sections = [f for s in SECTIONS for f in ("--section", s)]
-  child = [sys.executable, str(pathlib.Path(__file__).resolve()), "--shape", shape_name,
+  child = [sys.executable, "-m", "benchmarks.kernel_profile", "--shape", shape_name,
            "--stage", stage, "--run_stage"]
   subprocess.run([ncu, "--clock-control", "none", "--kernel-name",
                   f"regex:^{KERNELS[stage]}", "--launch-count", "1", *sections,

@@ -87,9 +87,10 @@ def child(args: argparse.Namespace) -> None:
 def measure(mode: str, mixer: str, runs: int, impl: str, xla_flag: str,
             args: argparse.Namespace, timeout_s: float) -> dict:
   """Runs one child; its result, or the error (last lines of its output)."""
-  command = [sys.executable, __file__, "--child", f"--mode={mode}", f"--mixer={mixer}",
-             f"--runs={runs}", f"--impl={impl}", f"--setting={args.setting}",
-             f"--steps={args.steps}", f"--single_steps={args.single_steps}"]
+  command = [sys.executable, "-m", "benchmarks.mqar_batched_throughput", "--child",
+             f"--mode={mode}", f"--mixer={mixer}", f"--runs={runs}", f"--impl={impl}",
+             f"--setting={args.setting}", f"--steps={args.steps}",
+             f"--single_steps={args.single_steps}"]
   env = dict(os.environ)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   if xla_flag:

@@ -361,7 +361,7 @@ def main(argv=None) -> None:
       with mps_daemon(args.mps):
         workers = []
         for i, gpu in enumerate(gpus):
-          command = [sys.executable, __file__, "run", f"--root={root}",
+          command = [sys.executable, "-m", "benchmarks.mqar_sweep", "run", f"--root={root}",
                      f"--mixers={','.join(mixers)}", f"--settings={args.settings}",
                      f"--lrs={args.lrs}", f"--seeds={args.seeds}",
                      f"--shard={i}/{len(gpus)}"]
