@@ -114,3 +114,30 @@ def rows(name, shape, log, impls=IMPLS) -> tuple[list[tuple], list[str]]:
       log(f"[{name}] {impl} {mode}: {ms:.3f} ms (another recurrence: no error)")
       out.append((name, shape, impl, mode, ms, None, "n/a (another recurrence)", None))
   return out, [note] if note else []
+
+
+def main(argv: list[str] | None = None) -> None:
+  """Runs FLA's kernels once per shape and mode, which autotunes them: FLA keeps Triton's
+  choices in TRITON_CACHE_DIR, so a later process (op_bench --fla) compiles only those."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+  parser.add_argument("shapes", nargs="+", help="B,T,H,K,V")
+  parser.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
+  args = parser.parse_args(argv)
+  reason = unavailable_reason()
+  if reason is not None:
+    parser.exit(1, f"fla_reference: {reason}\n")
+  note = _allow_hopper_backward()
+  if note:
+    print(note, flush=True)
+  for text in args.shapes:
+    shape = tuple(int(x) for x in text.split(","))
+    if len(shape) != 5 or shape[3] < MIN_K:
+      parser.exit(1, f"fla_reference: shape {text!r}: give B,T,H,K,V with K >= {MIN_K}\n")
+    for impl in args.impls:
+      for mode in ("fwd", "fwd+bwd"):
+        print(f"{shape} {impl} {mode}: {time_ms(impl, mode, shape):.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+  main()

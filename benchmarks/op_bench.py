@@ -6,7 +6,9 @@
 Every implementation is first checked against the float64 sequential reference on the same inputs
 (outputs, variance, final state; gradients on the first steps whose float64 backward fits in
 --max-ref-gib, all of them when it fits), after poisoning the allocator with NaNs so a kernel
-that leaves elements unwritten fails. Then, after warm-up, over rotating input sets, two timings:
+that leaves elements unwritten fails. The float64 references are most of a large shape's time:
+--ref_steps N checks outputs and gradients on the first N steps only (the full-length outputs and
+gradients must still be finite), and --ref_steps 0 skips the reference (rows say "unchecked"). Then, after warm-up, over rotating input sets, two timings:
 - "ms": per call, with --iters calls queued back to back and one block_until_ready at the end
   (median of 3 such batches). That is the device time of a call, gaps between its kernels
   included, without the host's dispatch and sync round trip; it is what triton's do_bench (the
@@ -214,12 +216,14 @@ def reference_gib_per_step(shape, fast_chunk=None) -> float:
   return max(large - small, 0) / fast_chunk / 2**30
 
 
-def reference_steps(shape, max_ref_gib, chunk_size, fast_chunk=None) -> int:
+def reference_steps(shape, max_ref_gib, chunk_size, fast_chunk=None, cap=None) -> int:
   """Steps of T on which the float64 gradients are checked: all of them where the reference
-  backward fits in max_ref_gib, else as many as fit (at least one chunk)."""
+  backward fits in max_ref_gib, else as many as fit (at least one chunk); at most `cap`."""
+  if cap is not None and cap <= chunk_size:
+    return min(shape[1], cap)
   per_step = reference_gib_per_step(shape, fast_chunk)
   fit = shape[1] if per_step == 0 else int(max_ref_gib // per_step)
-  return int(min(shape[1], max(chunk_size, fit)))
+  return int(min(shape[1], cap or shape[1], max(chunk_size, fit)))
 
 
 def state_gib(shape, bytes_per=4) -> float:
@@ -239,22 +243,30 @@ def bench_shape(name, shape, impls, args, log):
   arg_sets = [make_inputs(s, shape, dtype) for s in range(args.rotate)]
   cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
   # The float64 backward stores every state: check gradients on the first ref_t steps if
-  # needed (each op's reference its own ref_t).
+  # needed (each op's reference its own ref_t). --ref_steps caps the forward's check too.
+  cap = getattr(args, "ref_steps", None)
+  checked = cap != 0
+  fwd_t = shape[1] if cap is None else min(shape[1], cap)
   refs = {}
   for fast_chunk in sorted({args.chunk_size if impl in FAST_IMPLS else None
-                            for impl in impls}, key=str):
-    ref_t = reference_steps(shape, args.max_ref_gib, args.chunk_size, fast_chunk)
+                            for impl in impls}, key=str) if checked else ():
+    ref_t = reference_steps(shape, args.max_ref_gib, args.chunk_size, fast_chunk, cap)
     trunc = tuple(x[:, :ref_t] if x.ndim >= 3 else x for x in arg_sets[0])
     log(f"[{name}] float64 reference{'' if fast_chunk is None else ' of fast_palimpsa'} "
-        f"(gradients on the first {ref_t} steps)")
-    ref_res, _ = reference(arg_sets[0], cot, False, fast_chunk)
+        f"(outputs on the first {fwd_t} steps, gradients on the first {ref_t})")
+    head = tuple(x[:, :fwd_t] if x.ndim >= 3 else x for x in arg_sets[0])
+    ref_res, _ = reference(head, cot[:, :fwd_t], False, fast_chunk)
     if not args.variance:
       ref_res = ref_res[:1] + ref_res[2:]
+    if fwd_t < shape[1]:  # A prefix: the outputs on it, not the final state, are comparable.
+      ref_res = ref_res[:2 if args.variance else 1]
     refs[fast_chunk] = (ref_res, reference(trunc, cot[:, :ref_t], True, fast_chunk)[1],
                         ref_t, trunc)
   rows = []
   for impl in impls:
-    ref_res, ref_grads, ref_t, trunc = refs[args.chunk_size if impl in FAST_IMPLS else None]
+    ref_res, ref_grads, ref_t, trunc = (
+        refs[args.chunk_size if impl in FAST_IMPLS else None] if checked
+        else (None, None, shape[1], arg_sets[0]))
     op = _fast_op if impl in FAST_IMPLS else palimpsa
     for mode in ("fwd", "fwd+bwd"):
       materialises = impl == "associative" or (impl == "sequential" and mode == "fwd+bwd")
@@ -266,9 +278,14 @@ def bench_shape(name, shape, impls, args, log):
             else fwd_bwd_fn(impl, args.chunk_size, op))
       call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
       poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
-      if mode == "fwd":
+      if not checked:
+        full = jax.tree.leaves(call(*arg_sets[0]))
+        ok = all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in full)
+        err = 0.0 if ok else float("inf")
+      elif mode == "fwd":
         got = jax.tree.map(np.asarray, call(*arg_sets[0]))
-        err = max(rel_error(g, w) for g, w in zip(got, ref_res))
+        prefix = lambda x: x[:, :fwd_t] if x.ndim == 4 and x.shape[1] == shape[1] else x
+        err = max(rel_error(prefix(g), w) for g, w in zip(got, ref_res))
         ok = err < fwd_tol
       else:
         got = jax.tree.map(np.asarray, fn(trunc, cot[:, :ref_t])[1])
@@ -278,11 +295,13 @@ def bench_shape(name, shape, impls, args, log):
           poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
           full = jax.tree.leaves(call(*arg_sets[0]))
           ok = ok and all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in full)
-      tag = "ref" if mode == "fwd" or ref_t == shape[1] else f"ref, T={ref_t}"
+      t_checked = fwd_t if mode == "fwd" else ref_t
+      tag = ("unchecked, finite" if not checked
+             else "ref" if t_checked == shape[1] else f"ref, T={t_checked}")
       if not ok:
-        rows.append((name, shape, impl, mode, None, None,
-                     f"WRONG: rel. error {err:.1e} ({tag})", None))
-        log(f"[{name}] {impl} {mode}: WRONG rel. error {err:.2e} ({tag})")
+        what = "non-finite" if not checked else f"rel. error {err:.1e}"
+        rows.append((name, shape, impl, mode, None, None, f"WRONG: {what} ({tag})", None))
+        log(f"[{name}] {impl} {mode}: WRONG {what} ({tag})")
         continue
       mem = None
       if args.memory:
@@ -352,6 +371,10 @@ def main():
                       help="skip implementations that store every state beyond this")
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="memory for the float64 reference backward (fewer steps if needed)")
+  parser.add_argument("--ref_steps", type=int, default=None,
+                      help="check outputs and gradients against float64 on the first N steps "
+                      "only (0: no float64 check, outputs only checked finite); default: "
+                      "outputs on all steps, gradients on as many as fit --max-ref-gib")
   results_lib.add_record_flags(parser)
   parser.add_argument("--fla", nargs="*", choices=fla_reference.IMPLS,
                       help="also time FLA's chunk Gated DeltaNet and SimpleGLA (torch, CUDA); "
@@ -361,6 +384,8 @@ def main():
   parser.add_argument("--note", default="", help="a line recorded with the results")
   args = parser.parse_args()
 
+  if args.ref_steps is not None and args.ref_steps < 0:
+    parser.error(f"--ref_steps must be >= 0, got {args.ref_steps}")
   impls = args.impls or default_implementations()
   unknown = sorted(set(args.only or ()) - set(SHAPES[args.shapes]))
   if unknown:
@@ -377,7 +402,10 @@ def main():
   fla_versions = fla_reference.versions() if args.fla is not None else None
   command = results_lib.command_line("op_bench", sys.argv[1:])
   notes = [f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
-           f"rotating input sets, forward {'with' if args.variance else 'without'} variance",
+           f"rotating input sets, forward {'with' if args.variance else 'without'} variance, "
+           + ("float64 checks on all steps (gradients as --max-ref-gib allows)"
+              if args.ref_steps is None else "no float64 check" if args.ref_steps == 0
+              else f"float64 checks on the first {args.ref_steps} steps"),
            f"ms: per call with {args.iters} calls queued and one block at the end (median "
            f"of 3 batches; device time per call, as triton's do_bench measures); ms synced: "
            f"median of {args.iters} single calls, each blocked on"]

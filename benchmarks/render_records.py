@@ -129,7 +129,9 @@ def _throughput(records: list[Record], sizes: tuple[str, ...]) -> str:
       and row.get("implementation", "auto") in ("auto", "chunked"))
   key = lambda record, row: (
       sizes.index(record["settings"]["size"]), record["settings"]["batch_size"],
-      record["settings"]["seq_len"], row["scanned"], bool(record["settings"].get("remat")),
+      record["settings"]["seq_len"], row["scanned"],
+      row["remat"] not in ("off", "no") if "remat" in row
+      else bool(record["settings"].get("remat")),
       row["model"], row.get("implementation", "auto"))
   chosen = newest_rows(records, "train_throughput", key, one_device)
   out = []

@@ -141,7 +141,8 @@ def _dumps(record: dict[str, Any]) -> str:
 
 
 def load_records(directory: pathlib.Path | str = RECORDS) -> list[dict[str, Any]]:
-  """Every record under directory, oldest first (by date, then file name)."""
-  paths = sorted(pathlib.Path(directory).glob("*.json"))
+  """Every record under directory, its subfolders included (a GPU round's folder), oldest
+  first (by date, then file name)."""
+  paths = sorted(pathlib.Path(directory).rglob("*.json"))
   records = [json.loads(path.read_text()) for path in paths]
   return sorted(records, key=lambda r: r["date"])

@@ -4,6 +4,7 @@
     python -m benchmarks.train_throughput --compare_implementations pallas_gpu,chunked
     python -m benchmarks.train_throughput --mesh fsdp --num_devices 2
     python -m benchmarks.train_throughput --models palimpsa_d --context_parallel  # A/B
+    python -m benchmarks.train_throughput --models palimpsa_d --size 760m --batch_size 8 --as_shipped
 
 Each model is built from `models.model_config` (bf16 compute, f32 parameters)
 and trained with the real LM recipe (configs/lm.py: AdamW, schedule, clipping,
@@ -17,16 +18,22 @@ each step waited for, whose median, min and max show the host time a step spends
 before the device is busy (synced minus queued). The table also gives
 the compiled step's memory (temporaries; peak = arguments + outputs + temporaries
 - donated buffers, per device) with the largest batch that memory suggests would
-fit, and the step time relative to Mamba2's in the same run. A non-finite loss or
-gradient stops the run. The table (with date, device, versions, git ref and the exact
+fit, and the step time relative to Mamba2's in the same run. --as_shipped builds each
+model as configs/lm.py ships its size (its scan_layers, remat and remat_saves, which
+--scan_layers, --remat and --remat_saves otherwise set). A step that does not fit the
+device's memory gives an "out of memory" row and the run goes on; a non-finite loss or
+gradient stops it. The JSON rows also count each Pallas kernel's launch sites in the
+compiled step's HLO (a scanned layer's kernels appear once in its loop body). The table (with date, device, versions, git ref and the exact
 command) is written as a record to benchmarks/records/, and --output writes JSON.
 """
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import json
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -103,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--compare_implementations", default="",
                       help="comma-separated implementations: Palimpsa-D once with each")
   parser.add_argument("--remat", action="store_true", help="rematerialise each block")
+  parser.add_argument("--as_shipped", action="store_true",
+                      help="scan_layers, remat and remat_saves as configs/lm.py ships the "
+                           "size (instead of --scan_layers, --remat and --remat_saves)")
   parser.add_argument("--remat_saves", default="nothing",
                       choices=sorted(models.language_model.REMAT_SAVES),
                       help="what a rematerialised block keeps (model.remat_saves)")
@@ -131,11 +141,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                            "are then cold compiles)")
   results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
+  if args.as_shipped and (args.remat or args.remat_saves != "nothing"
+                          or args.scan_layers != "off"):
+    parser.error("--as_shipped takes scan_layers, remat and remat_saves from configs/lm.py: "
+                 "give none of --scan_layers, --remat, --remat_saves with it")
   return args
 
 
-def run_plan(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
-  """(model, implementation, scan_layers) triples in run order."""
+def run_plan(args: argparse.Namespace) -> list[tuple[str, str, bool | None]]:
+  """(model, implementation, scan_layers) triples in run order; scan_layers None: as
+  configs/lm.py ships the size (--as_shipped)."""
   names = [m.strip() for m in args.models.split(",") if m.strip()]
   if args.meta_mamba2 and "meta_mamba2" not in names:
     names.append("meta_mamba2")
@@ -154,7 +169,8 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
       plan.append((name, args.implementation))
   if compare and "palimpsa_d" not in names:
     plan += [("palimpsa_d", impl) for impl in compare]
-  scans = {"on": (True,), "off": (False,), "both": (True, False)}[args.scan_layers]
+  scans = ((None,) if args.as_shipped
+           else {"on": (True,), "off": (False,), "both": (True, False)}[args.scan_layers])
   return [(name, impl, scan) for name, impl in plan for scan in scans]
 
 
@@ -200,6 +216,7 @@ class BuiltStep(NamedTuple):
   compile_s: float
   temp_gib: float | None
   peak_gib: float | None
+  kernel_launches: dict[str, int] | None = None
 
 
 def placement(args: argparse.Namespace,
@@ -214,15 +231,20 @@ def placement(args: argparse.Namespace,
   return context
 
 
-def build_train_step(model: str, implementation: str, scan_layers: bool,
+def build_train_step(model: str, implementation: str, scan_layers: bool | None,
                      args: argparse.Namespace, where: sharding_lib.MeshContext,
                      label: str) -> BuiltStep:
-  """Builds the model's state and batch and compiles its train step (configs/lm.py)."""
+  """Builds the model's state and batch and compiles its train step (configs/lm.py).
+
+  scan_layers None (--as_shipped): scan_layers, remat and remat_saves as configs/lm.py ships
+  the size; else those of the arguments.
+  """
   config = load_lm_config(model, args)
   config.model.implementation = model_implementation(model, implementation)
-  config.model.remat = args.remat
-  config.model.remat_saves = args.remat_saves
-  config.model.scan_layers = scan_layers
+  if scan_layers is not None:
+    config.model.remat = args.remat
+    config.model.remat_saves = args.remat_saves
+    config.model.scan_layers = scan_layers
   if models.registry.KINDS[config.model.mixer].metaplastic:
     config.model.precision = args.precision
   mesh, rules = where.mesh, where.rules
@@ -254,7 +276,21 @@ def build_train_step(model: str, implementation: str, scan_layers: bool,
     peak_gib = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                 + memory.temp_size_in_bytes - memory.alias_size_in_bytes) / 2**30
   return BuiltStep(compiled, state, batch, config, num_params, accum, init_s, compile_s,
-                   temp_gib, peak_gib)
+                   temp_gib, peak_gib, kernel_launches(compiled.as_text()))
+
+
+def kernel_launches(hlo: str) -> dict[str, int]:
+  """Custom calls in a compiled program's HLO text: per kernel name (the name a Pallas kernel's
+  call carries) and per custom-call target ("target:..."), how many call sites."""
+  calls = "\n".join(line for line in hlo.splitlines() if "custom-call" in line)
+  names = re.findall(r'\b(?:kernel_)?name\\?"?\s*[=:]\s*\\?"([A-Za-z_][\w.\-]*)\\?"', calls)
+  targets = re.findall(r'custom_call_target="([^"]+)"', calls)
+  return dict(sorted(collections.Counter(names + [f"target:{t}" for t in targets]).items()))
+
+
+def out_of_memory(error: Exception) -> bool:
+  """Whether an XLA runtime error is the device running out of memory."""
+  return "RESOURCE_EXHAUSTED" in str(error) or "Out of memory" in str(error)
 
 
 def batch_that_fits(built: BuiltStep, batch_size: int) -> int | None:
@@ -271,14 +307,51 @@ def batch_that_fits(built: BuiltStep, batch_size: int) -> int | None:
   return max(factor, 0) * batch_size
 
 
-def bench_model(model: str, implementation: str, scan_layers: bool,
+def bench_model(model: str, implementation: str, scan_layers: bool | None,
                 args: argparse.Namespace, where: sharding_lib.MeshContext,
                 label: str) -> dict[str, Any]:
-  """Builds, compiles and times one model; returns its result row."""
+  """Builds, compiles and times one model; returns its result row (with "error" and the
+  compiled step's figures where the step ran out of device memory)."""
   built = build_train_step(model, implementation, scan_layers, args, where, label)
   log(f"{label} compiled in {built.compile_s:.1f} s; {args.warmup_steps} warm-up + "
       f"{args.steps} synced + {args.steps} queued steps ...")
+  implementation = built.config.model.implementation
+  if built.config.model.get("precision", "exact") == "rank1":  # the op is another one
+    implementation = "fast_palimpsa (rank1)"
+  model_cfg = built.config.model
+  row = {"model": model, "implementation": implementation,
+         "scan_layers": bool(model_cfg.get("scan_layers", scan_layers)),
+         "remat": model_cfg.get("remat_saves", "nothing") if model_cfg.get("remat") else "off",
+         "params": built.num_params, "layers": int(model_cfg.num_layers),
+         "grad_accum_steps": built.grad_accum_steps, "init_s": built.init_s,
+         "compile_s": built.compile_s, "temp_gib": built.temp_gib,
+         "peak_gib": built.peak_gib,
+         "batch_that_fits": batch_that_fits(built, args.batch_size),
+         "kernel_launches": built.kernel_launches}
+  try:
+    timed = _time_steps(built, args, label)
+  except jax.errors.JaxRuntimeError as error:
+    if not out_of_memory(error):
+      raise
+    message = str(error).strip().splitlines()[0][:300]
+    log(f"{label} out of memory: {message}")
+    return row | {"error": f"out of memory: {message}"}
+  tokens_per_s = args.batch_size * args.seq_len / timed["step_s"]
+  peak = metrics_lib.peak_flops_per_device()
+  mfu = (6 * built.num_params * tokens_per_s / (peak * where.mesh.size)) if peak else None
+  synced = timed["synced"]
+  row |= {"step_ms": 1e3 * timed["step_s"], "synced_ms_median": 1e3 * statistics.median(synced),
+          "synced_ms_min": 1e3 * min(synced), "synced_ms_max": 1e3 * max(synced),
+          "tokens_per_s": tokens_per_s, "mfu": mfu, "final_loss": timed["final_loss"],
+          "paper_run_hours": PAPER_TOKENS / tokens_per_s / 3600}
+  log(f"{label} step {row['step_ms']:.1f} ms queued ({row['synced_ms_median']:.1f} synced), "
+      f"{tokens_per_s:,.0f} tokens/s, loss {row['final_loss']:.3f}")
+  return row
 
+
+def _time_steps(built: BuiltStep, args: argparse.Namespace, label: str) -> dict[str, Any]:
+  """Runs warm-up, synced and queued steps: {"step_s" (queued), "synced" (seconds each),
+  "final_loss"}; a non-finite loss or gradient raises."""
   state, all_metrics, synced = built.state, [], []
   for index in range(args.warmup_steps + args.steps):
     start = time.perf_counter()
@@ -300,35 +373,17 @@ def bench_model(model: str, implementation: str, scan_layers: bool,
       raise trainer.NonFiniteError(
           f"{label}: non-finite loss or gradient at step {index + 1} (loss "
           f"{step_metrics['train/loss']}, grad norm {step_metrics['train/grad_norm']}).")
-
-  tokens_per_s = args.batch_size * args.seq_len / step_s
-  peak = metrics_lib.peak_flops_per_device()
-  mfu = (6 * built.num_params * tokens_per_s / (peak * where.mesh.size)) if peak else None
-  implementation = built.config.model.implementation
-  if built.config.model.get("precision", "exact") == "rank1":  # the op is another one
-    implementation = "fast_palimpsa (rank1)"
-  row = {"model": model, "implementation": implementation,
-         "scan_layers": scan_layers, "params": built.num_params,
-         "layers": int(built.config.model.num_layers),
-         "grad_accum_steps": built.grad_accum_steps, "init_s": built.init_s,
-         "compile_s": built.compile_s, "temp_gib": built.temp_gib,
-         "peak_gib": built.peak_gib,
-         "batch_that_fits": batch_that_fits(built, args.batch_size),
-         "step_ms": 1e3 * step_s, "synced_ms_median": 1e3 * statistics.median(synced),
-         "synced_ms_min": 1e3 * min(synced), "synced_ms_max": 1e3 * max(synced),
-         "tokens_per_s": tokens_per_s,
-         "mfu": mfu, "final_loss": float(all_metrics[-1]["train/loss"]),
-         "paper_run_hours": PAPER_TOKENS / tokens_per_s / 3600}
-  log(f"{label} step {row['step_ms']:.1f} ms queued ({row['synced_ms_median']:.1f} synced), "
-      f"{tokens_per_s:,.0f} tokens/s, loss {row['final_loss']:.3f}")
-  return row
+  return {"step_s": step_s, "synced": synced,
+          "final_loss": float(all_metrics[-1]["train/loss"])}
 
 
 def add_baseline_ratios(rows: list[dict[str, Any]]) -> None:
   """row["x_mamba2"]: step time over Mamba2's with the same scan_layers (None
   when that Mamba2 row was not run)."""
   for row in rows:
-    baseline = next((r for r in rows if r["model"] == BASELINE
+    if "error" in row:
+      continue
+    baseline = next((r for r in rows if r["model"] == BASELINE and "error" not in r
                      and r["scan_layers"] == row["scan_layers"]), None)
     row["x_mamba2"] = (row["step_ms"] / baseline["step_ms"]
                        if baseline else None)
@@ -339,18 +394,21 @@ def _fmt(value: float | None, pattern: str) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-  header = ("| model | implementation | scanned | params (M) | layers | compile s "
+  header = ("| model | implementation | scanned | remat | params (M) | layers | compile s "
             "| temp GiB | peak GiB | batch that fits (est.) | step ms (queued) | tokens/s | MFU "
             "| x Mamba2 step time | synced step ms (median) | synced min / max ms "
-            "| final loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| final loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   lines = [header]
   for r in rows:
+    built = (f"| {r['model']} | {r['implementation']} | {'yes' if r['scan_layers'] else 'no'} "
+             f"| {r['remat']} | {r['params'] / 1e6:.1f} | {r['layers']} | {r['compile_s']:.1f} "
+             f"| {_fmt(r['temp_gib'], '.2f')} | {_fmt(r['peak_gib'], '.2f')} "
+             f"| {_fmt(r['batch_that_fits'], 'd')} ")
+    if "error" in r:
+      lines.append(built + f"| {r['error'].replace('|', '/')} |" + " - |" * 6)
+      continue
     lines.append(
-        f"| {r['model']} | {r['implementation']} | {'yes' if r['scan_layers'] else 'no'} "
-        f"| {r['params'] / 1e6:.1f} "
-        f"| {r['layers']} | {r['compile_s']:.1f} | {_fmt(r['temp_gib'], '.2f')} "
-        f"| {_fmt(r['peak_gib'], '.2f')} | {_fmt(r['batch_that_fits'], 'd')} "
-        f"| {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
+        built + f"| {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {_fmt(r['mfu'], '.1%')} "
         f"| {_fmt(r['x_mamba2'], '.2f')} | {r['synced_ms_median']:.1f} "
         f"| {r['synced_ms_min']:.1f} / {r['synced_ms_max']:.1f} | {r['final_loss']:.3f} |")
   return "\n".join(lines)
@@ -362,7 +420,7 @@ def projection_lines(rows: list[dict[str, Any]], num_devices: int) -> list[str]:
           f"({'scanned' if r['scan_layers'] else 'unrolled'}) "
           f"{r['tokens_per_s']:,.0f} tokens/s: {r['paper_run_hours']:.1f} h "
           f"({r['paper_run_hours'] / 24:.2f} days) on {num_devices} device(s)"
-          for r in rows if r["model"] == "palimpsa_d"]
+          for r in rows if r["model"] == "palimpsa_d" and "error" not in r]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -418,13 +476,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_throughput",
         f"train_throughput {args.size}, {args.batch_size} x {args.seq_len} tokens per step",
         command, date=now, device=device_kind, num_devices=len(devices), table=table,
+        figures={"kernel_launches": {f"{r['model']} {r['implementation']}":
+                                     r["kernel_launches"] for r in rows}},
         settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "mesh": dict(mesh.shape), "remat": args.remat,
                   "remat_saves": args.remat_saves,
                   "kernel_sharding": not args.no_kernel_sharding,
-                  "context_parallel": args.context_parallel, "precision": args.precision},
-        notes=[f"bf16 compute, f32 params, configs/lm.py optimizer, remat "
-               f"{'on, saving ' + args.remat_saves if args.remat else 'off'}, kernels "
+                  "context_parallel": args.context_parallel, "precision": args.precision,
+                  "as_shipped": args.as_shipped},
+        notes=[f"bf16 compute, f32 params, configs/lm.py optimizer, "
+               + ("scan_layers and remat as configs/lm.py ships the size" if args.as_shipped
+                  else f"remat {'on, saving ' + args.remat_saves if args.remat else 'off'}")
+               + ", kernels "
                f"{'on the global batch' if args.no_kernel_sharding else 'per device shard'}"
                f"{', context-parallel path' if args.context_parallel else ''}; "
                f"{args.warmup_steps} warm-up steps, then {args.steps} steps queued (step ms, "

@@ -149,3 +149,36 @@ def test_fast_reference_gradients_fit_max_ref_gib():
   ref_t = op_bench.reference_steps(shape, budget, chunk, fast_chunk=chunk)
   assert chunk <= ref_t < shape[1]
   assert _fast_reference_backward_gib(shape[:1] + (ref_t,) + shape[2:], chunk) <= budget
+
+
+@pytest.mark.parametrize("ref_steps", [32, 0])
+def test_ref_steps_caps_or_skips_the_float64_check(ref_steps):
+  """--ref_steps N checks outputs and gradients on the first N steps (the rows say T=N); 0
+  skips the reference and only requires finite outputs and gradients."""
+  args = argparse.Namespace(dtype="float32", rotate=1, chunk_size=16, max_ref_gib=16.0,
+                            max_state_gib=16.0, variance=True, memory=False, warmup=0,
+                            iters=1, ref_steps=ref_steps)
+  rows = op_bench.bench_shape("tiny", (1, 64, 2, 16, 16), ["chunked", "fast_palimpsa"], args,
+                              lambda _: None)
+  assert len(rows) == 4 and all(r[4] is not None for r in rows), rows
+  notes = [r[6] for r in rows]
+  if ref_steps:
+    assert all("(ref, T=32)" in note for note in notes), notes
+  else:
+    assert all(note.endswith("(unchecked, finite)") for note in notes), notes
+
+
+def test_ref_steps_still_catches_a_wrong_implementation(monkeypatch):
+  """A capped check compares the prefix: an implementation off by a constant is WRONG."""
+  right = op_bench.palimpsa
+
+  def wrong(*a, **k):
+    result = right(*a, **k)
+    return result._replace(out=result.out + 1.0)
+
+  monkeypatch.setattr(op_bench, "palimpsa", wrong)
+  args = argparse.Namespace(dtype="float32", rotate=1, chunk_size=16, max_ref_gib=16.0,
+                            max_state_gib=16.0, variance=False, memory=False, warmup=0,
+                            iters=1, ref_steps=32)
+  rows = op_bench.bench_shape("tiny", (1, 64, 2, 16, 16), ["chunked"], args, lambda _: None)
+  assert rows[0][6].startswith("WRONG: rel. error") and rows[0][4] is None
