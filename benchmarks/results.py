@@ -20,6 +20,7 @@ takes add_record_flags' two flags: `--records DIR` (default benchmarks/records/)
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -61,7 +62,13 @@ def utc_now() -> str:
 
 
 def git_ref() -> str:
-  """The short commit of the working tree (+ "changes" when it has some), or "unknown"."""
+  """The short commit of the working tree (+ "changes" when it has some), or "unknown".
+
+  $PALIMPSA_GIT_REF, where set, is taken instead: for a copy of the tree whose .git is not the
+  tree's own (the GPU machine's copy keeps the .git of an earlier commit).
+  """
+  if os.environ.get("PALIMPSA_GIT_REF"):
+    return os.environ["PALIMPSA_GIT_REF"]
   try:
     ref = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout.strip()

@@ -333,9 +333,10 @@ def bench_model(model: str, implementation: str, scan_layers: bool | None,
   except jax.errors.JaxRuntimeError as error:
     if not out_of_memory(error):
       raise
-    message = str(error).strip().splitlines()[0][:300]
+    message = str(error).strip().splitlines()[0]
     log(f"{label} out of memory: {message}")
-    return row | {"error": f"out of memory: {message}"}
+    size = re.search(r"allocate ([\d.]+ ?[KMGT]i?B)", message)
+    return row | {"error": "out of memory" + (f" (allocating {size.group(1)})" if size else "")}
   tokens_per_s = args.batch_size * args.seq_len / timed["step_s"]
   peak = metrics_lib.peak_flops_per_device()
   mfu = (6 * built.num_params * tokens_per_s / (peak * where.mesh.size)) if peak else None

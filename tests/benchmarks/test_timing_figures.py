@@ -90,3 +90,24 @@ def test_rates_are_those_of_the_second_pass(monkeypatch):
   assert row["decode_ms_per_step"] == pytest.approx(200.0)  # The median step.
   assert row["decode_tokens_per_s"] == pytest.approx(10.0)  # 2 sequences a 0.2 s step.
   assert row["prefill_tokens_per_s"] == pytest.approx(20.0)  # 2 x 5 prompt tokens in 0.5 s.
+
+
+def test_a_step_that_does_not_fit_gives_an_out_of_memory_row(monkeypatch):
+  """The compiled step's figures stay; the table says what the step asked for."""
+  clock = types.SimpleNamespace(now=0.0)
+  monkeypatch.setattr(train_throughput, "build_train_step",
+                      lambda *_: _fake_built_step((), clock))
+
+  def no_memory(*_):
+    raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 59.13GiB with allocator")
+
+  monkeypatch.setattr(train_throughput, "_time_steps", no_memory)
+  args = train_throughput.parse_args(["--seq_len", "64", "--batch_size", "2"])
+  row = train_throughput.bench_model("palimpsa_d", "chunked", True, args,
+                                     train_throughput.placement(args, jax.devices()[:1]), "p")
+  assert row["error"] == "out of memory (allocating 59.13GiB)" and row["layers"] == 2
+  train_throughput.add_baseline_ratios([row])
+  table = train_throughput.format_table([row])
+  assert "| out of memory (allocating 59.13GiB) | - |" in table
+  assert train_throughput.projection_lines([row], 1) == []
