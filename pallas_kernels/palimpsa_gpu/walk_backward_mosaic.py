@@ -196,7 +196,10 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, int
         m, b = advance(m, b, write_rows(slot, sg * every + s))
       return m, b
 
-    carry = jax.lax.fori_loop(0, segs_per_slot, checkpoints, carry)
+    # The chunk's last segment leads to no checkpoint: the pass stops at its start (an
+    # eighth of the pass's steps in chunks of 64), and the reverse pass re-advances from it.
+    last = (i == n_slots - 1).astype(jnp.int32)
+    carry = jax.lax.fori_loop(0, segs_per_slot - last, checkpoints, carry)
 
     @pl.when(i + SLOTS < n_slots)
     def _():
@@ -204,7 +207,9 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, int
       fetch(i + SLOTS)
     return carry
 
-  jax.lax.fori_loop(0, n_slots, forward_slot, (m, b))
+  m, b = jax.lax.fori_loop(0, n_slots, forward_slot, (m, b))
+  ckpt_m[chunk // every - 1] = m
+  ckpt_b[chunk // every - 1] = b
 
   def reverse_sub_chunk(carry, slot, lt0, c, lead, out_slot, t0):
     """The sub-chunk at local steps lt0.. (chunk steps t0..) of checkpoint segment c,
