@@ -24,7 +24,9 @@ where the data lives:
   (`mosaic_tiles.sum_stores`), each lane storing its own outputs into the staging slot.
 - The per-tile sums (dq, dk over V-tiles; dv, dbeta over K-slices; s over both) leave
   either as partial sums for XLA to add (deterministic) or, with `accumulate`, by TMA
-  reduce-add into one zeroed array each (the order of the additions varies run to run).
+  reduce-add into one zeroed array each (the order of the additions varies run to run);
+  a sum that one tile alone writes (dv and dbeta where K is one slice, as at MQAR's K=16;
+  dq and dk where V is one tile) is stored by a plain TMA copy, with nothing to zero.
 """
 
 import functools
@@ -48,7 +50,7 @@ EVERY = 8
 SUB = 4  # Steps per sub-chunk (the states recomputed together in registers).
 HOPPER_ONLY = False  # Hopper and newer.
 # The most shared memory a CTA may take for two to share an SM (228 KiB per SM, 1 KiB of
-# it reserved per CTA): two CTAs, not fewer registers, keep the walk's issue slots busy.
+# it reserved per CTA); the walk's registers (about 200 a thread) allow two as well.
 TWO_PER_SM = 113 * 1024
 
 
@@ -121,19 +123,24 @@ def temp_bytes(cfg: GpuKernelConfig) -> int:
   return 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + TILE)
 
 
-def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, interpret):
+def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, added,
+            interpret):
   """One CTA: 4 chunks (one per warp) of one batch*head, V-tile and K-slice.
 
   refs: the inputs (k, q, v, beta, dO[, dvar] as [BH, G, 4, chunk, D]; gates
   [BH, G, 4, chunk, 16]; ip [BH, NK, 4, 16]; start states [BH, G*4, Vp, Kp]), the sums
   (dq, dk, dv, dbeta, s: one part each with `accumulate`, else one per tile), the
-  adjoints, then the scratch of `_smem_scratch` and the ring and start barriers.
+  adjoints, then the scratch of `_smem_scratch` and the ring and start barriers. The sums
+  numbered in `added` (0-4: dq, dk, dv, dbeta, s) are zeroed inputs the CTAs add into;
+  they come right after the inputs, the other sums and the adjoints after them.
   """
   n_rows = 6 if with_var else 5
   n_in = n_rows + 4
-  ins, outs, scratch = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
+  ins, scratch = refs[:n_in], refs[n_in + 7:]
   row_g, (a_g, ip_g, m0_g, b0_g) = ins[:n_rows], ins[n_rows:]
-  dq_g, dk_g, dv_g, dbeta_g, s_g, am_g, ab_g = outs
+  summed, stored = iter(refs[n_in:n_in + len(added)]), iter(refs[n_in + len(added):n_in + 7])
+  dq_g, dk_g, dv_g, dbeta_g, s_g = (next(summed if i in added else stored) for i in range(5))
+  am_g, ab_g = stored
   ring = scratch[:n_rows + 1]  # Rows, then gates: [SLOTS, 4, slot_len, 16] each.
   (ip_s, ckpt_m, ckpt_b, dq_o, dk_o, dv_o, dbeta_o, s_o, ring_bars,
    start_bar) = scratch[n_rows + 1:]
@@ -148,8 +155,8 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, int
   walks = pl.ds(g * WALKS, WALKS)
   # Partial sums go to this tile's part; accumulated ones are all added into part 0.
   part_v, part_k = (0, 0) if accumulate else (vt, ks)
-  sum_out = functools.partial(plgpu.copy_smem_to_gmem,
-                              reduction_op="add" if accumulate else None)
+  def sum_out(i, src, dst, **kwargs):  # Sum i (0-4: dq, dk, dv, dbeta, s) to global memory.
+    plgpu.copy_smem_to_gmem(src, dst, reduction_op="add" if i in added else None, **kwargs)
   plgpu.copy_gmem_to_smem(ip_g.at[n, ks], ip_s, start_bar)
   plgpu.copy_gmem_to_smem(m0_g.at[n, walks, vcols, kcols], ckpt_m.at[0], start_bar)
   plgpu.copy_gmem_to_smem(b0_g.at[n, walks, vcols, kcols], ckpt_b.at[0], start_bar)
@@ -255,10 +262,10 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, int
       a_next = a
     plgpu.commit_smem()
     steps = pl.ds(t0, sub)
-    sum_out(dq_o.at[out_slot], dq_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
-    sum_out(dk_o.at[out_slot], dk_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
-    sum_out(dv_o.at[out_slot], dv_g.at[part_k, n, g, :, steps, vcols], commit_group=False)
-    sum_out(dbeta_o.at[out_slot], dbeta_g.at[part_k, n, g, :, steps, vcols])
+    sum_out(0, dq_o.at[out_slot], dq_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
+    sum_out(1, dk_o.at[out_slot], dk_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
+    sum_out(2, dv_o.at[out_slot], dv_g.at[part_k, n, g, :, steps, vcols], commit_group=False)
+    sum_out(3, dbeta_o.at[out_slot], dbeta_g.at[part_k, n, g, :, steps, vcols])
     return gm, gb, a_next
 
   def reverse_slot(done, carry):  # The chunk's slots, last first.
@@ -296,7 +303,7 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, int
   ckpt_m[0] = a_first * gm  # Checkpoint 0's buffers now hold the adjoints.
   ckpt_b[0] = a_first * gb
   plgpu.commit_smem()
-  sum_out(s_o, s_g.at[part_k, part_v, n, g], commit_group=False)
+  sum_out(4, s_o, s_g.at[part_k, part_v, n, g], commit_group=False)
   plgpu.copy_smem_to_gmem(ckpt_m.at[0], am_g.at[n, walks, vcols, kcols], commit_group=False)
   plgpu.copy_smem_to_gmem(ckpt_b.at[0], ab_g.at[n, walks, vcols, kcols])
   plgpu.wait_smem_to_gmem(0)
@@ -358,6 +365,9 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
       jnp.broadcast_to(pick(ip_row).reshape(bh, nk, 1, TILE), (bh, nk, WALKS, TILE)),
       states(m_starts), states(b_starts)]
   pv, pk = (1, 1) if accumulate else (nv, nk)
+  # With `accumulate`, the sums that several tiles write are added into zeroed arrays.
+  added = tuple(i for i, tiles in enumerate((nv, nv, nk, nk, nv * nk))
+                if accumulate and tiles > 1)
   sds = jax.ShapeDtypeStruct
   sum_types = ([sds((pv, bh, groups, WALKS, chunk, kp), f32)] * 2
                + [sds((pk, bh, groups, WALKS, chunk, vp), f32)] * 2
@@ -371,17 +381,17 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   # copy brought in after a barrier; stores leave through commit_smem.
   kernel = mosaic_kernel(
       functools.partial(_kernel, chunk=chunk, sub=sub, every=every, slot_len=slot_len,
-                        num_k=nk, with_var=with_var, accumulate=accumulate,
+                        num_k=nk, with_var=with_var, accumulate=accumulate, added=added,
                         interpret=interpret),
-      out_type=adjoint_types if accumulate else sum_types + adjoint_types,
+      out_type=[t for i, t in enumerate(sum_types) if i not in added] + adjoint_types,
       scratch_types=scratch, grid=(nv * nk, groups, bh), grid_names=("p", "g", "n"),
       interpret=interpret, name="palimpsa_walk_backward_mosaic")
-  if accumulate:  # Zeroed sums the kernel adds into (aliased in and out).
-    refs = [jax.new_ref(jnp.zeros(t.shape, t.dtype)) for t in sum_types]
-    adj_m, adj_b = kernel(*ins, *refs)
-    dq, dk, dv, dbeta, s = (jax.freeze(r) for r in refs)
-  else:
-    dq, dk, dv, dbeta, s, adj_m, adj_b = kernel(*ins)
+  # Zeroed sums the kernel adds into (aliased in and out).
+  refs = [jax.new_ref(jnp.zeros(sum_types[i].shape, f32)) for i in added]
+  outs = iter(kernel(*ins, *refs))
+  summed = iter([jax.freeze(r) for r in refs])
+  dq, dk, dv, dbeta, s = (next(summed if i in added else outs) for i in range(5))
+  adj_m, adj_b = outs
   back = lambda x: x.reshape(x.shape[0], bh, t_all, x.shape[-1])[:, :, :tp]
   return (back(dq), back(dk), back(dv), back(dbeta),
           s.reshape(pk, pv, bh, t_all)[..., :tp], adj_m[:, :nc], adj_b[:, :nc])

@@ -296,26 +296,29 @@ def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
       b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
-_VAR_192 = (True, 192, None, None)  # with the variance; 3 chunks, not a multiple of 4
-_PIECES_256 = (False, 256, (1, 2), 4)  # a range of batch-heads; checkpoints every 4
-_TWO_128 = (False, 128, None, None)  # 2 chunks; float32 rows: ring slots of 8 steps
+# (with_var, T, bh_range, every, K)
+_VAR_192 = (True, 192, None, None, 32)  # with the variance; 3 chunks, not a multiple of 4
+_PIECES_256 = (False, 256, (1, 2), 4, 32)  # a range of batch-heads; checkpoints every 4
+_TWO_128 = (False, 128, None, None, 32)  # 2 chunks; float32 rows: ring slots of 8 steps
+_K16_128 = (False, 128, None, None, 16)  # one K-slice: dv, dbeta stored, not added
 
 
-@pytest.mark.parametrize("interpret, accumulate, with_var, t, bh_range, every, dtype", [
+@pytest.mark.parametrize("interpret, accumulate, with_var, t, bh_range, every, k_dim, dtype", [
     pytest.param(True, False, *_VAR_192, jnp.float32, marks=pytest.mark.slow),
     (True, False, *_PIECES_256, jnp.float32), (True, False, *_TWO_128, jnp.float32)] + [
         pytest.param(False, accumulate, *case, dtype, marks=pytest.mark.gpu)
         for accumulate in (False, True)
         for case, dtype in ((_VAR_192, jnp.bfloat16), (_PIECES_256, jnp.bfloat16),
-                            (_TWO_128, jnp.float32))])
+                            (_TWO_128, jnp.float32), (_K16_128, jnp.bfloat16))])
 def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_var, t,
-                                                  bh_range, every, dtype):
+                                                  bh_range, every, k_dim, dtype):
   """walk_backward_mosaic.walk_backward gives walk_backward_triton.walk_backward's partial sums
   (or, with `accumulate`, their totals) and adjoints: with and without the variance's
   cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range,
-  checkpoints every 8 (default) or 4 steps, and ring slots of a quarter chunk (16-bit rows,
-  or checkpoints every 4) or of 8 steps (float32 rows)."""
-  chunk, k_dim, v_dim = 64, 32, 48
+  checkpoints every 8 (default) or 4 steps, ring slots of a quarter chunk (16-bit rows, or
+  checkpoints every 4) or of 8 steps (float32 rows), and one K-slice (K=16: with
+  `accumulate`, dv and dbeta are stored by one tile each instead of added)."""
+  chunk, v_dim = 64, 48
   rows = [dtype] * 5 + ([jnp.float32] if with_var else [])
   every_or_default = every or walk_backward_mosaic.checkpoint_every(chunk)
   quarter = walk_backward_mosaic.slot_steps(chunk, 4, rows, every_or_default) == chunk // 4
@@ -325,8 +328,8 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
     x["dvar"] = None
   args = [x[n] for n in _WALK_ARGS]
   triton = walk_backward_triton.walk_backward(
-      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16, k_split=k_dim // 16,
-      num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
+      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16,
+      k_split=k_dim // 16, num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
     triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
