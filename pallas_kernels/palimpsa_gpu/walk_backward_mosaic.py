@@ -8,21 +8,25 @@ where the data lives:
   adjoints as [4, 16, 16] arrays in a layout that gives each warp its own [16, 16] tile
   (`mosaic_tiles.TILE_PER_WARP`), and every per-step sum is a warp-shuffle reduction
   inside a warp.
-- Rows come by TMA into a ring of two quarter-chunk slots: quarters 0-3 on the
-  checkpoint pass, then 3 and 2 are still resident for the reverse pass and 1, 0 are
-  fetched again. Checkpoints (every `every` steps; a segment's later sub-chunks re-advance
-  from it) stay in shared memory; outputs are staged per sub-chunk and leave by TMA.
-  No register ever waits on global memory inside the walk. With 16-bit rows a CTA takes
-  ~105 KiB of shared memory (two per SM); float32 rows fit one per SM.
+- Rows come by TMA into a ring of two slots (`slot_steps`: a quarter chunk, or one
+  checkpoint segment where only that lets two CTAs share an SM): all the chunk's slots on
+  the checkpoint pass, then the last two are still resident for the reverse pass and the
+  others are fetched again. Checkpoints (every `every` steps; a segment's later sub-chunks
+  re-advance from it) stay in shared memory; outputs are staged per sub-chunk and leave by
+  TMA. No register ever waits on global memory inside the walk. In chunks of 64 a CTA
+  takes ~105 KiB of shared memory with 16-bit rows (quarter slots) and ~100 KiB with
+  float32 rows (8-step slots): two per SM either way.
 - Rows are read where they lie: [BH, Tp, D] viewed as [BH, G, 4, chunk, D] (a free
   reshape; a copy only when the chunk count is not a multiple of 4), each TMA box
-  [4, quarter, 16]; states as [BH, NC, Vp, Kp] boxes [4, 16, 16].
+  [4, slot, 16]; states as [BH, NC, Vp, Kp] boxes [4, 16, 16].
 - Each step's sums over the tile (dq, dk over its V-rows; dv, dbeta over its K-columns; the
   dL/dI sum over both) are reduce-scatters across the warp's lanes
   (`mosaic_tiles.sum_stores`), each lane storing its own outputs into the staging slot.
 - The per-tile sums (dq, dk over V-tiles; dv, dbeta over K-slices; s over both) leave
   either as partial sums for XLA to add (deterministic) or, with `accumulate`, by TMA
-  reduce-add into one zeroed array each (the order of the additions varies run to run).
+  reduce-add into one zeroed array each (the order of the additions varies run to run);
+  a sum that one tile alone writes (dv and dbeta where K is one slice, as at MQAR's K=16;
+  dq and dk where V is one tile) is stored by a plain TMA copy, with nothing to zero.
 """
 
 import functools
@@ -39,12 +43,15 @@ from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
     smem_bytes_of, sum_stores)
 
 f32 = jnp.float32
-SLOTS = 2  # Quarter-chunk slots of the row ring.
+SLOTS = 2  # Slots of the row ring.
 # Checkpoint spacing: 8 steps (two sub-chunks of 4) is the widest that still fits two CTAs
 # per SM with 16-bit rows; wider spacing re-advances more steps than occupancy repays.
 EVERY = 8
 SUB = 4  # Steps per sub-chunk (the states recomputed together in registers).
 HOPPER_ONLY = False  # Hopper and newer.
+# The most shared memory a CTA may take for two to share an SM (228 KiB per SM, 1 KiB of
+# it reserved per CTA); the walk's registers (about 200 a thread) allow two as well.
+TWO_PER_SM = 113 * 1024
 
 
 def checkpoint_every(chunk: int) -> int:
@@ -52,12 +59,12 @@ def checkpoint_every(chunk: int) -> int:
   return min(EVERY, chunk // 4)
 
 
-def _smem_scratch(chunk: int, sub: int, every: int, row_dtypes) -> list:
-  """The kernel's shared memory, in `_kernel`'s order: a ring slot pair [2, 4, quarter, 16]
+def _smem_scratch(chunk: int, sub: int, every: int, row_dtypes, slot: int) -> list:
+  """The kernel's shared memory, in `_kernel`'s order: a ring slot pair [2, 4, slot, 16]
   per row input (row_dtypes: k, q, v, beta, dO[, dvar]) and for the gates; the prior
   precision row; the checkpoints of M and Ibar; two staging slots each for dq, dk, dv,
   dbeta; the per-step sums."""
-  smem, ring = plgpu.SMEM, (SLOTS, WALKS, chunk // 4, TILE)
+  smem, ring = plgpu.SMEM, (SLOTS, WALKS, slot, TILE)
   checkpoints = (chunk // every, WALKS, TILE, TILE)
   return ([smem(ring, d) for d in row_dtypes]
           + [smem(ring, f32), smem((WALKS, TILE), f32), smem(checkpoints, f32),
@@ -65,10 +72,22 @@ def _smem_scratch(chunk: int, sub: int, every: int, row_dtypes) -> list:
           + [smem((2, WALKS, sub, TILE), f32)] * 4 + [smem((WALKS, chunk), f32)])
 
 
+def slot_steps(chunk: int, sub: int, row_dtypes, every: int) -> int:
+  """Steps per ring slot: a quarter chunk, or one checkpoint segment (`every` steps) where
+  only that smaller ring lets two CTAs share an SM (float32 rows in chunks of 64: 100
+  KiB instead of 124). More slots mean more barrier waits and row fetches, so the
+  quarter stays wherever it fits as well."""
+  quarter = chunk // 4
+  fits = lambda slot: smem_bytes_of(
+      _smem_scratch(chunk, sub, every, row_dtypes, slot)) <= TWO_PER_SM
+  return every if every < quarter and fits(every) and not fits(quarter) else quarter
+
+
 def smem_bytes(chunk: int, sub: int, row_dtypes, every: int | None = None) -> int:
   """Shared memory of one CTA (row_dtypes as in `_smem_scratch`)."""
   every = every or checkpoint_every(chunk)
-  return smem_bytes_of(_smem_scratch(chunk, sub, every, row_dtypes))
+  slot = slot_steps(chunk, sub, row_dtypes, every)
+  return smem_bytes_of(_smem_scratch(chunk, sub, every, row_dtypes, slot))
 
 
 def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
@@ -104,27 +123,31 @@ def temp_bytes(cfg: GpuKernelConfig) -> int:
   return 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + TILE)
 
 
-def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
+def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, added,
+            interpret):
   """One CTA: 4 chunks (one per warp) of one batch*head, V-tile and K-slice.
 
   refs: the inputs (k, q, v, beta, dO[, dvar] as [BH, G, 4, chunk, D]; gates
   [BH, G, 4, chunk, 16]; ip [BH, NK, 4, 16]; start states [BH, G*4, Vp, Kp]), the sums
   (dq, dk, dv, dbeta, s: one part each with `accumulate`, else one per tile), the
-  adjoints, then the scratch of `_smem_scratch` and the ring and start barriers.
+  adjoints, then the scratch of `_smem_scratch` and the ring and start barriers. The sums
+  numbered in `added` (0-4: dq, dk, dv, dbeta, s) are zeroed inputs the CTAs add into;
+  they come right after the inputs, the other sums and the adjoints after them.
   """
   n_rows = 6 if with_var else 5
   n_in = n_rows + 4
-  ins, outs, scratch = refs[:n_in], refs[n_in:n_in + 7], refs[n_in + 7:]
+  ins, scratch = refs[:n_in], refs[n_in + 7:]
   row_g, (a_g, ip_g, m0_g, b0_g) = ins[:n_rows], ins[n_rows:]
-  dq_g, dk_g, dv_g, dbeta_g, s_g, am_g, ab_g = outs
-  ring = scratch[:n_rows + 1]  # Rows, then gates: [SLOTS, 4, quarter, 16] each.
+  summed, stored = iter(refs[n_in:n_in + len(added)]), iter(refs[n_in + len(added):n_in + 7])
+  dq_g, dk_g, dv_g, dbeta_g, s_g = (next(summed if i in added else stored) for i in range(5))
+  am_g, ab_g = stored
+  ring = scratch[:n_rows + 1]  # Rows, then gates: [SLOTS, 4, slot_len, 16] each.
   (ip_s, ckpt_m, ckpt_b, dq_o, dk_o, dv_o, dbeta_o, s_o, ring_bars,
    start_bar) = scratch[n_rows + 1:]
   fma, reciprocal = pointwise_ops(interpret)
   (sum_v, sum_v_of_products, sum_v_dk, sum_k_of_products,
    sum_all) = sum_stores(interpret)
-  quarter = chunk // 4
-  segs_per_quarter, subs_per_seg = quarter // every, every // sub
+  n_slots, segs_per_slot, subs_per_seg = chunk // slot_len, slot_len // every, every // sub
 
   p, g, n = (jax.lax.axis_index(name) for name in ("p", "g", "n"))
   vt, ks = p // num_k, p % num_k
@@ -132,15 +155,15 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
   walks = pl.ds(g * WALKS, WALKS)
   # Partial sums go to this tile's part; accumulated ones are all added into part 0.
   part_v, part_k = (0, 0) if accumulate else (vt, ks)
-  sum_out = functools.partial(plgpu.copy_smem_to_gmem,
-                              reduction_op="add" if accumulate else None)
+  def sum_out(i, src, dst, **kwargs):  # Sum i (0-4: dq, dk, dv, dbeta, s) to global memory.
+    plgpu.copy_smem_to_gmem(src, dst, reduction_op="add" if i in added else None, **kwargs)
   plgpu.copy_gmem_to_smem(ip_g.at[n, ks], ip_s, start_bar)
   plgpu.copy_gmem_to_smem(m0_g.at[n, walks, vcols, kcols], ckpt_m.at[0], start_bar)
   plgpu.copy_gmem_to_smem(b0_g.at[n, walks, vcols, kcols], ckpt_b.at[0], start_bar)
   cols = [kcols, kcols] + [vcols] * (n_rows - 2)
 
-  def fetch(qi):  # Quarter qi's rows into slot qi % 2.
-    slot, steps = qi % SLOTS, pl.ds(qi * quarter, quarter)
+  def fetch(i):  # The rows of the chunk's slot i into ring slot i % 2.
+    slot, steps = i % SLOTS, pl.ds(i * slot_len, slot_len)
     for src, dst, c in zip(row_g, ring, cols):
       plgpu.copy_gmem_to_smem(src.at[n, g, :, steps, c], dst.at[slot], ring_bars.at[slot])
     plgpu.copy_gmem_to_smem(a_g.at[n, g, :, steps], ring[-1].at[slot], ring_bars.at[slot])
@@ -164,13 +187,13 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
   b = plgpu.load(ckpt_b.at[0], layout=TILE_PER_WARP)
   ip = over_k(plgpu.load(ip_s, layout=K_ROWS))
 
-  def forward_quarter(qi, carry):  # The checkpoint pass over quarter qi.
-    slot = qi % SLOTS
+  def forward_slot(i, carry):  # The checkpoint pass over the chunk's slot i.
+    slot = i % SLOTS
     plgpu.barrier_wait(ring_bars.at[slot])
 
     def checkpoints(sg, carry):
       m, b = carry
-      c = qi * segs_per_quarter + sg
+      c = i * segs_per_slot + sg
 
       @pl.when(c > 0)  # Checkpoint 0 is the start state, already in place.
       def _():
@@ -180,15 +203,20 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
         m, b = advance(m, b, write_rows(slot, sg * every + s))
       return m, b
 
-    carry = jax.lax.fori_loop(0, segs_per_quarter, checkpoints, carry)
+    # The chunk's last segment leads to no checkpoint: the pass stops at its start (an
+    # eighth of the pass's steps in chunks of 64), and the reverse pass re-advances from it.
+    last = (i == n_slots - 1).astype(jnp.int32)
+    carry = jax.lax.fori_loop(0, segs_per_slot - last, checkpoints, carry)
 
-    @pl.when(qi < 2)
+    @pl.when(i + SLOTS < n_slots)
     def _():
       plgpu.commit_smem()  # Every warp is done with the slot before it is refilled.
-      fetch(qi + 2)
+      fetch(i + SLOTS)
     return carry
 
-  jax.lax.fori_loop(0, 4, forward_quarter, (m, b))
+  m, b = jax.lax.fori_loop(0, n_slots, forward_slot, (m, b))
+  ckpt_m[chunk // every - 1] = m
+  ckpt_b[chunk // every - 1] = b
 
   def reverse_sub_chunk(carry, slot, lt0, c, lead, out_slot, t0):
     """The sub-chunk at local steps lt0.. (chunk steps t0..) of checkpoint segment c,
@@ -234,23 +262,23 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
       a_next = a
     plgpu.commit_smem()
     steps = pl.ds(t0, sub)
-    sum_out(dq_o.at[out_slot], dq_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
-    sum_out(dk_o.at[out_slot], dk_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
-    sum_out(dv_o.at[out_slot], dv_g.at[part_k, n, g, :, steps, vcols], commit_group=False)
-    sum_out(dbeta_o.at[out_slot], dbeta_g.at[part_k, n, g, :, steps, vcols])
+    sum_out(0, dq_o.at[out_slot], dq_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
+    sum_out(1, dk_o.at[out_slot], dk_g.at[part_v, n, g, :, steps, kcols], commit_group=False)
+    sum_out(2, dv_o.at[out_slot], dv_g.at[part_k, n, g, :, steps, vcols], commit_group=False)
+    sum_out(3, dbeta_o.at[out_slot], dbeta_g.at[part_k, n, g, :, steps, vcols])
     return gm, gb, a_next
 
-  def reverse_quarter(i, carry):
-    qi = 3 - i
-    slot = qi % SLOTS
+  def reverse_slot(done, carry):  # The chunk's slots, last first.
+    si = n_slots - 1 - done
+    slot = si % SLOTS
 
-    @pl.when(qi < 2)  # Quarters 3 and 2 are still resident from the checkpoint pass.
+    @pl.when(si < n_slots - SLOTS)  # The last two are still resident from the checkpoint pass.
     def _():
       plgpu.barrier_wait(ring_bars.at[slot])
 
     def segment(j, carry):
-      sg = segs_per_quarter - 1 - j
-      c = qi * segs_per_quarter + sg
+      sg = segs_per_slot - 1 - j
+      c = si * segs_per_slot + sg
       # The segment's sub-chunks, last first, as a loop: one copy of the reverse body (the
       # lead re-advance is a loop too) keeps instruction fetch off the walk's stalls.
       def sub_chunk(i, carry):
@@ -258,24 +286,24 @@ def _kernel(*refs, chunk, sub, every, num_k, with_var, accumulate, interpret):
         lt0 = sg * every + h * sub
         out_slot = (c * subs_per_seg + h) % 2  # Alternates between consecutive sub-chunks.
         return reverse_sub_chunk(carry, slot, lt0, c, h * sub, out_slot,
-                                 qi * quarter + lt0)
+                                 si * slot_len + lt0)
 
       return jax.lax.fori_loop(0, subs_per_seg, sub_chunk, carry)
 
-    carry = jax.lax.fori_loop(0, segs_per_quarter, segment, carry)
+    carry = jax.lax.fori_loop(0, segs_per_slot, segment, carry)
 
-    @pl.when(qi >= 2)
+    @pl.when(si >= SLOTS)
     def _():
       plgpu.commit_smem()
-      fetch(qi - 2)
+      fetch(si - SLOTS)
     return carry
 
   zero = plgpu.layout_cast(jnp.zeros((WALKS, TILE, TILE), f32), TILE_PER_WARP)
-  gm, gb, a_first = jax.lax.fori_loop(0, 4, reverse_quarter, (zero, zero, zero))
+  gm, gb, a_first = jax.lax.fori_loop(0, n_slots, reverse_slot, (zero, zero, zero))
   ckpt_m[0] = a_first * gm  # Checkpoint 0's buffers now hold the adjoints.
   ckpt_b[0] = a_first * gb
   plgpu.commit_smem()
-  sum_out(s_o, s_g.at[part_k, part_v, n, g], commit_group=False)
+  sum_out(4, s_o, s_g.at[part_k, part_v, n, g], commit_group=False)
   plgpu.copy_smem_to_gmem(ckpt_m.at[0], am_g.at[n, walks, vcols, kcols], commit_group=False)
   plgpu.copy_smem_to_gmem(ckpt_b.at[0], ab_g.at[n, walks, vcols, kcols])
   plgpu.wait_smem_to_gmem(0)
@@ -337,28 +365,33 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
       jnp.broadcast_to(pick(ip_row).reshape(bh, nk, 1, TILE), (bh, nk, WALKS, TILE)),
       states(m_starts), states(b_starts)]
   pv, pk = (1, 1) if accumulate else (nv, nk)
+  # With `accumulate`, the sums that several tiles write are added into zeroed arrays.
+  added = tuple(i for i, tiles in enumerate((nv, nv, nk, nk, nv * nk))
+                if accumulate and tiles > 1)
   sds = jax.ShapeDtypeStruct
   sum_types = ([sds((pv, bh, groups, WALKS, chunk, kp), f32)] * 2
                + [sds((pk, bh, groups, WALKS, chunk, vp), f32)] * 2
                + [sds((pk, pv, bh, groups, WALKS, chunk), f32)])
   adjoint_types = [sds((bh, groups * WALKS, vp, kp), f32)] * 2
-  scratch = _smem_scratch(chunk, sub, every, row_dtypes) + [
+  slot_len = slot_steps(chunk, sub, row_dtypes, every)
+  scratch = _smem_scratch(chunk, sub, every, row_dtypes, slot_len) + [
       plgpu.Barrier(num_arrivals=len(row_inputs) + 1, num_barriers=SLOTS),
       plgpu.Barrier(num_arrivals=3)]
   # No automatic barriers: every thread reads back only what it wrote itself, or what a TMA
   # copy brought in after a barrier; stores leave through commit_smem.
   kernel = mosaic_kernel(
-      functools.partial(_kernel, chunk=chunk, sub=sub, every=every, num_k=nk,
-                        with_var=with_var, accumulate=accumulate, interpret=interpret),
-      out_type=adjoint_types if accumulate else sum_types + adjoint_types,
+      functools.partial(_kernel, chunk=chunk, sub=sub, every=every, slot_len=slot_len,
+                        num_k=nk, with_var=with_var, accumulate=accumulate, added=added,
+                        interpret=interpret),
+      out_type=[t for i, t in enumerate(sum_types) if i not in added] + adjoint_types,
       scratch_types=scratch, grid=(nv * nk, groups, bh), grid_names=("p", "g", "n"),
       interpret=interpret, name="palimpsa_walk_backward_mosaic")
-  if accumulate:  # Zeroed sums the kernel adds into (aliased in and out).
-    refs = [jax.new_ref(jnp.zeros(t.shape, t.dtype)) for t in sum_types]
-    adj_m, adj_b = kernel(*ins, *refs)
-    dq, dk, dv, dbeta, s = (jax.freeze(r) for r in refs)
-  else:
-    dq, dk, dv, dbeta, s, adj_m, adj_b = kernel(*ins)
+  # Zeroed sums the kernel adds into (aliased in and out).
+  refs = [jax.new_ref(jnp.zeros(sum_types[i].shape, f32)) for i in added]
+  outs = iter(kernel(*ins, *refs))
+  summed = iter([jax.freeze(r) for r in refs])
+  dq, dk, dv, dbeta, s = (next(summed if i in added else outs) for i in range(5))
+  adj_m, adj_b = outs
   back = lambda x: x.reshape(x.shape[0], bh, t_all, x.shape[-1])[:, :, :tp]
   return (back(dq), back(dk), back(dv), back(dbeta),
           s.reshape(pk, pv, bh, t_all)[..., :tp], adj_m[:, :nc], adj_b[:, :nc])

@@ -296,29 +296,40 @@ def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
       b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
-_VAR_192 = (True, 192, None, None)  # with the variance; 3 chunks, not a multiple of 4
-_PIECES_256 = (False, 256, (1, 2), 4)  # a range of batch-heads; checkpoints every 4
+# (with_var, T, bh_range, every, K)
+_VAR_192 = (True, 192, None, None, 32)  # with the variance; 3 chunks, not a multiple of 4
+_PIECES_256 = (False, 256, (1, 2), 4, 32)  # a range of batch-heads; checkpoints every 4
+_TWO_128 = (False, 128, None, None, 32)  # 2 chunks; float32 rows: ring slots of 8 steps
+_K16_128 = (False, 128, None, None, 16)  # one K-slice: dv, dbeta stored, not added
 
 
-@pytest.mark.parametrize("interpret, accumulate, with_var, t, bh_range, every", [
-    pytest.param(True, False, *_VAR_192, marks=pytest.mark.slow),
-    (True, False, *_PIECES_256)] + [
-        pytest.param(False, accumulate, *case, marks=pytest.mark.gpu)
-        for accumulate in (False, True) for case in (_VAR_192, _PIECES_256)])
+@pytest.mark.parametrize("interpret, accumulate, with_var, t, bh_range, every, k_dim, dtype", [
+    pytest.param(True, False, *_VAR_192, jnp.float32, marks=pytest.mark.slow),
+    (True, False, *_PIECES_256, jnp.float32), (True, False, *_TWO_128, jnp.float32)] + [
+        pytest.param(False, accumulate, *case, dtype, marks=pytest.mark.gpu)
+        for accumulate in (False, True)
+        for case, dtype in ((_VAR_192, jnp.bfloat16), (_PIECES_256, jnp.bfloat16),
+                            (_TWO_128, jnp.float32), (_K16_128, jnp.bfloat16))])
 def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_var, t,
-                                                  bh_range, every):
+                                                  bh_range, every, k_dim, dtype):
   """walk_backward_mosaic.walk_backward gives walk_backward_triton.walk_backward's partial sums
   (or, with `accumulate`, their totals) and adjoints: with and without the variance's
   cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range,
-  and checkpoints every 8 (default) or 4 steps. Compiled: bfloat16 rows."""
-  chunk, k_dim, v_dim = 64, 32, 48
-  x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, jnp.float32 if interpret else jnp.bfloat16)
+  checkpoints every 8 (default) or 4 steps, ring slots of a quarter chunk (16-bit rows, or
+  checkpoints every 4) or of 8 steps (float32 rows), and one K-slice (K=16: with
+  `accumulate`, dv and dbeta are stored by one tile each instead of added)."""
+  chunk, v_dim = 64, 48
+  rows = [dtype] * 5 + ([jnp.float32] if with_var else [])
+  every_or_default = every or walk_backward_mosaic.checkpoint_every(chunk)
+  quarter = walk_backward_mosaic.slot_steps(chunk, 4, rows, every_or_default) == chunk // 4
+  assert quarter == (dtype == jnp.bfloat16 or every == 4)
+  x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, dtype)
   if not with_var:
     x["dvar"] = None
   args = [x[n] for n in _WALK_ARGS]
   triton = walk_backward_triton.walk_backward(
-      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16, k_split=k_dim // 16,
-      num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
+      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16,
+      k_split=k_dim // 16, num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
     triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
@@ -368,7 +379,8 @@ def test_kernel_choice(monkeypatch):
   assert walk_backward_mosaic.supported(16, 4, [f32] * 5, interpret=True)  # Checkpoints every 4.
   assert not walk_backward_mosaic.supported(16, 8, [f32] * 5, interpret=True)  # 4-step quarters.
   limit = walk_backward_mosaic.SMEM_LIMIT
-  assert walk_backward_mosaic.smem_bytes(64, 4, [bf16] * 5) <= limit // 2
+  for rows in ([bf16] * 5, [bf16] * 5 + [f32], [f32] * 5, [f32] * 6):  # Two CTAs per SM.
+    assert walk_backward_mosaic.smem_bytes(64, 4, rows) <= walk_backward_mosaic.TWO_PER_SM
   for kp in (16, 96, 128):
     for dtype in (bf16, f32):
       assert walk_forward_mosaic.supported(128, kp, [dtype] * 4, dtype, True, interpret=False)
@@ -427,17 +439,19 @@ def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim,
                                 custom_message=name)
 
 
-@pytest.mark.parametrize("shape, with_var", [
-    ((4, 4096, 16, 96, 192), False), ((2, 1024, 8, 16, 32), True),
-    ((1, 4096, 20, 128, 256), False), ((2, 300, 3, 48, 96), True)])
-def test_hopper_path_lowers_to_mosaic_gpu_only(monkeypatch, shape, with_var):
+@pytest.mark.parametrize("shape, with_var, dtype", [
+    ((4, 4096, 16, 96, 192), False, jnp.bfloat16), ((2, 1024, 8, 16, 32), True, jnp.bfloat16),
+    ((1, 4096, 20, 128, 256), False, jnp.bfloat16), ((2, 300, 3, 48, 96), True, jnp.bfloat16),
+    ((2, 512, 8, 16, 32), False, jnp.float32)])
+def test_hopper_path_lowers_to_mosaic_gpu_only(monkeypatch, shape, with_var, dtype):
   """On Hopper (sm_90) a compiled forward+backward at D760, MQAR, 2.7B and D170-like heads
-  (with the variance, and T not a multiple of the chunk) lowers on a CPU host to Mosaic GPU
-  kernels alone: none through Pallas' deprecated Triton lowering."""
+  (with the variance, and T not a multiple of the chunk), and MQAR's paper step in float32,
+  lowers on a CPU host to Mosaic GPU kernels alone: none through Pallas' deprecated Triton
+  lowering."""
   monkeypatch.setattr(gpu_config, "compute_capability", lambda: (9, 0))
   b, t, h, kd, vd = shape
-  sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-  args = [sds((b, t, h, kd), bf16)] * 2 + [sds((b, t, h, vd), bf16)] * 2 + [
+  sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+  args = [sds((b, t, h, kd), dtype)] * 2 + [sds((b, t, h, vd), dtype)] * 2 + [
       sds((b, t, h), f32), sds((h,), f32)] + [sds((b, h, vd, kd), f32)] * 2
   cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=with_var,
                     chunk_size=64, interpret=False)
