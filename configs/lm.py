@@ -73,11 +73,11 @@ SIZE_DEFAULTS = {
     "2.7b": dict(tokens=30e9, learning_rate=8e-4, device_batch=4, scan_layers=True),
 }
 # The memory a compiled train step may take on one device: JAX's default share (75%) of an
-# 80 GB GPU (79.1 GiB usable), less room for what lives beside the step (the input batch,
-# allocator fragmentation). Remat follows from it per model and size
+# 80 GB GPU (79.1 GiB usable: 59.3 GiB), less room for what lives beside the step (the
+# input batch, allocator fragmentation). Remat follows from it per model and size
 # (models/activation_memory.py: the fastest remat_saves policy whose estimated step fits
 # device_batch x seq_len tokens; docs/training.md, "Activation memory"); tiny runs without.
-STEP_BUDGET_GIB = 56.0
+STEP_BUDGET_GIB = 58.0
 
 
 PRESETS = {
