@@ -16,72 +16,28 @@ share without remat; and what all the layers keep without remat at batch x seq_l
 """
 
 import argparse
-import contextlib
 import sys
 import time
-from unittest import mock
-
-import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from benchmarks import results as results_lib
 from palimpsa_jax import models
+from palimpsa_jax.models import activation_memory
 from palimpsa_jax.models import config as model_configs
 from palimpsa_jax.models import registry
-from palimpsa_jax.models.language_model import REMAT_SAVES, Block
-from pallas_kernels.palimpsa_gpu import op as gpu_op
-
-# jax.ad_checkpoint.print_saved_residuals only prints; its engine, saved_residuals, returns
-# (aval, where it comes from) for every array the vjp keeps, from make_jaxpr of jax.vjp: the
-# exact set the backward reads (arguments, literals and intermediates, each array once),
-# without lowering or compiling. It is private in jax 0.11.2 but is what the public
-# printer calls; summing residual avals of a hand-traced vjp would repeat its bookkeeping.
-from jax._src.ad_checkpoint import saved_residuals
+from palimpsa_jax.models.language_model import REMAT_SAVES
 
 MODELS = tuple(registry.MIXERS)
 SIZES = ("170m", "760m", "2.7b")
 
 
-@contextlib.contextmanager
-def gpu_kernel_tracing():
-  """Lets the GPU kernel path be traced on a host without a GPU: the op's platform check
-  guards compiled runs, and nothing here is compiled."""
-  with mock.patch.object(gpu_op, "_check_nvidia_gpu", lambda: None):
-    yield
-
-
 def block_config(model: str, size: str, precision: str = "exact"):
   """The model config at size, with the implementation a GPU runs (see the module doc)."""
-  config = models.model_config(model, size, precision=precision)
-  if registry.kind(config).metaplastic:
-    config.implementation = "pallas_gpu"
-  return config
+  return activation_memory.gpu_program(models.model_config(model, size, precision=precision))
 
 
 def saved_bytes(config, batch: int, seq_len: int, remat_saves: str | None = None) -> dict:
-  """What one Block keeps for its backward on a [batch, seq_len] input.
-
-  Returns {"per_token": bytes per token, "float32": the float32 part of it}; remat_saves
-  None is no remat, else a config.remat_saves policy around the block.
-  """
-  block = nnx.eval_shape(lambda: Block(config, nnx.Rngs(0)))
-  graphdef, params = nnx.split(block)
-  residual_dtype = jnp.float32 if config.residual_in_fp32 else jnp.dtype(config.dtype)
-  h = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), residual_dtype)
-
-  def run(params, h):
-    return nnx.merge(graphdef, params)(h, None, False)[0]
-
-  if remat_saves is not None:
-    run = jax.checkpoint(run, policy=REMAT_SAVES[remat_saves])
-  with gpu_kernel_tracing():
-    saved = saved_residuals(run, params, h)
-  kept = [aval for aval, source in saved if not source.startswith("from the argument params")]
-  size = lambda aval: aval.size * aval.dtype.itemsize
-  tokens = batch * seq_len
-  return {"per_token": sum(map(size, kept)) / tokens,
-          "float32": sum(size(a) for a in kept if a.dtype == jnp.float32) / tokens}
+  """What one Block keeps for its backward (models/activation_memory.py, kept_bytes)."""
+  return activation_memory.kept_bytes(config, batch, seq_len, remat_saves)
 
 
 def measure(models_: list[str], sizes: list[str], precision: str, batch: int,
@@ -89,9 +45,9 @@ def measure(models_: list[str], sizes: list[str], precision: str, batch: int,
   rows = []
   for size in sizes:
     for model in models_:
-      if precision != "exact" and model not in ("palimpsa_d", "meta_mamba2"):
-        continue
       config = block_config(model, size, precision)
+      if precision != "exact" and not registry.kind(config).metaplastic:
+        continue
       start = time.perf_counter()
       plain = saved_bytes(config, batch, seq_len)
       remat = {name: saved_bytes(config, batch, seq_len, name)["per_token"]

@@ -19,8 +19,9 @@ preset=cpu is a first run of a couple of minutes on a CPU: the tiny Palimpsa-D (
 the repository's own documentation (docs/*.md, README.md held out), context 128, batch 8,
 300 steps (docs/training.md, "A first LM run on a CPU").
 170m, 760m and 2.7b scan their layers (scan_layers); tiny unrolls them. Remat (remat,
-remat_saves) follows REMAT_BY_SIZE: none for the models whose device_batch x 4096 step fits
-80 GB without it; the others keep what it names (docs/training.md, "Activation memory").
+remat_saves) is chosen per model and size from the step's estimated memory: none where the
+device_batch x seq_len step fits STEP_BUDGET_GIB without it, else the policy that
+recomputes least and fits (docs/training.md, "Activation memory").
 Unless `total_steps` is given, it is ceil(tokens / (batch_size * seq_len)), so changing
 batch_size or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
@@ -38,6 +39,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from palimpsa_jax import models
+from palimpsa_jax.models import activation_memory
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
 
@@ -70,19 +72,12 @@ SIZE_DEFAULTS = {
     "760m": dict(tokens=30e9, learning_rate=1.25e-3, device_batch=8, scan_layers=True),
     "2.7b": dict(tokens=30e9, learning_rate=8e-4, device_batch=4, scan_layers=True),
 }
-# Remat per size: (the models that train without it, what a rematerialised block of the
-# others keeps). Chosen for device_batch x 4096 tokens on one 80 GB GPU from the traced bytes
-# a block keeps (benchmarks/activation_bytes.py) times layers and tokens, plus 16 bytes a
-# parameter (float32 weights, gradients and two Adam moments) and 8 GiB for the backward's
-# temporaries, against 74.5 GiB (a run that close needs XLA_PYTHON_CLIENT_MEM_FRACTION=0.97;
-# docs/training.md, "Activation memory"). Palimpsa-D 760M: 50.5 + 11.6 + 8 = 70.1 GiB
-# without remat; Gated DeltaNet 170M: 64.4 + 2.5 + 8 = 74.9, so remat. 2.7b keeps only each
-# block's input: nothing more fits beside its 41 GiB of parameters and optimizer state.
-REMAT_BY_SIZE = {
-    "170m": (("palimpsa_d", "not_palimpsa", "meta_mamba2"), "matmuls_readouts_and_states"),
-    "760m": (("palimpsa_d",), "matmuls_readouts_and_states"),
-    "2.7b": ((), "nothing"),
-}
+# The memory a compiled train step may take on one device: JAX's default share (75%) of an
+# 80 GB GPU (79.1 GiB usable: 59.3 GiB), less room for what lives beside the step (the
+# input batch, allocator fragmentation). Remat follows from it per model and size
+# (models/activation_memory.py: the fastest remat_saves policy whose estimated step fits
+# device_batch x seq_len tokens; docs/training.md, "Activation memory"); tiny runs without.
+STEP_BUDGET_GIB = 58.0
 
 
 PRESETS = {
@@ -108,10 +103,12 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
-  if args.size in REMAT_BY_SIZE:  # tiny: no remat.
-    without_remat, saves = REMAT_BY_SIZE[args.size]
+  if args.size != "tiny" and not {"remat", "remat_saves"} <= given:
+    remat, saves = activation_memory.sized_remat_choice(
+        args.model, args.size, args.precision, args.dtype, args.device_batch, args.seq_len,
+        STEP_BUDGET_GIB)
     if "remat" not in given:
-      args.remat = args.model not in without_remat
+      args.remat = remat
     if "remat_saves" not in given:
       args.remat_saves = saves
   if args.total_steps is None:

@@ -61,24 +61,27 @@ class ShortConv(nnx.Module):
       halo_ids = (None if segment_ids is None
                   else jnp.repeat(segment_ids[:, :1], width - 1, axis=1))
       y = convolve(x, state, halo_ids, segment_ids, *weights)
-    padded = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)
-    new_state = padded[:, padded.shape[1] - (width - 1):]
-    return y, new_state
+    # The last W - 1 inputs, from x and (when x is shorter than that) the state before it.
+    recent = jnp.concatenate([state, x[:, -(width - 1):].astype(jnp.float32)], axis=1)
+    return y, recent[:, recent.shape[1] - (width - 1):]
 
   def _convolve(self, x, halo, halo_ids, segment_ids, kernel, bias):
     """y [B, L, C] in `dtype` from x [B, L, C] and the W - 1 inputs before it.
 
-    halo [B, W-1, C] f32; halo_ids [B, W-1] (with segment_ids [B, L]) or None.
+    halo [B, W-1, C] f32; halo_ids [B, W-1] (with segment_ids [B, L]) or None. Each tap
+    reads x (often bfloat16) shifted, behind its own part of the halo, and widens it to
+    float32 where it is summed: no float32 copy of the padded input is written to memory.
     """
     length = x.shape[1]
     width = self.kernel_size
-    padded = jnp.concatenate([halo, x.astype(jnp.float32)], axis=1)
     kernel = kernel.astype(self.dtype).astype(jnp.float32)
     if segment_ids is not None:
       seg = jnp.concatenate([halo_ids, segment_ids], 1)
     y = jnp.zeros(x.shape, jnp.float32)
     for i in range(width):
-      tap = padded[:, i:i + length] * kernel[i]
+      # Tap i reads the input W - 1 - i steps back: halo[:, i:] then x, cut to L.
+      shifted = jnp.concatenate([halo[:, i:], x.astype(jnp.float32)], axis=1)[:, :length]
+      tap = shifted * kernel[i]
       if segment_ids is not None and i < width - 1:
         same = seg[:, i:i + length] == segment_ids
         tap = jnp.where(same[..., None], tap, 0.0)
