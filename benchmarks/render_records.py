@@ -76,6 +76,11 @@ def day(record: Record) -> str:
   return record["date"].removesuffix(" UTC")
 
 
+def day_on(record: Record) -> str:
+  """'2026-12-01 06:18, H200': the record's date and the short name of its device."""
+  return f"{day(record)}, {record['device'].removeprefix('NVIDIA ').split()[0]}"
+
+
 def _ms_pair(text: str) -> tuple[float, float]:
   """'6.76 / 30.9' -> (6.76, 30.9)."""
   forward, both = (float(part.split()[0]) for part in text.split("/"))
@@ -83,10 +88,11 @@ def _ms_pair(text: str) -> tuple[float, float]:
 
 
 def op_bench_kernel(records: list[Record]) -> str:
-  """The GPU kernel's op time per shape against the authors' kernel and the chunked XLA path."""
+  """The GPU kernel's op time per shape against the authors' kernel and the chunked XLA path,
+  on the H200 that timed the authors' kernel."""
   perf = lambda record, row: (record["settings"].get("shapes") == "perf"
                               and record["settings"].get("dtype") == "bfloat16"
-                              and record["backend"] == "gpu")
+                              and record["backend"] == "gpu" and "H200" in record["device"])
   times = newest_rows(records, "op_bench", lambda record, row: (
       row["shape"], row["implementation"], row["mode"]), perf)
   authors = {row["shape"].split()[0]: _ms_pair(row["authors' Triton chunk kernel fwd / fwd+bwd"])
@@ -139,14 +145,21 @@ def _throughput(records: list[Record], sizes: tuple[str, ...]) -> str:
       chosen.items(), key=lambda item: item[0][:5]):
     out.append([record["settings"]["size"], model, implementation,
                 "scanned" if scanned == "yes" else "unrolled", "yes" if remat else "no",
-                f"{batch} x {seq_len}", cell(row, _QUEUED, "step ms (median)", "step ms"),
+                f"{batch} x {seq_len}",
+                _short_error(cell(row, _QUEUED, "step ms (median)", "step ms")),
                 "queued" if _QUEUED in row else "synced",
                 cell(row, "tokens/s"), cell(row, "x Mamba2 step time", "x Mamba2 step"),
                 cell(row, "compile s"), cell(row, "temp GiB"), cell(row, "peak GiB"),
-                day(record)])
+                day_on(record)])
   return markdown(["size", "model", "implementation", "layers", "remat", "tokens per step",
                    "step ms", "steps timed", "tokens/s", "x Mamba2 step (same call)", "compile s",
                    "temp GiB", "peak GiB", "measured"], out)
+
+
+def _short_error(text: str) -> str:
+  """An out of memory cell as train_throughput writes it now: 'out of memory (allocating X)'."""
+  size = re.search(r"^out of memory: .*allocate ([\d.]+ ?[KMGT]i?B)", text)
+  return f"out of memory (allocating {size.group(1)})" if size else text
 
 
 def train_throughput_170m(records: list[Record]) -> str:

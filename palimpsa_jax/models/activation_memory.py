@@ -37,9 +37,11 @@ from jax._src.ad_checkpoint import saved_residuals
 # (kept_bytes x layers x tokens, plus one block's bytes without remat when rematerialised):
 # what XLA adds to the arrays the backward reads. Palimpsa-D 760M, 8 x 4096 tokens, scanned,
 # the compiled step's memory analysis for an H100 (2026-12-06): 1.13 exact and 1.20 rank1
-# without remat, 1.14 exact and 1.27 rank1 with remat_saves="matmuls_readouts_and_states";
-# the largest of them. Record: benchmarks/records/gpu_round_*, the 760m train-step rows
-# (python -m benchmarks.gpu_round); tests/models/test_activation_memory.py holds this to it.
+# without remat (GPU records: benchmarks/records/gpu_round_2026-12-06T0438/, the 760m
+# train-step rows), 1.14 exact with remat_saves="matmuls_readouts_and_states" (GPU record
+# train_throughput_2026-12-06T0132.json), 1.27 rank1 with that remat (the step compiled for
+# an H100 on a CPU host, not yet run on a GPU); the largest of them. tests/models/test_activation_memory.py
+# holds this to every such GPU record.
 COMPILED_OVER_TRACED = 1.27
 # Float32 parameters, their gradients and AdamW's two moments.
 STATE_BYTES_PER_PARAMETER = 16

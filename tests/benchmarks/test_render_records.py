@@ -68,7 +68,7 @@ def test_render_text_replaces_only_the_block_and_rejects_unknown_views(tmp_path)
   rendered = render_records.render_text(text, records)
   assert rendered.startswith("before\n<!-- records:train_throughput_170m -->\n| size |")
   assert "\nold\n" not in rendered
-  assert rendered.endswith("| 165.9 | synced | 98,758 | - | - | - | - | 2026-12-01 06:18 |\n"
+  assert rendered.endswith("| 165.9 | synced | 98,758 | - | - | - | - | 2026-12-01 06:18, H200 |\n"
                            "<!-- /records -->\nafter\n")
   assert render_records.render_text(rendered, records) == rendered
   with pytest.raises(ValueError, match="unknown records view 'nope'"):
