@@ -31,9 +31,10 @@ def step_gates(log_alpha, starts, chunk: int):
   log_alpha: [B, Tp, H]; starts: [B, Tp] bool (Tp a multiple of chunk).
   Returns (g, ids, from_start, to_end) [B, Tp, H] float32: g the cumulative log-decay
   from the chunk's start up to each step; ids equal for two steps of one segment of one
-  chunk (ops.common.chunk_masks' masks: the decay exp(g_t - g_s) holds between steps of
-  equal id); from_start = exp(g) before any restart in the chunk, else 0; to_end =
-  exp(g_C - g) in the chunk's last segment, else 0.
+  chunk and different for steps of different segments or of neighbouring chunks (a CTA
+  compares the ids of at most 4 consecutive chunks; ops.common.chunk_masks' masks: the
+  decay exp(g_t - g_s) holds between steps of equal id); from_start = exp(g) before any
+  restart in the chunk, else 0; to_end = exp(g_C - g) in the chunk's last segment, else 0.
   """
   b, tp, h = log_alpha.shape
   n = tp // chunk
@@ -43,11 +44,10 @@ def step_gates(log_alpha, starts, chunk: int):
   from_start = jnp.where(seg == 0, jnp.exp(g), 0.0)
   last = seg == seg[:, :, -1:]
   to_end = jnp.where(last, jnp.exp(jnp.where(last, g[:, :, -1:] - g, 0.0)), 0.0)
-  first = (jnp.arange(tp) % chunk == 0)[None, :]
-  ids = jnp.cumsum((starts | first).astype(jnp.int32), axis=1).astype(f32)
-  ids = jnp.broadcast_to(ids[..., None], (b, tp, h))
-  steps = lambda x: x.reshape(b, tp, h)
-  return steps(g), ids, steps(from_start), steps(to_end)
+  # Small integers, exact in float32: the chunk's index modulo 8, then the segment in it.
+  ids = (jnp.arange(n) % 8 * (chunk + 1))[None, :, None, None] + seg
+  steps = lambda x: jnp.broadcast_to(x, (b, n, chunk, h)).reshape(b, tp, h).astype(f32)
+  return steps(g), steps(ids), steps(from_start), steps(to_end)
 
 
 def chunk_start_terms(m_c, b_c, ip, k_true: int, v_true: int):
