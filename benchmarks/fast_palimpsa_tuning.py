@@ -124,11 +124,15 @@ def tune_shape(name, shape, chunk, args, clock, log):
         rows.append((name, shape, chunk, mode, label, None, "not reached: --budget_s"))
         continue
       fn = _runner(chunk, tiles, interpret, mode == "fwd+bwd")
-      if mode == "fwd":
-        call, err = fn, _error(fn(*arg_sets[0]), want_out)
-      else:
-        call = lambda *a, fn=fn: fn(a, cot)
-        err = _error(fn(arg_sets[0], cot)[1], want_grads)
+      call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
+      try:  # A candidate that fails to compile or run is reported, not fatal.
+        err = (_error(fn(*arg_sets[0]), want_out) if mode == "fwd"
+               else _error(fn(arg_sets[0], cot)[1], want_grads))
+      except Exception as failure:  # pylint: disable=broad-except
+        first_line = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        rows.append((name, shape, chunk, mode, label, None, f"FAILED: {first_line[:120]}"))
+        log(f"[{name} C={chunk}] {mode} {label}: FAILED: {first_line}")
+        continue
       if not err < args.tol:
         rows.append((name, shape, chunk, mode, label, None, f"WRONG: rel. error {err:.1e}"))
         log(f"[{name} C={chunk}] {mode} {label}: WRONG, rel. error {err:.1e}")
@@ -180,7 +184,7 @@ def format_table(rows) -> str:
                    and r[5] is not None), default=None)
     ratio = "-" if ms is None else f"{ms / fastest:.2f}"
     lines.append(f"| {name} | {shape} | {chunk} | {mode} | {label} | "
-                 f"{'-' if ms is None else f'{ms:.3f}'} | {ratio} | {note} |")
+                 f"{'-' if ms is None else f'{ms:.3f}'} | {ratio} | {note.replace('|', '/')} |")
   return "\n".join(lines)
 
 

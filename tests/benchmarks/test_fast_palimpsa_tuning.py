@@ -22,6 +22,25 @@ def test_small_run_checks_times_and_records(tmp_path, capsys):
   assert modes == ["fwd", "fwd+bwd", "best"]
 
 
+def test_a_candidate_that_fails_is_reported_and_the_run_goes_on(monkeypatch):
+  runner = tuning._runner
+
+  def failing(chunk, tiles, interpret, with_grads):
+    if tiles is None:
+      return runner(chunk, tiles, interpret, with_grads)
+    def fail(*_):
+      raise ValueError("Mosaic GPU kernel exceeds available shared memory | for example")
+    return fail
+
+  monkeypatch.setattr(tuning, "_runner", failing)
+  args = tuning.parse_args(["--shapes", "small", "--no_record"])
+  rows = tuning.tune_shape("tiny", tuning.SMALL["tiny"], 64, args, lambda: 0.0, print)
+  assert [(r[3], r[6]) for r in rows] == [
+      ("fwd", "FAILED: Mosaic GPU kernel exceeds available shared memory | for example")]
+  assert "| FAILED: Mosaic GPU kernel exceeds available shared memory / for example |" in (
+      tuning.format_table(rows))
+
+
 def test_budget_stops_before_the_next_candidate(capsys):
   tuning.main(["--shapes", "small", "--budget_s", "1e-9", "--no_record"])
   assert "not reached: --budget_s" in capsys.readouterr().out
