@@ -1,10 +1,12 @@
 """Fast Palimpsa's chunk reads on the fused Mosaic GPU kernels, and the XLA parts around them.
 
 `step_gates` and `step_rows` turn the gates and segment restarts into the per-step rows the
-kernels read; `chunk_start_terms` turns the exact states entering the chunks into what the
-reads need of them (two marginals and the weighted mean N); `fused_reads` runs the forward
-kernel (reads_forward.py) with a custom VJP on the backward kernel (reads_backward.py).
-Everything else (the states, these XLA parts) is differentiated by JAX.
+kernels read; `chunk_start_terms` and `weighted_mean` turn the exact states entering the
+chunks into what the reads need of them (two marginals and the weighted mean N);
+`fused_reads` runs the forward kernel (reads_forward.py) with a custom VJP on the backward
+kernel (reads_backward.py) and N's own VJP (dN, the backward kernel's one state-sized
+output, becomes the states' cotangents there). Everything else (the states, these XLA
+parts) is differentiated by JAX.
 """
 
 import dataclasses
@@ -51,20 +53,23 @@ def step_gates(log_alpha, starts, chunk: int):
 
 
 def chunk_start_terms(m_c, b_c, ip, k_true: int, v_true: int):
-  """What the reads need of the linear-form states (M_c, Ibar_c) entering the chunks.
+  """The marginals the reads need of the linear-form states (M_c, Ibar_c) entering the chunks.
 
   m_c, b_c: [BH, NC, Vp, Kp] float32 (zero padding); ip: [BH] the prior precision.
-  Returns bk = mean_v Ibar_c [BH, NC, Kp], bv = mean_k Ibar_c [BH, NC, Vp], ps =
-  mean(Ibar_c + Ip) [BH, NC] and N = mu_c * (bv + Ip) (x) (bk + Ip) [BH, NC, Vp, Kp],
-  mu_c = M_c / (Ibar_c + Ip): the carried read is (f / ps) (q / ibk) @ N^T.
+  Returns bk = mean_v Ibar_c [BH, NC, Kp], bv = mean_k Ibar_c [BH, NC, Vp] and ps =
+  mean(Ibar_c + Ip) [BH, NC] (means over the true K and V).
   """
-  ipb = ip[:, None]
   bk = jnp.sum(b_c, axis=-2) / v_true
   bv = jnp.sum(b_c, axis=-1) / k_true
-  ps = jnp.sum(bk, axis=-1) / k_true + ipb
-  n_c = m_c / (b_c + ipb[..., None, None]) * (bv + ipb[..., None])[..., :, None] * (
-      bk + ipb[..., None])[..., None, :]
-  return bk, bv, ps, n_c
+  ps = jnp.sum(bk, axis=-1) / k_true + ip[:, None]
+  return bk, bv, ps
+
+
+def weighted_mean(m_c, b_c, bk, bv, ip):
+  """N = mu_c * (bv + Ip) (x) (bk + Ip) [BH, NC, Vp, Kp], mu_c = M_c / (Ibar_c + Ip): the
+  carried read is (f / ps) (q / ibk) @ N^T. Shapes as `chunk_start_terms`'."""
+  ipb = ip[:, None, None, None]
+  return m_c / (b_c + ipb) * (bv[..., :, None] + ipb) * (bk[..., None, :] + ipb)
 
 
 def step_rows(g, ids, from_start, ps, ip, mean_beta, rows: int, chunk: int):
@@ -101,40 +106,44 @@ class ReadsCall:
   interpret: object = False  # False, True or plgpu.InterpretGPUParams.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def fused_reads(q, k, v, beta, rows, bk, bv, n_c, call: ReadsCall):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def fused_reads(q, k, v, beta, rows, bk, bv, m_c, b_c, ip, call: ReadsCall):
   """(out [B, Tp, H, Vp] v's dtype, variance float32 or None) of every chunk.
 
   q, k [B, Tp, H, Kp], v, beta [B, Tp, H, Vp] bfloat16 (Tp a multiple of the tiles' rows);
-  rows: `step_rows`; bk [BH, NC, Kp], bv [BH, NC, Vp], n_c [BH, NC, Vp, Kp]:
-  `chunk_start_terms` (float32; N goes to the tensor cores in bfloat16).
+  rows: `step_rows`; bk [BH, NC, Kp], bv [BH, NC, Vp]: `chunk_start_terms`; m_c, b_c
+  [BH, NC, Vp, Kp] float32: the states entering the chunks; ip [BH]. The kernels read
+  `weighted_mean` in bfloat16, computed here in each direction: the states are residuals
+  of their own VJP already, N would be a new one.
   """
+  n_c = weighted_mean(m_c, b_c, bk, bv, ip).astype(bf16)
   return reads_forward.chunk_reads_forward(
-      q, k, v, beta, rows, padded(bk), padded(bv, call.forward.v_span(bv.shape[-1])),
-      n_c.astype(bf16), heads=call.heads,
-      chunk=call.chunk, k_true=call.k_true, with_var=call.with_var, tiles=call.forward,
-      interpret=call.interpret)
+      q, k, v, beta, rows, padded(bk), padded(bv, call.forward.v_span(bv.shape[-1])), n_c,
+      heads=call.heads, chunk=call.chunk, k_true=call.k_true, with_var=call.with_var,
+      tiles=call.forward, interpret=call.interpret)
 
 
-def _fused_reads_fwd(q, k, v, beta, rows, bk, bv, n_c, call):
-  residuals = (q, k, v, beta, rows, bk, bv, n_c)
-  return fused_reads(q, k, v, beta, rows, bk, bv, n_c, call), residuals
+def _fused_reads_fwd(q, k, v, beta, rows, bk, bv, m_c, b_c, ip, call):
+  residuals = (q, k, v, beta, rows, bk, bv, m_c, b_c, ip)
+  return fused_reads(*residuals, call), residuals
 
 
 def _fused_reads_bwd(call, residuals, cotangents):
-  q, k, v, beta, rows, bk, bv, n_c = residuals
+  q, k, v, beta, rows, bk, bv, m_c, b_c, ip = residuals
   dout, dvar = cotangents
   kp, vp = bk.shape[-1], bv.shape[-1]
+  n_c, n_vjp = jax.vjp(weighted_mean, m_c, b_c, bk, bv, ip)
   dq, dk, dv, dbeta, drows, dbk, dbv, dn = reads_backward.chunk_reads_backward(
       q, k, v, beta, rows, padded(bk), padded(bv, call.backward.v_span(vp)), n_c.astype(bf16),
-      dout.astype(v.dtype),
-      dvar if call.with_var else None, heads=call.heads, chunk=call.chunk,
-      k_true=call.k_true, tiles=call.backward, interpret=call.interpret)
+      dout.astype(v.dtype), dvar if call.with_var else None, heads=call.heads,
+      chunk=call.chunk, k_true=call.k_true, tiles=call.backward, interpret=call.interpret)
   d = lambda i: drows[:, :, i]
   by_index = {ROW_G: d(DROW_G_ROWS) - d(DROW_G_COLS), ROW_ID: jnp.zeros_like(d(0)),
               ROW_F: d(DROW_F), ROW_CS: d(DROW_CS), ROW_IP: d(DROW_IP), ROW_MB: d(DROW_MB)}
   d_rows = jnp.stack([by_index[i] for i in range(NUM_ROWS)], axis=2)
-  return dq, dk, dv, dbeta, d_rows, dbk[..., :kp], dbv[..., :vp], dn
+  dm, db, dbk_n, dbv_n, dip = n_vjp(dn)
+  return (dq, dk, dv, dbeta, d_rows, dbk[..., :kp] + dbk_n, dbv[..., :vp] + dbv_n, dm, db,
+          dip)
 
 
 fused_reads.defvjp(_fused_reads_fwd, _fused_reads_bwd)

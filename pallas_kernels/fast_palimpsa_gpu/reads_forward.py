@@ -6,14 +6,15 @@ chunks (computed before, by the boundary kernel). Everything inside the chunk st
 registers or shared memory; the rows come by TMA once, `out` (and the variance) leave by
 TMA once. With D [R, R] the decay matrix (exp(g_t - g_s) for s <= t in one segment of one
 chunk, else 0), f_t the decay from the chunk start, and per chunk bk = mean_v Ibar_c [K],
-bv = mean_k Ibar_c [V], N = mu_c * (bv + Ip) (x) (bk + Ip) [V, K] (`reads.chunk_start_terms`):
+bv = mean_k Ibar_c [V], N = mu_c * (bv + Ip) (x) (bk + Ip) [V, K] (`reads.chunk_start_terms`,
+`reads.weighted_mean`):
 
     Ak = D @ (mb * k^2)            (tensor cores)   ibk = f bk + Ak + Ip        [R, K]
     qk = q / ibk                                    ibs = mean_k ibk           [R]
     W = (qk @ k^T) * D             (tensor cores)                              [R, R]
   per V sub-tile of `sub` columns:
     Av = D @ (beta * mk)           (tensor cores)   ibv = f bv + Av + Ip        [R, sub]
-    Z = W @ v + (cs qk) @ N^T      (tensor cores)   out = Z * ibs / ibv
+    Z = W @ v + cs (qk @ N^T)      (tensor cores)   out = Z * ibs / ibv
     variance = sum_k(q qk) * ibs / ibv
 
 mb = mean_v beta and cs = f / mean(Ibar_c + Ip) are per-step rows computed outside, mk =

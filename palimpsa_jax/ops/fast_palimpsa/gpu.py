@@ -121,13 +121,13 @@ def _forward_fused(q, k, v, beta, log_alpha, prior_precision, initial_mu, initia
   m_starts, b_starts, m_final, b_final = kernels.chunk_states(
       k_rows, v_rows, beta_rows, head_major(to_end), head_major(from_start[:, chunk - 1::chunk]),
       m0, b0, h, chunk, interpret)
-  bk, bv, ps, n_c = kernels.chunk_start_terms(m_starts, b_starts, jnp.tile(prior_precision, b),
-                                              kd, vd)
+  ip = jnp.tile(prior_precision, b)  # [B*H]
+  bk, bv, ps = kernels.chunk_start_terms(m_starts, b_starts, ip, kd, vd)
   mean_beta = jnp.sum(beta_rows.astype(f32), axis=-1) / vd
   step_rows = kernels.step_rows(g, ids, from_start, ps, prior_precision, mean_beta,
                                 reads.forward.rows, chunk)
   out, var = kernels.fused_reads(rows(q, kp), k_rows, v_rows, beta_rows, step_rows, bk, bv,
-                                 n_c, reads)
+                                 m_starts, b_starts, ip, reads)
   final = lambda x: x[..., :vd, :kd].reshape(b, h, vd, kd)
   return (out[:, :t, :, :vd], None if var is None else var[:, :t, :, :vd], final(m_final),
           final(b_final))

@@ -16,13 +16,16 @@ from pallas_kernels.fast_palimpsa_gpu.tiles import BackwardTiles, ForwardTiles
 from tests.ops.numerics import BFLOAT16_TOL, assert_close_to_reference
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-NAMES = ("q", "k", "v", "beta", "rows", "bk", "bv", "n_c")
+NAMES = ("q", "k", "v", "beta", "rows", "bk", "bv", "m_c", "b_c", "ip")
 
 
-def reference_reads(q, k, v, beta, rows, bk, bv, n_c, *, chunk, k_true, with_var):
+def reference_reads(q, k, v, beta, rows, bk, bv, m_c, b_c, ip_bh, *, chunk, k_true,
+                    with_var):
   """The kernels' function of their inputs (reads_forward.py's docstring) in float32 jnp."""
   b, tp, h, kp = q.shape
   vp, nc = v.shape[-1], tp // chunk
+  ipb = ip_bh[:, None, None, None]
+  n_c = m_c / (b_c + ipb) * (bv[..., :, None] + ipb) * (bk[..., None, :] + ipb)
   per_step = jnp.moveaxis(rows, 2, 1).reshape(b, h, rows.shape[2], nc, chunk)
   g, ids, f, cs, ip, mb = (per_step[:, :, i, ..., None] for i in range(6))  # [B,H,NC,C,1]
   chunks = lambda x: jnp.moveaxis(x.astype(f32), 2, 1).reshape(b, h, nc, chunk, x.shape[-1])
@@ -66,9 +69,10 @@ def _inputs(seed, b, t, h, kd, vd, rows_per_cta, chunk):
   rows = reads.step_rows(g, ids, from_start, ps, ip, mean_beta, rows_per_cta, chunk)
   margin = lambda i, d, dp: jnp.pad(jax.random.uniform(keys[i], (b * h, n, d)) * 2,
                                     ((0, 0), (0, 0), (0, dp - d)))
-  n_c = jnp.pad(normal(10, (b * h, n, vd, kd)), ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd)))
-  args = (q, k, v, beta, rows, margin(8, kd, kp), margin(9, vd, vp),
-          n_c.astype(bf16).astype(f32))  # N exact in bfloat16, as the kernels read it.
+  state = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd)))
+  m_c = state(normal(10, (b * h, n, vd, kd)))
+  b_c = state(jax.random.uniform(keys[0], (b * h, n, vd, kd)) * 3)
+  args = (q, k, v, beta, rows, margin(8, kd, kp), margin(9, vd, vp), m_c, b_c, jnp.tile(ip, b))
   live = (jnp.arange(tp) < t)[None, :, None, None] & (jnp.arange(vp) < vd)
   cotangents = tuple(jnp.where(live, normal(11 - i, (b, tp, h, vp)), 0.0) for i in range(2))
   return args, cotangents
@@ -88,7 +92,7 @@ def check_fused_reads(seed, shape, forward, backward, with_var, interpret):
   kernel = lambda *a: reads.fused_reads(*a, call)
   ref = functools.partial(reference_reads, chunk=chunk, k_true=kd, with_var=with_var)
   grads = lambda fn, a: jax.jit(jax.value_and_grad(functools.partial(loss, fn),
-                                                   argnums=tuple(range(8))))(*a)
+                                                   argnums=tuple(range(10))))(*a)
   got_out = jax.jit(kernel)(*args)
   want_out = ref(*[x.astype(f32) for x in args])
   _, got = grads(kernel, args)
