@@ -93,6 +93,31 @@ def _recomputed_bwd(reads, return_variance, chunk, interpret, args, cotangents):
 _recomputed.defvjp(_recomputed_fwd, _recomputed_bwd)
 
 
+def _padded_rows(x, tp: int, width: int):
+  """[B, T, H, D] -> [B, Tp, H, width], zero padding (neutral steps)."""
+  return jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, width - x.shape[-1])))
+
+
+def _states(k_rows, v_rows, beta_rows, to_end, chunk_gate, prior_precision, initial_mu,
+            initial_precision, chunk, interpret):
+  """The linear-form states (M, Ibar) entering every chunk [BH, NC, Vp, Kp] and after the
+  last [BH, Vp, Kp], by the boundary kernel (`kernels.chunk_states`).
+
+  k_rows [B, Tp, H, Kp], v_rows, beta_rows [B, Tp, H, Vp]; to_end [B, Tp, H]; chunk_gate
+  [B, NC, H]; initial_mu, initial_precision [B, H, V, K].
+  """
+  b, _, h, kp = k_rows.shape
+  vp = v_rows.shape[-1]
+  vd, kd = initial_mu.shape[-2:]
+  head_major = lambda x: jnp.moveaxis(x, 2, 1).reshape(b * h, x.shape[1])
+  ipb = prior_precision[None, :, None, None]
+  state_pad = ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd))
+  m0 = jnp.pad(initial_mu * initial_precision, state_pad).reshape(b * h, vp, kp)
+  b0 = jnp.pad(initial_precision - ipb, state_pad).reshape(b * h, vp, kp)
+  return kernels.chunk_states(k_rows, v_rows, beta_rows, head_major(to_end),
+                              head_major(chunk_gate), m0, b0, h, chunk, interpret)
+
+
 def _forward_fused(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
                    starts, *, reads, interpret):
   """(out [B, T, H, V] v's dtype, variance or None, M_T, Ibar_T [B, H, V, K]) with the
@@ -103,31 +128,21 @@ def _forward_fused(q, k, v, beta, log_alpha, prior_precision, initial_mu, initia
   chunk = reads.chunk
   tp = round_up(t, reads.forward.rows)  # Whole CTAs of rows (neutral steps, sliced off).
   kp, vp = round_up(kd, 16), round_up(vd, 16)
-
-  def rows(x, width):  # [B, T, H, D] -> [B, Tp, H, width], zero padding (neutral steps).
-    return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, width - x.shape[-1])))
-
-  def head_major(x):  # [B, T', H] -> [B*H, T']
-    return jnp.moveaxis(x, 2, 1).reshape(b * h, x.shape[1])
-
+  k_rows, v_rows, beta_rows = (_padded_rows(x, tp, w) for x, w in ((k, kp), (v, vp),
+                                                                    (beta, vp)))
   log_alpha = jnp.pad(log_alpha.astype(f32), ((0, 0), (0, tp - t), (0, 0)))
   g, ids, from_start, to_end = kernels.step_gates(
       log_alpha, jnp.pad(starts, ((0, 0), (0, tp - t))), chunk)
-  ipb = prior_precision[None, :, None, None]
-  state_pad = ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd))
-  m0 = jnp.pad(initial_mu * initial_precision, state_pad).reshape(b * h, vp, kp)
-  b0 = jnp.pad(initial_precision - ipb, state_pad).reshape(b * h, vp, kp)
-  k_rows, v_rows, beta_rows = rows(k, kp), rows(v, vp), rows(beta, vp)
-  m_starts, b_starts, m_final, b_final = kernels.chunk_states(
-      k_rows, v_rows, beta_rows, head_major(to_end), head_major(from_start[:, chunk - 1::chunk]),
-      m0, b0, h, chunk, interpret)
+  m_starts, b_starts, m_final, b_final = _states(
+      k_rows, v_rows, beta_rows, to_end, from_start[:, chunk - 1::chunk], prior_precision,
+      initial_mu, initial_precision, chunk, interpret)
   ip = jnp.tile(prior_precision, b)  # [B*H]
   bk, bv, ps = kernels.chunk_start_terms(m_starts, b_starts, ip, kd, vd)
   mean_beta = jnp.sum(beta_rows.astype(f32), axis=-1) / vd
   step_rows = kernels.step_rows(g, ids, from_start, ps, prior_precision, mean_beta,
                                 reads.forward.rows, chunk)
-  out, var = kernels.fused_reads(rows(q, kp), k_rows, v_rows, beta_rows, step_rows, bk, bv,
-                                 m_starts, b_starts, ip, reads)
+  out, var = kernels.fused_reads(_padded_rows(q, tp, kp), k_rows, v_rows, beta_rows,
+                                 step_rows, bk, bv, m_starts, b_starts, ip, reads)
   final = lambda x: x[..., :vd, :kd].reshape(b, h, vd, kd)
   return (out[:, :t, :, :vd], None if var is None else var[:, :t, :, :vd], final(m_final),
           final(b_final))
@@ -135,41 +150,33 @@ def _forward_fused(q, k, v, beta, log_alpha, prior_precision, initial_mu, initia
 
 def _forward(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision, starts,
              *, return_variance, chunk, interpret):
-  """(out [B, T, H, V] f32, variance or None, M_T, Ibar_T [B, H, V, K])."""
+  """(out [B, T, H, V] f32, variance or None, M_T, Ibar_T [B, H, V, K]) with the reads as
+  XLA's batched float32 matmuls (chunked.chunk_reads)."""
   b, t, h, kd = q.shape
   vd = v.shape[-1]
   tp = round_up(t, chunk)
   n = tp // chunk
   kp, vp = round_up(kd, 16), round_up(vd, 16)
 
-  def rows(x, width):  # [B, T, H, D] -> [B, Tp, H, width], zero padding (neutral steps).
-    return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, width - x.shape[-1])))
-
   def chunks(x):  # [B, Tp, H, ...] -> [B, N, H, C, ...] float32
     x = x.astype(f32).reshape((b, n, chunk) + x.shape[2:])
     return jnp.moveaxis(x, 2, 3)
 
-  def head_major(x):  # [B, N, H, ...] -> [B*H, N, ...]
-    x = jnp.moveaxis(x, 2, 1)
-    return x.reshape((b * h,) + x.shape[2:])
-
   def from_head_major(x):  # [B*H, ..., Vp, Kp] -> [B, H, ..., V, K]
     return x[..., :vd, :kd].reshape((b, h) + x.shape[1:-2] + (vd, kd))
 
-  log_alpha = chunks(rows(log_alpha[..., None], 1))[..., 0]  # [B, N, H, C]; padding: gate 1
+  # [B, N, H, C]; padding: gate 1
+  log_alpha = chunks(_padded_rows(log_alpha[..., None], tp, 1))[..., 0]
   decay, from_start, to_end = chunk_masks(
       log_alpha, jnp.pad(starts, ((0, 0), (0, tp - t))).reshape(b, n, chunk))
-  ipb = prior_precision[None, :, None, None]
-  state_pad = ((0, 0), (0, 0), (0, vp - vd), (0, kp - kd))
-  m0 = jnp.pad(initial_mu * initial_precision, state_pad).reshape(b * h, vp, kp)
-  b0 = jnp.pad(initial_precision - ipb, state_pad).reshape(b * h, vp, kp)
-  m_starts, b_starts, m_final, b_final = kernels.chunk_states(
-      rows(k, kp), rows(v, vp), rows(beta, vp), head_major(to_end).reshape(b * h, tp),
-      head_major(from_start[..., -1]), m0, b0, h, chunk, interpret)
+  m_starts, b_starts, m_final, b_final = _states(
+      _padded_rows(k, tp, kp), _padded_rows(v, tp, vp), _padded_rows(beta, tp, vp),
+      jnp.moveaxis(to_end, 3, 2).reshape(b, tp, h), from_start[..., -1], prior_precision,
+      initial_mu, initial_precision, chunk, interpret)
   m_c, b_c = (jnp.moveaxis(from_head_major(s), 2, 1) for s in (m_starts, b_starts))
   out, var = chunk_reads(
-      *(chunks(rows(x, x.shape[-1])) for x in (q, k, v, beta)), decay, from_start, m_c, b_c,
-      prior_precision, return_variance=return_variance,
+      *(chunks(_padded_rows(x, tp, x.shape[-1])) for x in (q, k, v, beta)), decay, from_start,
+      m_c, b_c, prior_precision, return_variance=return_variance,
       precision=kernels.dot_precision(interpret))
 
   def unchunk(y):  # [B, N, H, C, V] -> [B, T, H, V]
