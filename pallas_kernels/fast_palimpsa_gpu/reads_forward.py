@@ -74,22 +74,19 @@ def smem_bytes(t: ForwardTiles, kp: int, vp: int, out_dtype, with_var: bool) -> 
   return smem_bytes_of(_scratch(t, kp, vp, out_dtype, with_var))
 
 
-def decay_matrix(rows_s, r: int, *, transposed: bool = False):
+def decay_matrix(rows_s, r: int):
   """D [R, R] float32 (WGMMA): exp(g_t - g_s) where s <= t in one segment (ids equal),
-  else 0; with transposed, D^T (row s, column t)."""
+  else 0."""
   g_row, g_col = (plgpu.load(rows_s.at[ROW_G], layout=lay) for lay in (ROW, COL))
   id_row, id_col = (plgpu.load(rows_s.at[ROW_ID], layout=lay) for lay in (ROW, COL))
   over_rows = lambda x: jax.lax.broadcast_in_dim(x, (r, r), (0,))
   over_cols = lambda x: jax.lax.broadcast_in_dim(x, (r, r), (1,))
-  i = plgpu.broadcasted_iota(jnp.int32, (r, r), 0, layout=WGMMA)
-  j = plgpu.broadcasted_iota(jnp.int32, (r, r), 1, layout=WGMMA)
-  if transposed:  # Row s, column t.
-    mask = (i <= j) & (over_rows(id_row) == over_cols(id_col))
-    diff = over_cols(g_col) - over_rows(g_row)
-  else:
-    mask = (j <= i) & (over_rows(id_row) == over_cols(id_col))
-    diff = over_rows(g_row) - over_cols(g_col)
-  return jnp.where(mask, jnp.exp(jnp.where(mask, diff, 0.0)), 0.0)
+  t = plgpu.broadcasted_iota(jnp.int32, (r, r), 0, layout=WGMMA)
+  s = plgpu.broadcasted_iota(jnp.int32, (r, r), 1, layout=WGMMA)
+  mask = (s <= t) & (over_rows(id_row) == over_cols(id_col))
+  # The exponent only where it is used: elsewhere it may overflow.
+  diff = jnp.where(mask, over_rows(g_row) - over_cols(g_col), 0.0)
+  return jnp.where(mask, jnp.exp(diff), 0.0)
 
 
 def per_chunk_rows(load_row, r: int, chunk: int, groups: int, width: int):
