@@ -21,28 +21,30 @@ from tests.ops.palimpsa.palimpsa_suite import make_inputs
 SMALL = (((2, 37, 2, 8, 20), 16, ((10, 6, 21), (37,))),
          ((1, 45, 1, 16, 8), 32, None),
          ((1, 100, 2, 16, 24), 64, ((30, 70),)))
-# Compiled: the small shapes, then D170-, D760-, K128- and MQAR-like heads, T not a
-# multiple of C where segments restart.
+# Compiled: the small shapes, then D170-like and D760-like heads with T not a multiple of C
+# (both dtypes), and in bfloat16 (the fused reads) D760-, K128- and MQAR-like heads.
 LARGE = SMALL + (((2, 300, 3, 48, 48), 64, ((100, 150, 50), (300,))),
-                 ((1, 200, 2, 96, 192), 16, None),
-                 ((2, 300, 3, 96, 192), 64, ((100, 150, 50), (300,))),
-                 ((2, 256, 2, 96, 192), 32, None),
-                 ((1, 256, 2, 128, 128), 64, None),
-                 ((4, 512, 4, 16, 32), 64, None))
-DTYPES = ((jnp.float32, FLOAT32_TOL, GRAD_TOL), (jnp.bfloat16, BFLOAT16_TOL, BFLOAT16_TOL))
+                 ((1, 200, 2, 96, 192), 16, None))
+LARGE_BF16 = (((2, 300, 3, 96, 192), 64, ((100, 150, 50), (300,))),
+              ((2, 256, 2, 96, 192), 32, None),
+              ((1, 256, 2, 128, 128), 64, None),
+              ((4, 512, 4, 16, 32), 64, None))
+FLOAT32, BFLOAT16 = (jnp.float32, FLOAT32_TOL, GRAD_TOL), (jnp.bfloat16, BFLOAT16_TOL,
+                                                          BFLOAT16_TOL)
 
 
-def _cases(shapes, interpret, marks=()):
+def _cases(shapes, interpret, marks=(), dtypes=(FLOAT32, BFLOAT16)):
   return [pytest.param(shape, chunk, lengths, dtype, fwd, grad, interpret, marks=marks,
                        id=f"{'interpreted' if interpret else 'compiled'}-{shape}-"
                           f"{jnp.dtype(dtype).name}")
-          for shape, chunk, lengths in shapes for dtype, fwd, grad in DTYPES]
+          for shape, chunk, lengths in shapes for dtype, fwd, grad in dtypes]
 
 
 @pytest.mark.parametrize(
     "shape, chunk, lengths, dtype, fwd_tol, grad_tol, interpret",
     _cases(SMALL[:1], True) + _cases(SMALL[1:], True, pytest.mark.slow)
-    + _cases(LARGE, False, pytest.mark.gpu))
+    + _cases(LARGE, False, pytest.mark.gpu)
+    + _cases(LARGE_BF16, False, pytest.mark.gpu, (BFLOAT16,)))
 def test_matches_the_float64_reference(shape, chunk, lengths, dtype, fwd_tol, grad_tol,
                                        interpret):
   """Output, variance, final state and every gradient (initial state included)."""
