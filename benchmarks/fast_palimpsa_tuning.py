@@ -196,7 +196,7 @@ def parse_args(argv):
   parser.add_argument("--only", nargs="+", help="shapes of the set to tune (default all)")
   parser.add_argument("--chunks", type=results_lib.positive_ints,
                       help="comma-separated chunk sizes (default: 64,32,128; small: 64)")
-  parser.add_argument("--budget_s", type=float, default=420.0,
+  parser.add_argument("--budget_s", type=float, default=360.0,
                       help="stop before the next candidate after this many seconds")
   parser.add_argument("--iters", type=int, default=20, help="queued calls per timing batch")
   parser.add_argument("--warmup", type=int, default=2)
