@@ -14,27 +14,37 @@ from tests.ops.numerics import BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close
 from tests.ops.palimpsa.palimpsa_suite import make_inputs
 
 # (B, T, H, K, V), chunk_size, segment lengths per row (None: no segment ids). Interpreted
-# kernels are slow on CPU: two small shapes. The first has three 16-step chunks (the last
-# padded), restarts inside a chunk and on a chunk boundary, V of 20 (padded to 32).
+# kernels are slow on CPU: small shapes. The first has three 16-step chunks (the last
+# padded), restarts inside a chunk and on a chunk boundary, V of 20 (padded to 32); in
+# bfloat16 its reads run on the fused kernels (four chunks a CTA), in float32 as XLA's
+# matmuls. The others: chunks of 32 and of 64 (one a CTA) with restarts.
 SMALL = (((2, 37, 2, 8, 20), 16, ((10, 6, 21), (37,))),
-         ((1, 45, 1, 16, 8), 32, None))
-# Compiled: the small shapes, then D170-like and D760-like heads with T not a multiple of C.
+         ((1, 45, 1, 16, 8), 32, None),
+         ((1, 100, 2, 16, 24), 64, ((30, 70),)))
+# Compiled: the small shapes, then D170-like and D760-like heads with T not a multiple of C
+# (both dtypes), and in bfloat16 (the fused reads) D760-, K128- and MQAR-like heads.
 LARGE = SMALL + (((2, 300, 3, 48, 48), 64, ((100, 150, 50), (300,))),
                  ((1, 200, 2, 96, 192), 16, None))
-DTYPES = ((jnp.float32, FLOAT32_TOL, GRAD_TOL), (jnp.bfloat16, BFLOAT16_TOL, BFLOAT16_TOL))
+LARGE_BF16 = (((2, 300, 3, 96, 192), 64, ((100, 150, 50), (300,))),
+              ((2, 256, 2, 96, 192), 32, None),
+              ((1, 256, 2, 128, 128), 64, None),
+              ((4, 512, 4, 16, 32), 64, None))
+FLOAT32, BFLOAT16 = (jnp.float32, FLOAT32_TOL, GRAD_TOL), (jnp.bfloat16, BFLOAT16_TOL,
+                                                          BFLOAT16_TOL)
 
 
-def _cases(shapes, interpret, marks=()):
+def _cases(shapes, interpret, marks=(), dtypes=(FLOAT32, BFLOAT16)):
   return [pytest.param(shape, chunk, lengths, dtype, fwd, grad, interpret, marks=marks,
                        id=f"{'interpreted' if interpret else 'compiled'}-{shape}-"
                           f"{jnp.dtype(dtype).name}")
-          for shape, chunk, lengths in shapes for dtype, fwd, grad in DTYPES]
+          for shape, chunk, lengths in shapes for dtype, fwd, grad in dtypes]
 
 
 @pytest.mark.parametrize(
     "shape, chunk, lengths, dtype, fwd_tol, grad_tol, interpret",
     _cases(SMALL[:1], True) + _cases(SMALL[1:], True, pytest.mark.slow)
-    + _cases(LARGE, False, pytest.mark.gpu))
+    + _cases(LARGE, False, pytest.mark.gpu)
+    + _cases(LARGE_BF16, False, pytest.mark.gpu, (BFLOAT16,)))
 def test_matches_the_float64_reference(shape, chunk, lengths, dtype, fwd_tol, grad_tol,
                                        interpret):
   """Output, variance, final state and every gradient (initial state included)."""
@@ -48,12 +58,13 @@ def _args(shape, dtype=jnp.float32):
   return [jnp.asarray(x[n], dtype if i < 4 else jnp.float32) for i, n in enumerate(names)]
 
 
-def test_saves_only_the_inputs_for_the_backward():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_saves_only_the_inputs_for_the_backward(dtype):
   """The residuals kept between forward and backward are the inputs (segment starts
   included) and at most the final state: nothing of the size of the chunk states
-  [B, H, T/C, V, K] (here 4 times q's size)."""
+  [B, H, T/C, V, K] (here 4 times q's size), with either form of the reads."""
   b, t, h, kd, vd = shape = (1, 64, 1, 16, 16)
-  args = _args(shape)
+  args = _args(shape, dtype)
   fn = functools.partial(fast_palimpsa_gpu, segment_starts=None, return_variance=False,
                          chunk_size=16, interpret=True)
   _, vjp = jax.vjp(lambda *a: fn(*a)[0], *args)
@@ -106,17 +117,38 @@ def test_auto_is_the_kernel_on_a_hopper_gpu():
                                                    jax.tree.leaves(kernel)))
 
 
-@pytest.mark.parametrize("shape, chunk, with_var, dtype", [
-    ((4, 4096, 16, 96, 192), 64, False, jnp.bfloat16),
-    ((2, 1024, 8, 16, 32), 16, True, jnp.bfloat16),
-    ((2, 300, 3, 48, 48), 16, True, jnp.bfloat16),
-    ((2, 37, 2, 8, 20), 32, True, jnp.float32)])
-def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var, dtype):
-  """A compiled forward+backward at D760, MQAR and D170-like heads and at the interpreted
-  tests' padded shape in float32 (T not a multiple of the chunk, segments, the variance)
-  lowers for sm_90 on a CPU host to the Mosaic GPU kernels of the forward (boundary) and
-  the backward (boundary again, carries): nothing through Pallas' deprecated Triton
-  lowering."""
+KERNEL_NAMES = ("palimpsa_boundary_mosaic", "fast_palimpsa_reads_forward",
+                "fast_palimpsa_reads_backward", "palimpsa_adjoint_carries_mosaic")
+FUSED = ["palimpsa_boundary_mosaic"] * 2 + [
+    "fast_palimpsa_reads_forward", "fast_palimpsa_reads_backward",
+    "palimpsa_adjoint_carries_mosaic"]
+XLA_READS = ["palimpsa_boundary_mosaic"] * 2 + ["palimpsa_adjoint_carries_mosaic"]
+
+
+def mosaic_kernels(text: str) -> list[str]:
+  """The kernel of every Mosaic GPU custom call in lowered StableHLO text, by name."""
+  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+  return sorted(next(name for name in KERNEL_NAMES if name in line) for line in calls)
+
+
+# (B, T, H, K, V) chunk, variance, dtype, the kernels: D760, D170, K128 and MQAR heads in
+# bfloat16 (the fused reads; D760 also at C = 32), D760 at C = 16 (the reads kernels do not
+# fit shared memory: XLA's reads) and the interpreted tests' padded shape in float32 (T
+# not a multiple of the chunk, segments, the variance: XLA's reads).
+@pytest.mark.parametrize("shape, chunk, with_var, dtype, kernels", [
+    ((4, 4096, 16, 96, 192), 64, False, jnp.bfloat16, FUSED),
+    ((4, 4096, 16, 96, 192), 32, False, jnp.bfloat16, FUSED),
+    ((4, 4096, 16, 48, 48), 64, True, jnp.bfloat16, FUSED),
+    ((4, 4096, 16, 128, 128), 64, False, jnp.bfloat16, FUSED),
+    ((64, 1024, 8, 16, 32), 64, False, jnp.bfloat16, FUSED),
+    ((2, 1024, 8, 16, 32), 16, True, jnp.bfloat16, FUSED),
+    ((4, 4096, 16, 96, 192), 16, False, jnp.bfloat16, XLA_READS),
+    ((2, 37, 2, 8, 20), 32, True, jnp.float32, XLA_READS)])
+def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var, dtype, kernels):
+  """A compiled forward+backward lowers for sm_90 on a CPU host to Mosaic GPU kernels only
+  (nothing through Pallas' deprecated Triton lowering): the forward's boundary kernel and
+  read kernel, the backward's boundary kernel (the recomputation: its read kernel's output
+  is unused, and dropped), read kernel and carries."""
   from pallas_kernels.fast_palimpsa_gpu import support
   monkeypatch.setattr(support, "hopper_available", lambda: True)
   b, t, h, kd, vd = shape
@@ -133,4 +165,4 @@ def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var, dtype):
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8))))
   text = grad.trace(*args, starts).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 3 and "triton" not in text.lower()
+  assert mosaic_kernels(text) == sorted(kernels) and "triton" not in text.lower()

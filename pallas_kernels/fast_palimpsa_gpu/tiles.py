@@ -1,0 +1,84 @@
+"""The tiles of Fast Palimpsa's fused chunk-read kernels, and the per-step rows they read."""
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# The per-step rows [BH, Tp / R, NUM_ROWS, R] float32 the kernels read (`reads.step_rows`):
+ROW_G = 0  # g_t: the cumulative log-decay from the chunk's start up to step t.
+ROW_ID = 1  # a segment id, unique per (chunk, segment): D[t, s] needs id_t == id_s.
+ROW_F = 2  # f_t: the decay from the chunk's start to t (0 after a restart in the chunk).
+ROW_CS = 3  # f_t / mean(Ibar_c + Ip): the carried read's per-step factor.
+ROW_IP = 4  # Ip (the head's prior precision), per step.
+ROW_MB = 5  # mean_v beta_t.
+NUM_ROWS = 6
+
+MIN_ROWS = 64  # A wgmma's M: a CTA reads whole chunks, at least 64 rows.
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiles:
+  """How the forward kernel cuts one batch*head's reads.
+
+  chunk: steps per chunk (C). A CTA takes `rows` = max(C, 64) steps: 64 // C chunks when
+    C < 64 (`groups`): a wgmma's M is 64.
+  sub: V columns per tensor-core product (the N of the V-indexed wgmmas, a multiple of 16);
+    the V-indexed accumulators hold [rows, sub] float32 each.
+  num_sub: sub-tiles per CTA: a CTA reads a V-block of sub * num_sub columns.
+  """
+
+  chunk: int
+  sub: int
+  num_sub: int = 1
+
+  @property
+  def rows(self) -> int:
+    return max(self.chunk, MIN_ROWS)
+
+  @property
+  def groups(self) -> int:
+    return self.rows // self.chunk
+
+  def v_blocks(self, vp: int) -> int:
+    """CTAs along V."""
+    return -(-vp // (self.sub * self.num_sub))
+
+  def v_span(self, vp: int) -> int:
+    """Columns of bv the kernel reads: Vp rounded up to whole V-blocks (and 128 bytes)."""
+    return padded_width(self.v_blocks(vp) * self.sub * self.num_sub)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+  """How the backward kernel cuts one batch*head's reads: a CTA takes `rows` steps (as
+  ForwardTiles) and all of V, in sub-tiles of `sub` columns (a multiple of 64: dN's
+  rows are a wgmma's M) that pass through a ring of `slots` slots."""
+
+  chunk: int
+  sub: int = 64
+  slots: int = 2
+
+  rows = ForwardTiles.rows
+  groups = ForwardTiles.groups
+
+  def num_sub(self, vp: int) -> int:
+    return -(-vp // self.sub)
+
+  def v_span(self, vp: int) -> int:
+    """Columns of bv (and dbv) the kernel reads: Vp rounded up to whole sub-tiles."""
+    return padded_width(self.num_sub(vp) * self.sub)
+
+
+def padded_width(width: int) -> int:
+  """float32 entries per chunk of a marginal (bk, bv) as the kernels read it: whole
+  128-byte units (a TMA copy moves a multiple of 128 bytes)."""
+  return -(-width // 32) * 32
+
+
+def tiled(dtype, *widths: int):
+  """Transforms of a [rows, width] tile in shared memory: the largest swizzle whose tile
+  (8, S) divides every width (a wgmma's contraction and a TMA copy's minor dimension)."""
+  size = jnp.dtype(dtype).itemsize
+  swizzle = min(plgpu.find_swizzle(w * size * 8) for w in widths)
+  return (plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle))
