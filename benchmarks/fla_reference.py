@@ -122,8 +122,12 @@ def main(argv: list[str] | None = None) -> None:
   import argparse  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
   parser.add_argument("shapes", nargs="+", help="B,T,H,K,V")
-  parser.add_argument("--impls", nargs="*", choices=IMPLS, default=list(IMPLS))
+  parser.add_argument("--impls", default=",".join(IMPLS),
+                      help=f"comma-separated, of {', '.join(IMPLS)} (default: both)")
   args = parser.parse_args(argv)
+  impls = [name for name in args.impls.split(",") if name]
+  if not impls or set(impls) - set(IMPLS):
+    parser.error(f"--impls: comma-separated names of {', '.join(IMPLS)}, got {args.impls!r}")
   reason = unavailable_reason()
   if reason is not None:
     parser.exit(1, f"fla_reference: {reason}\n")
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = tuple(int(x) for x in text.split(","))
     if len(shape) != 5 or shape[3] < MIN_K:
       parser.exit(1, f"fla_reference: shape {text!r}: give B,T,H,K,V with K >= {MIN_K}\n")
-    for impl in args.impls:
+    for impl in impls:
       for mode in ("fwd", "fwd+bwd"):
         print(f"{shape} {impl} {mode}: {time_ms(impl, mode, shape):.3f} ms", flush=True)
 

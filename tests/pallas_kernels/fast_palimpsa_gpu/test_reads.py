@@ -11,8 +11,9 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import round_up
-from pallas_kernels.fast_palimpsa_gpu import reads
+from pallas_kernels.fast_palimpsa_gpu import reads, reads_backward, reads_forward
 from pallas_kernels.fast_palimpsa_gpu.tiles import BackwardTiles, ForwardTiles
+from pallas_kernels.palimpsa_gpu.mosaic_tiles import SMEM_LIMIT
 from tests.ops.numerics import BFLOAT16_TOL, assert_close_to_reference
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -112,12 +113,19 @@ def check_fused_reads(seed, shape, forward, backward, with_var, interpret):
 # CTA, K and V padded (12 -> 16, 40 -> 48), T padded, three forward V-blocks, two backward
 # sub-tiles through a ring of 2 (the second past V), with the variance. Then (slow): two
 # chunks of 32 a CTA (block-diagonal D, per-chunk N) with three V sub-tiles in one forward
-# CTA and a ring of 1; four chunks of 16; one chunk of 128 (two wgmma row groups).
+# CTA and a ring of 1; four chunks of 16; one chunk of 128 (two wgmma row groups; the
+# backward's chunk of 128 fits shared memory only at K16/V32 without the variance).
 _CASES = [
     ((1, 100, 2, 12, 40), ForwardTiles(64, 16), BackwardTiles(64, 64, 2), True),
     ((2, 70, 1, 48, 48), ForwardTiles(32, 16, 3), BackwardTiles(32, 64, 1), False),
     ((1, 64, 1, 16, 32), ForwardTiles(16, 32), BackwardTiles(16, 64, 2), True),
-    ((1, 256, 1, 32, 64), ForwardTiles(128, 32, 2), BackwardTiles(128, 64, 1), False),
+    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 64, 1), False),
+]
+# The compiled cases add Palimpsa-D 760M's and K128 heads (the variance's backward fits one
+# ring slot at K96/V192).
+_COMPILED_CASES = _CASES + [
+    ((2, 512, 3, 96, 192), ForwardTiles(64, 64, 3), BackwardTiles(64, 64, 1), True),
+    ((2, 512, 2, 128, 128), ForwardTiles(64, 128), BackwardTiles(64, 64, 1), False),
 ]
 
 
@@ -131,13 +139,17 @@ def test_interpreted_matches_the_jnp_reads(shape, forward, backward, with_var):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, forward, backward, with_var", [
-    *_CASES,
-    ((2, 512, 3, 96, 192), ForwardTiles(64, 64, 3), BackwardTiles(64, 64, 2), True),
-    ((2, 512, 2, 128, 128), ForwardTiles(64, 128), BackwardTiles(64, 64, 1), False),
-])
+@pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
 def test_compiled_matches_the_jnp_reads(shape, forward, backward, with_var):
   check_fused_reads(1, shape, forward, backward, with_var, False)
+
+
+@pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
+def test_compiled_cases_fit_shared_memory(shape, forward, backward, with_var):
+  """Mosaic GPU refuses a CTA over the limit when it lowers: the GPU cases' tiles fit."""
+  kp, vp = round_up(shape[3], 16), round_up(shape[4], 16)
+  assert reads_forward.smem_bytes(forward, kp, vp, bf16, with_var) <= SMEM_LIMIT
+  assert reads_backward.smem_bytes(backward, kp, vp, with_var) <= SMEM_LIMIT
 
 
 def test_declines_what_it_cannot_run():
@@ -150,3 +162,16 @@ def test_declines_what_it_cannot_run():
   with pytest.raises(NotImplementedError, match="shared memory"):
     reads.reads_call(x(96), x(96), x(192), x(192), chunk=128, with_var=True, interpret=False)
   assert call(x(96), x(96), x(192), x(192)).chunk == 64
+
+
+@pytest.mark.parametrize("chunk, kp, vp", sorted(reads.TUNED))
+@pytest.mark.parametrize("with_var", [False, True])
+def test_default_tiles_fit_with_and_without_the_variance(chunk, kp, vp, with_var):
+  """The tuned tiles (measured without the variance) are kept only where they fit."""
+  forward, backward = reads.default_tiles(chunk, kp, vp, with_var)
+  assert reads_forward.smem_bytes(forward, kp, vp, bf16, with_var) <= SMEM_LIMIT
+  assert reads_backward.smem_bytes(backward, kp, vp, with_var) <= SMEM_LIMIT
+  if not with_var:
+    sub, num_sub, sub_bwd, slots = reads.TUNED[chunk, kp, vp]
+    assert (forward, backward) == (ForwardTiles(chunk, sub, num_sub),
+                                   BackwardTiles(chunk, sub_bwd, slots))
