@@ -14,6 +14,7 @@ from palimpsa_jax import models
 from palimpsa_jax.data import mqar
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.token_loss import logits_token_loss, sliced
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import steps as steps_lib
 from tests.ops.numerics import assert_close_to_reference
@@ -41,7 +42,7 @@ def test_eval_sums_at_target_positions_equal_full_sums(setup):
   assert positions.shape == (6, PAIRS)
   gathered = eval_step(params, model_state, {**batch, "positions": positions})
   chex.assert_trees_all_close(gathered, full, rtol=1e-6)
-  assert float(full[2]) == 6 * PAIRS
+  assert float(objective_lib.count(full)) == 6 * PAIRS
 
 
 def test_steps_are_traced_inside_the_kernel_context(setup):
@@ -76,6 +77,13 @@ def test_take_positions_matches_indexing():
                               np.take_along_axis(x, positions[..., None], axis=1))
   chex.assert_trees_all_equal(models.take_positions(ints, positions),
                               np.take_along_axis(ints, positions, axis=1))
+  # The gradient puts each gathered row's cotangent back at its position, exactly.
+  cotangent = rng.normal(size=(3, 5, 4)).astype(np.float32)
+  grad = jax.grad(lambda x: jax.numpy.sum(models.take_positions(x, positions) * cotangent))(x)
+  expected = np.zeros_like(x)
+  for row in range(3):
+    np.add.at(expected[row], positions[row], cotangent[row])
+  chex.assert_trees_all_equal(grad, expected)
 
 
 def _train_step_and_state(graphdef, params, model_state):
@@ -86,7 +94,7 @@ def _train_step_and_state(graphdef, params, model_state):
                            {"step": 0, "params": params, "model_state": model_state,
                             "opt_state": tx.init(params)})
   train_step = steps_lib.make_train_step(graphdef, tx, optax.constant_schedule(1e-2),
-                                         shardings, sharding)
+                                         objective_lib.Objective(), shardings, sharding)
 
   def fresh_state():
     copy = jax.tree.map(np.array, params)
@@ -154,12 +162,11 @@ def test_train_loss_and_gradients_equal_those_of_the_whole_logits(setup, monkeyp
 
   def whole_logits(p):
     model = models.merge_model(graphdef, p, model_state)
-    loss = logits_token_loss(model(batch["tokens"]), batch["targets"],
-                             batch["targets"] != mqar.IGNORE_INDEX)
-    return loss.loss_sum, loss.hits, loss.count
+    return objective_lib.metric_sums(logits_token_loss(
+        model(batch["tokens"]), batch["targets"], batch["targets"] != mqar.IGNORE_INDEX))
 
   def sliced_sums(p):
-    return steps_lib._forward_sums(graphdef, p, model_state, batch)
+    return steps_lib.eval_sums(graphdef, p, model_state, batch)
 
   def value_and_grad(fn):
     def loss_and_sums(p):
