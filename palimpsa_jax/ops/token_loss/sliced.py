@@ -89,8 +89,9 @@ def _sliced_bwd(precision, residuals, cotangents):
     h, targets, lse, d_nll, d_lse = slice_args
     probs = jnp.exp(logits_product(h, table, precision) - lse[..., None])
     hit = vocab == targets[..., None]
-    d_logits = (probs * (d_nll + d_lse)[..., None]
-                - jnp.where(hit, d_nll[..., None], 0.0)).astype(h.dtype)
+    # (probs - hit) first: exact where probs is near 1, and the nll alone adds 0 from lse.
+    d_logits = ((probs - hit) * d_nll[..., None]
+                + probs * d_lse[..., None]).astype(h.dtype)
     dh = jnp.einsum("btv,vd->btd", d_logits, table, precision=precision,
                     preferred_element_type=d_table.dtype)
     d_table = d_table + jnp.einsum("btv,btd->vd", d_logits, h, precision=precision,
