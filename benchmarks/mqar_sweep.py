@@ -277,7 +277,8 @@ def pack(root: pathlib.Path, runs: list[Run], carry: pathlib.Path, part_mib: flo
 def unpack(root: pathlib.Path, carry: pathlib.Path) -> list[str]:
   """Puts `pack`'s parts in `carry` back under `root`; returns the run names.
 
-  A run folder already under `root` is replaced by the carried one, which is the newer.
+  A run folder already under `root` is replaced by the carried one, unless its latest
+  checkpoint is later than the carried one's (then nothing is unpacked).
   """
   parts = sorted(carry.glob(f"{CARRY_NAME}.[0-9][0-9]"))
   if not parts:
@@ -287,14 +288,27 @@ def unpack(root: pathlib.Path, carry: pathlib.Path) -> list[str]:
   with archive.open("wb") as whole:
     for part in parts:
       whole.write(part.read_bytes())
-  with tarfile.open(archive) as tar:
-    names = sorted({pathlib.PurePosixPath(m.name).parts[0] for m in tar.getmembers()})
-    for name in names:
-      if (root / name).exists():
-        shutil.rmtree(root / name)
-    tar.extractall(root, filter="data")
-  archive.unlink()
-  return names
+  try:
+    with tarfile.open(archive) as tar:
+      carried_steps: dict[str, list[int]] = {}
+      for member in tar.getmembers():
+        parts = pathlib.PurePosixPath(member.name).parts
+        steps = carried_steps.setdefault(parts[0], [])
+        if len(parts) > 2 and parts[1] == "checkpoints" and parts[2].isdigit():
+          steps.append(int(parts[2]))
+      for name, steps in carried_steps.items():
+        here, carried = latest_checkpoint(root / name), max(steps, default=None)
+        if here is not None and (carried is None or here > carried):
+          raise SystemExit(f"unpack: {root / name} holds checkpoint {here}, later than the "
+                           f"carried {carried}; nothing unpacked (move that run away to "
+                           "take the carried one).")
+      for name in carried_steps:
+        if (root / name).exists():
+          shutil.rmtree(root / name)
+      tar.extractall(root, filter="data")
+  finally:
+    archive.unlink()
+  return sorted(carried_steps)
 
 
 def _median(values: list[float]) -> float | None:
@@ -461,8 +475,10 @@ def main(argv=None) -> None:
   root = args.root.resolve()
   if args.command in ("pack", "unpack") and args.carry is None:
     parser.error(f"{args.command} needs --carry (the folder of the parts)")
-  if args.time_budget is not None and args.time_budget <= 0:
-    parser.error(f"--time_budget must be positive minutes, got {args.time_budget:g}")
+  for name in ("time_budget", "part_mib", "most_mib"):
+    value = getattr(args, name)
+    if value is not None and value <= 0:
+      parser.error(f"--{name} must be positive, got {value:g}")
   if args.command == "pack":
     parts = pack(root, planned_runs(root, runs, args.two_stage), args.carry.resolve(),
                  args.part_mib, args.most_mib)

@@ -270,9 +270,12 @@ def test_a_run_stopped_by_its_time_budget_resumes_in_another_slot(tmp_path, monk
   sweep.main(["run", "--root", str(second), "--time_budget", "8", *args])
   assert "1 runs (lr 0.01 s0) from step 5" in capsys.readouterr().out
   assert _run_records(second) == _run_records(tmp_path / "whole")
+  with pytest.raises(SystemExit, match="holds checkpoint 16, later than the carried 5"):
+    sweep.main(["unpack", "--root", str(second), "--carry", str(carry)])  # an older carry
+  assert _run_records(second) == _run_records(tmp_path / "whole")
 
 
-def test_pack_refuses_more_than_can_be_carried(tmp_path, monkeypatch):
+def test_pack_refuses_more_than_can_be_carried(tmp_path, monkeypatch, capsys):
   args = _tiny_sweep(monkeypatch)
   sweep.main(["run", "--root", str(tmp_path / "runs"), *args])
   with pytest.raises(SystemExit, match=r"more than --most_mib 0.001"):
@@ -281,6 +284,11 @@ def test_pack_refuses_more_than_can_be_carried(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="no run of the grid"):
     sweep.main(["pack", "--root", str(tmp_path / "none"), "--carry", str(tmp_path / "c"),
                 *args])
+  with pytest.raises(SystemExit) as refused:
+    sweep.main(["pack", "--root", str(tmp_path / "runs"), "--carry", str(tmp_path / "c"),
+                "--part_mib", "0", *args])
+  assert refused.value.code == 2
+  assert "--part_mib must be positive, got 0" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="no sweep_carry.tar.NN parts"):
     sweep.main(["unpack", "--root", str(tmp_path / "r"), "--carry", str(tmp_path / "c")])
 
