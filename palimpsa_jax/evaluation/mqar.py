@@ -50,7 +50,7 @@ def accuracy_on(model: nnx.Module, inputs: np.ndarray, targets: np.ndarray,
   for start in range(0, len(padded["tokens"]), batch_size):
     total = total + sums(params, model_state,
                          {name: rows[start:start + batch_size] for name, rows in padded.items()})
-  total = jax.device_get(total)
+  total = np.asarray(jax.device_get(total), np.float64)
   means = objective_lib.means(total)
   return {"accuracy": float(means["accuracy"]), "loss": float(means["loss"]),
           "num_queries": int(objective_lib.count(total))}

@@ -53,7 +53,8 @@ from palimpsa_jax.training import state as state_lib
 def eval_metrics(sums: np.ndarray, diagnostics: dict[str, float]) -> dict[str, float]:
   """eval/<name> for each of objective.METRICS (eval/loss, eval/accuracy: means over the
   scored tokens of `sums`, objective.metric_sums added over the batches) and the diagnostics."""
-  return {**{f"eval/{name}": float(value) for name, value in objective_lib.means(sums).items()},
+  means = objective_lib.means(np.asarray(sums, np.float64))
+  return {**{f"eval/{name}": float(value) for name, value in means.items()},
           **{k: float(v) for k, v in diagnostics.items()}}
 
 

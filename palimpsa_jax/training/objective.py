@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from palimpsa_jax.ops.token_loss import TokenLoss
 
@@ -48,9 +49,11 @@ def count(sums: Any) -> Any:
 
 
 def means(sums: Any) -> dict[str, Any]:
-  """{name in METRICS: mean} of `metric_sums`'s result (jax or numpy; with no position
-  counted, the sums themselves, 0)."""
-  denominator = jnp.maximum(count(sums), 1.0)
+  """{name in METRICS: mean} of `metric_sums`'s result, in a jitted step, or of their total
+  on the host (numpy: in its dtype, so float64 sums give float64 means). With no position
+  counted, the sums themselves, 0."""
+  numbers = jnp if isinstance(sums, jax.Array) else np
+  denominator = numbers.maximum(count(sums), 1.0)
   return {name: sums[i] / denominator for i, name in enumerate(METRICS)}
 
 
