@@ -33,7 +33,7 @@ MQAR_PAPER = (128, 128, 128, 8192)  # Query positions of a batch of 128, d_model
 def mean_loss(implementation: str):
   """(h, table, targets) -> the mean cross-entropy, computed by `implementation`."""
   return lambda h, table, targets: token_loss(
-      h, table, targets, implementation=implementation).loss_sum / targets.size
+      h, table, targets, implementation=implementation).nll.sum() / targets.size
 
 
 def reference_value_and_grads(h, table, targets):
@@ -41,7 +41,7 @@ def reference_value_and_grads(h, table, targets):
   with jax.enable_x64(True):
     h, table = (jnp.asarray(x, jnp.float64) for x in (h, table))
     mean = lambda h, table: token_loss_reference(
-        h, table, targets, jnp.ones(targets.shape, jnp.float64)).loss_sum / targets.size
+        h, table, targets, jnp.ones(targets.shape, jnp.float64)).nll.sum() / targets.size
     return jax.device_get(jax.jit(jax.value_and_grad(mean, argnums=(0, 1)))(h, table))
 
 

@@ -13,11 +13,14 @@ rate and seed i // 4, and measures, per step of the group:
   loop step: host batches and steps interleaved as the trainer's loop does.
 The loop step is what training gets; it is near max(host, device) when the two
 overlap. A profiler trace of --trace_steps device steps then lists each kernel's
-time (benchmarks/step_profile.py does the attribution). --output writes JSON;
+time (benchmarks/step_profile.py does the attribution) and sums the kernels by the
+project file that launched them (the token loss, the layers, the optimizer's update, ...;
+library GEMMs name no file and count as "(library GEMMs)"). --output writes JSON;
 the table goes as a record to --records (benchmarks/records/).
 """
 
 import argparse
+import collections
 import dataclasses
 import json
 import pathlib
@@ -45,6 +48,19 @@ def group_configs(config_arg: str, runs: int) -> list[Any]:
   return [mqar_sweep.mqar_config(
       f"{base},learning_rate={rates[i % len(rates)]},seed={i // len(rates)}")
           for i in range(runs)]
+
+
+def ms_by_source_file(rows: list[step_profile.KernelTime]) -> dict[str, float]:
+  """Milliseconds per step of the kernels launched from each project file, most first."""
+  by_file = collections.Counter()
+  for row in rows:
+    if row.source:
+      by_file[row.source.split(":", 1)[0]] += row.ms_per_step
+    elif row.category == "GEMM":
+      by_file["(library GEMMs)"] += row.ms_per_step
+    else:
+      by_file["(no project frame)"] += row.ms_per_step
+  return dict(by_file.most_common())
 
 
 def per_step_ms(fn, steps: int) -> float:
@@ -111,15 +127,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "| loop steps/s, all runs |\n|---|---|---|---|---|\n"
              f"| {host_ms:.2f} | {device_ms:.2f} | {loop_ms:.2f} | {1e3 / loop_ms:.1f} "
              f"| {1e3 * len(configs) / loop_ms:.1f} |")
+  by_file = ms_by_source_file(rows)
+  files = "| launched from | ms per step |\n|---|---|\n" + "\n".join(
+      f"| {name} | {ms:.3f} |" for name, ms in by_file.items())
   print(f"{label}, {device.device_kind}, jax {jax.__version__}; data {data_s:.1f} s, "
-        f"compile {compile_s:.1f} s\n\n{summary}\n\n"
+        f"compile {compile_s:.1f} s\n\n{summary}\n\n{files}\n\n"
         f"{step_profile.format_table(rows, args.top, traced_ms)}", flush=True)
   command = results_lib.command_line("mqar_step_profile",
                                      sys.argv[1:] if argv is None else argv)
   result = {"label": label, "config": args.config, "runs": len(configs),
             "device": device.device_kind, "jax": jax.__version__, "command": command,
             "host_batch_ms": host_ms, "device_step_ms": device_ms, "loop_step_ms": loop_ms,
-            "compile_s": compile_s, "kernels": [dataclasses.asdict(r) for r in rows]}
+            "compile_s": compile_s, "ms_per_step_by_file": by_file,
+            "kernels": [dataclasses.asdict(r) for r in rows]}
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
   if not args.no_record:
@@ -127,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mqar_step_profile", f"mqar_step_profile {label}", command, rows=rows, top=args.top,
         wall_ms=traced_ms, settings={"config": args.config, "runs": len(configs)})
     record["figures"].update(host_batch_ms=host_ms, device_step_ms=device_ms,
-                             loop_step_ms=loop_ms)
+                             loop_step_ms=loop_ms, ms_per_step_by_file=by_file)
     print(f"wrote {results_lib.write_record(record, args.records)}", flush=True)
   return result
 

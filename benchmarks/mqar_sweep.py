@@ -14,6 +14,12 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
 
   # the whole grid on one GPU, in slots: repeat until `status` shows 0 left
   timeout -k 60 1440 python -m benchmarks.mqar_sweep run --root runs/mqar_sweep
+  # a slot of 10 minutes on a machine that keeps no files: stop after 8 minutes of training
+  # (exit code 75: run again), pack the latest checkpoints into parts of at most 15 MiB,
+  # carry them to the next slot and unpack them there (docs/mqar.md, "Short GPU slots")
+  python -m benchmarks.mqar_sweep run --root R --time_budget 8 ...; \
+    python -m benchmarks.mqar_sweep pack --root R --carry OUT ...
+  python -m benchmarks.mqar_sweep unpack --root R --carry OUT
   # two-stage: each cell's learning rate from seed-0 runs, then seeds 1, 2 at it
   timeout -k 60 1440 python -m benchmarks.mqar_sweep run --root runs/mqar_sweep --two_stage
   # one worker (shard of the cells) per GPU
@@ -27,7 +33,7 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
   # project's sweep into the records rendered into docs/results/mqar.md
   python -m benchmarks.mqar_sweep collect --root runs/mqar_sweep --records benchmarks/records
 
-`status`, `collect` and `list` take the same grid flags as `run`. The plot
+`status`, `collect`, `list` and `pack` take the same grid flags as `run`. The plot
 shows, per mixer and setting, mean +- std over seeds of each seed's best
 accuracy over learning rates (`collect`'s report: benchmarks/mqar_sweep_report.py).
 """
@@ -44,6 +50,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import time
 
 from benchmarks import results as results_lib
 from benchmarks.mqar_sweep_report import read_run_metrics, report
@@ -55,6 +63,10 @@ MIXERS = registry.PAPER_MQAR  # The paper's MQAR comparison (registry.Mixer.pape
 SETTINGS = ((512, 128), (1024, 256))
 LEARNING_RATES = (1e-3, 2.15e-3, 4.64e-3, 1e-2)
 SEEDS = (0, 1, 2)
+# `run`'s exit code when --time_budget stopped it (every running run checkpointed): run again.
+BUDGET_EXIT = 75
+# `pack`'s parts: "sweep_carry.tar.00", "sweep_carry.tar.01", ... (at most --part_mib each).
+CARRY_NAME = "sweep_carry.tar"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,18 +174,32 @@ def planned_runs(root: pathlib.Path, runs: list[Run], two_stage: bool) -> list[R
   return planned
 
 
+class TimeBudget:
+  """A stop request once `minutes` of wall time have passed since it was made (None: never)."""
+
+  def __init__(self, minutes: float | None):
+    self._deadline = None if minutes is None else time.monotonic() + 60 * minutes
+
+  def __call__(self) -> bool:
+    return self._deadline is not None and time.monotonic() >= self._deadline
+
+
 def train_cells(root: pathlib.Path, grid_runs: list[Run], cell_keys: list[tuple],
-                extra: dict[str, object], two_stage: bool) -> None:
+                extra: dict[str, object], two_stage: bool,
+                time_budget: float | None = None) -> None:
   """Trains every unfinished run of the given cells, one batched group at a time.
 
   A cell's unfinished runs train as one group, or as one group per resume
   step where their checkpoints differ. With two_stage, a cell's later seeds
-  follow in the same call once its first-seed runs are finished.
+  follow in the same call once its first-seed runs are finished. After
+  `time_budget` minutes (None: no limit) the running group checkpoints its runs and
+  the process exits with BUDGET_EXIT, as a signal makes it exit with 128 + its number.
   """
   # Imported here: `collect` and `status` need no accelerator.
   from palimpsa_jax.training import batched  # pylint: disable=g-import-not-at-top
   from palimpsa_jax.training import bookkeeping  # pylint: disable=g-import-not-at-top
   stop = bookkeeping.StopSignals()  # SIGINT, SIGTERM: the running group checkpoints
+  budget = TimeBudget(time_budget)
   try:
     with stop:
       for key in cell_keys:
@@ -190,10 +216,99 @@ def train_cells(root: pathlib.Path, grid_runs: list[Run], cell_keys: list[tuple]
             print(f"{key[0]} L={key[1]} kv={key[2]}: {len(group)} runs ({names}) from "
                   f"step {step or 0}", flush=True)
             batched.train_group([run_config(run, extra) for run in group],
-                                [str(root / run.name) for run in group], should_stop=stop)
+                                [str(root / run.name) for run in group],
+                                should_stop=lambda: stop() or budget())
   except bookkeeping.Interrupted as interrupted:
     print(interrupted, file=sys.stderr, flush=True)
-    raise SystemExit(stop.exit_code) from None
+    if stop():
+      raise SystemExit(stop.exit_code) from None
+    print(f"the time budget of {time_budget:g} minutes is spent: run the same command again "
+          "to resume", file=sys.stderr, flush=True)
+    raise SystemExit(BUDGET_EXIT) from None
+
+
+def carried_files(workdir: pathlib.Path) -> list[pathlib.Path]:
+  """What a run needs to resume elsewhere: its files and its latest checkpoint only (older
+  checkpoints, unfinished saves and the lock file stay behind)."""
+  latest = latest_checkpoint(workdir)
+  files = []
+  for path in sorted(workdir.rglob("*")):
+    parts = path.relative_to(workdir).parts
+    if not path.is_file() or parts == ("lock",):
+      continue
+    if parts[0] == "checkpoints" and (len(parts) < 3 or parts[1] != str(latest)):
+      continue
+    files.append(path)
+  return files
+
+
+def pack(root: pathlib.Path, runs: list[Run], carry: pathlib.Path, part_mib: float,
+         most_mib: float) -> list[pathlib.Path]:
+  """Writes the started runs of `runs` (carried_files) as one tar archive split into parts
+  carry/CARRY_NAME.NN of at most `part_mib` MiB; refuses archives over `most_mib` MiB.
+
+  Returns the parts' paths. `unpack` puts them back under another root.
+  """
+  files = [f for run in runs if (root / run.name).is_dir()
+           for f in carried_files(root / run.name)]
+  if not files:
+    raise SystemExit(f"pack: no run of the grid under {root} to carry.")
+  size_mib = sum(f.stat().st_size for f in files) / 2**20
+  if size_mib > most_mib:
+    raise SystemExit(f"pack: the runs' latest checkpoints and files take {size_mib:.1f} MiB, "
+                     f"more than --most_mib {most_mib:g}; pack fewer runs (--lrs, --seeds).")
+  carry.mkdir(parents=True, exist_ok=True)
+  for old in carry.glob(f"{CARRY_NAME}.*"):
+    old.unlink()
+  archive = carry / CARRY_NAME
+  with tarfile.open(archive, "w") as tar:
+    for path in files:
+      tar.add(path, arcname=str(path.relative_to(root)))
+  part_bytes = int(part_mib * 2**20)
+  parts = []
+  with archive.open("rb") as whole:
+    while chunk := whole.read(part_bytes):
+      parts.append(carry / f"{CARRY_NAME}.{len(parts):02d}")
+      parts[-1].write_bytes(chunk)
+  archive.unlink()
+  return parts
+
+
+def unpack(root: pathlib.Path, carry: pathlib.Path) -> list[str]:
+  """Puts `pack`'s parts in `carry` back under `root`; returns the run names.
+
+  A run folder already under `root` is replaced by the carried one, unless its latest
+  checkpoint is later than the carried one's (then nothing is unpacked).
+  """
+  parts = sorted(carry.glob(f"{CARRY_NAME}.[0-9][0-9]"))
+  if not parts:
+    raise SystemExit(f"unpack: no {CARRY_NAME}.NN parts in {carry}.")
+  archive = root / f".{CARRY_NAME}"
+  root.mkdir(parents=True, exist_ok=True)
+  with archive.open("wb") as whole:
+    for part in parts:
+      whole.write(part.read_bytes())
+  try:
+    with tarfile.open(archive) as tar:
+      carried_steps: dict[str, list[int]] = {}
+      for member in tar.getmembers():
+        parts = pathlib.PurePosixPath(member.name).parts
+        steps = carried_steps.setdefault(parts[0], [])
+        if len(parts) > 2 and parts[1] == "checkpoints" and parts[2].isdigit():
+          steps.append(int(parts[2]))
+      for name, steps in carried_steps.items():
+        here, carried = latest_checkpoint(root / name), max(steps, default=None)
+        if here is not None and (carried is None or here > carried):
+          raise SystemExit(f"unpack: {root / name} holds checkpoint {here}, later than the "
+                           f"carried {carried}; nothing unpacked (move that run away to "
+                           "take the carried one).")
+      for name in carried_steps:
+        if (root / name).exists():
+          shutil.rmtree(root / name)
+      tar.extractall(root, filter="data")
+  finally:
+    archive.unlink()
+  return sorted(carried_steps)
 
 
 def _median(values: list[float]) -> float | None:
@@ -314,7 +429,7 @@ def mps_daemon(enabled: bool):
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("command", choices=("run", "status", "collect", "list"))
+  parser.add_argument("command", choices=("run", "status", "collect", "list", "pack", "unpack"))
   parser.add_argument("--root", required=True, type=pathlib.Path)
   parser.add_argument("--shard", default="0/1",
                       help="i/n: run every n-th cell (mixer x setting) from i.")
@@ -338,6 +453,15 @@ def main(argv=None) -> None:
       help="collect: folder of the sweep's JSON record (default: --root, beside the runs; "
            "the project's sweep: benchmarks/records)")
   parser.add_argument("--no_record", action="store_true", help="collect: write no record")
+  parser.add_argument("--time_budget", type=float, default=None,
+                      help="run: minutes of training, then checkpoint and exit with code "
+                           f"{BUDGET_EXIT}; the same command resumes")
+  parser.add_argument("--carry", type=pathlib.Path, default=None,
+                      help="pack: the folder the parts are written to; unpack: read from")
+  parser.add_argument("--part_mib", type=float, default=15.0,
+                      help="pack: most MiB in one part")
+  parser.add_argument("--most_mib", type=float, default=60.0,
+                      help="pack: refuse to pack more MiB than this")
   args = parser.parse_args(argv)
 
   mixers = [m for m in args.mixers.split(",") if m]
@@ -349,7 +473,21 @@ def main(argv=None) -> None:
   extra = {k: v for k, v in (("num_train_examples", args.examples), ("num_epochs", args.epochs))
            if v is not None}
   root = args.root.resolve()
-  if args.command == "list":
+  if args.command in ("pack", "unpack") and args.carry is None:
+    parser.error(f"{args.command} needs --carry (the folder of the parts)")
+  for name in ("time_budget", "part_mib", "most_mib"):
+    value = getattr(args, name)
+    if value is not None and value <= 0:
+      parser.error(f"--{name} must be positive, got {value:g}")
+  if args.command == "pack":
+    parts = pack(root, planned_runs(root, runs, args.two_stage), args.carry.resolve(),
+                 args.part_mib, args.most_mib)
+    print(f"packed into {len(parts)} parts of at most {args.part_mib:g} MiB: "
+          + " ".join(str(p) for p in parts), flush=True)
+  elif args.command == "unpack":
+    names = unpack(root, args.carry.resolve())
+    print(f"unpacked {len(names)} runs under {root}: {', '.join(names)}", flush=True)
+  elif args.command == "list":
     for run in planned_runs(root, runs, args.two_stage):
       print(run.name, "finished" if is_finished(root, run) else "")
   elif args.command == "status":
@@ -367,17 +505,21 @@ def main(argv=None) -> None:
                      f"--shard={i}/{len(gpus)}"]
           command += [f"--{k}={v}" for k, v in extra.items()]
           command += ["--two_stage"] if args.two_stage else []
+          if args.time_budget is not None:
+            command.append(f"--time_budget={args.time_budget}")
           workers.append(subprocess.Popen(command, env=worker_env(gpu, gpus)))
         # SIGTERM: the workers checkpoint and exit (`timeout` signals them too). Ctrl-C
         # reaches the workers through the terminal's process group; this process waits.
         signal.signal(signal.SIGTERM, lambda *_: [w.terminate() for w in workers])
         signal.signal(signal.SIGINT, lambda *_: None)
         codes = [w.wait() for w in workers]
+      if BUDGET_EXIT in codes and set(codes) <= {0, BUDGET_EXIT}:
+        raise SystemExit(BUDGET_EXIT)  # some workers stopped by the budget, none failed
       if any(codes):
         raise SystemExit(f"worker exit codes: {codes}")
     else:
       train_cells(root, runs, shard(list(cells(runs)), args.shard), extra,
-                  args.two_stage)
+                  args.two_stage, args.time_budget)
   else:
     report(root, None if args.no_record else args.records or root,
            results_lib.command_line("mqar_sweep", sys.argv[1:] if argv is None else argv))

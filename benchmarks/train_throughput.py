@@ -49,6 +49,7 @@ from palimpsa_jax.ops.gated_delta_rule import validation as gated_delta_validati
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
@@ -255,8 +256,8 @@ def build_train_step(model: str, implementation: str, scan_layers: bool | None,
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
   accum = trainer.grad_accum_steps(config, sharding_lib.batch_shards(mesh))
   train_step = steps_lib.make_train_step(
-      spec.parts.graphdef, spec.tx, schedule, spec.shardings,
-      sharding_lib.replicated(mesh), accum, where.kernel_context)
+      spec.parts.graphdef, spec.tx, schedule, objective_lib.Objective.for_run(config),
+      spec.shardings, sharding_lib.replicated(mesh), accum, where.kernel_context)
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
 
   start = time.perf_counter()

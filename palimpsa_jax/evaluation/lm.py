@@ -25,6 +25,7 @@ from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import checkpoints
 from palimpsa_jax.ops.token_loss import logits_token_loss
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import sharding as sharding_lib
 
 DEFAULT_BATCH_SIZE = 8
@@ -67,8 +68,9 @@ class ModelScorer:
 
   def _score_logits(self, state, tokens, segment_ids, targets):
     model = nnx.merge(self._graphdef, state)
-    loss = logits_token_loss(model(tokens, segment_ids=segment_ids), targets)
-    return -loss.nll, loss.correct
+    metrics = objective_lib.position_metrics(
+        logits_token_loss(model(tokens, segment_ids=segment_ids), targets))
+    return -metrics["loss"], metrics["accuracy"] == 1
 
   def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray,
                targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
 from palimpsa_jax.evaluation import checkpoints
 from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import steps as steps_lib
 
 DEFAULT_NUM_EXAMPLES = 3000
@@ -30,7 +31,8 @@ def accuracy_on(model: nnx.Module, inputs: np.ndarray, targets: np.ndarray,
 
   The batches hold the query positions, as the trainer's MQAR test batches do
   (data/tasks.py), and each goes through the trainer's own evaluation sums
-  (training.steps.eval_sums: the model's token_losses at those positions).
+  (training.steps.eval_sums: the objective's metric sums of the model's token_losses at
+  those positions).
 
   Args:
     model: NNX language model with token_losses (models.LanguageModel).
@@ -48,9 +50,10 @@ def accuracy_on(model: nnx.Module, inputs: np.ndarray, targets: np.ndarray,
   for start in range(0, len(padded["tokens"]), batch_size):
     total = total + sums(params, model_state,
                          {name: rows[start:start + batch_size] for name, rows in padded.items()})
-  loss_sum, correct, count = (float(x) for x in jax.device_get(total))
-  return {"accuracy": correct / count, "loss": loss_sum / count,
-          "num_queries": int(count)}
+  total = np.asarray(jax.device_get(total), np.float64)
+  means = objective_lib.means(total)
+  return {"accuracy": float(means["accuracy"]), "loss": float(means["loss"]),
+          "num_queries": int(objective_lib.count(total))}
 
 
 def parse_settings(text: str | Sequence[Any] | None) -> list[tuple[int, int]]:

@@ -321,14 +321,61 @@ def take_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
   A one-hot select-and-sum rather than a gather: with take_along_axis along
   the sequence and the batch sharded over the data and fsdp axes of a 2x2x2
   mesh, XLA's SPMD partitioner gave gradients that differ from the one-device
-  run (jax 0.11.2; caught by the trainer's 8-fake-device test).
+  run (jax 0.11.2; caught by the trainer's 8-fake-device test, also with a
+  vmapped gather). float32 x goes through `_select_float32`.
   """
   hit = positions[..., None] == jnp.arange(x.shape[1])  # [B, P, T]
   if jnp.issubdtype(x.dtype, jnp.integer):
     hit = hit.reshape(hit.shape + (1,) * (x.ndim - 2))
     return jnp.sum(jnp.where(hit, x[:, None], 0), axis=2, dtype=x.dtype)
+  if x.dtype == jnp.float32:
+    return _select_float32(x, positions)
+  # bfloat16 is exact as it is; float64 (tests) at its full precision.
   return jnp.einsum("bpt,bt...->bp...", hit.astype(x.dtype), x,
                     precision=jax.lax.Precision.HIGHEST)
+
+
+def _bfloat16_pieces(x: jax.Array) -> jax.Array:
+  """[3, *x.shape] bfloat16 whose float32 sum, first two first, is float32 x exactly.
+
+  hi is x rounded to bfloat16's 8 significant bits; x - hi then has at most 16, and after
+  taking mid off, at most 8: every piece and every partial sum is exact for magnitudes from
+  2^-96 (below, the last piece may lose bits, an error under 2^-120).
+  """
+  hi = x.astype(jnp.bfloat16)
+  rest = x - hi.astype(jnp.float32)
+  mid = rest.astype(jnp.bfloat16)
+  return jnp.stack([hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)])
+
+
+def _one_hot_matmul(subscripts: str, hit: jax.Array, x: jax.Array) -> jax.Array:
+  """einsum(subscripts, hit, x) for a one-hot hit and float32 x, exactly: one bfloat16
+  matmul of its pieces (tensor cores on a GPU, accumulated in float32), summed."""
+  out = jnp.einsum(subscripts, hit.astype(jnp.bfloat16), _bfloat16_pieces(x),
+                   preferred_element_type=jnp.float32)
+  return (out[0] + out[1]) + out[2]
+
+
+@jax.custom_vjp
+def _select_float32(x: jax.Array, positions: jax.Array) -> jax.Array:
+  """take_positions of float32 x, forward and backward as bfloat16 matmuls (tensor cores on a
+  GPU). A single float32 matmul at full precision, its earlier form, runs on the GPU's CUDA
+  cores (kernels named *gemm_f32f32_f32f32* in benchmarks/mqar_step_profile.py's table)."""
+  hit = positions[..., None] == jnp.arange(x.shape[1])
+  return _one_hot_matmul("bpt,sbt...->sbp...", hit, x)
+
+
+def _select_float32_fwd(x, positions):
+  return _select_float32(x, positions), (positions, x.shape[1])
+
+
+def _select_float32_bwd(residuals, cotangent):
+  positions, length = residuals
+  hit = positions[..., None] == jnp.arange(length)
+  return _one_hot_matmul("bpt,sbp...->sbt...", hit, cotangent), None
+
+
+_select_float32.defvjp(_select_float32_fwd, _select_float32_bwd)
 
 
 def _stacked_blocks(config: ml_collections.ConfigDict, rngs: nnx.Rngs,

@@ -39,6 +39,7 @@ from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import bookkeeping
 from palimpsa_jax.training import cadence as cadence_lib
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import state as state_lib
@@ -116,10 +117,11 @@ class GroupModel:
     unit.learning_rate = 1.0
     self._unit_schedule = optimizer_lib.learning_rate_schedule(unit, total_steps)
     accum = trainer.grad_accum_steps(config, 1)
+    objective = objective_lib.Objective.for_run(config)
 
     def one_step(state, batch, lr, active):
       tx, schedule = self._optimizer(lr)
-      new, metrics = steps_lib.train_step_fn(self.graphdef, tx, schedule, accum)(
+      new, metrics = steps_lib.train_step_fn(self.graphdef, tx, schedule, objective, accum)(
           state, batch)
       return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, state), metrics
 
@@ -198,7 +200,7 @@ def _evaluate(model: GroupModel, state: dict, eval_batches: list[dict]
     sums = model.eval_step(state["params"], state["model_state"], batch)
     total = sums if total is None else total + sums
   total, diagnostics = jax.device_get((total, diagnostics))
-  return [bookkeeping.eval_metrics(*sums, {k: v[i] for k, v in diagnostics.items()})
+  return [bookkeeping.eval_metrics(sums, {k: v[i] for k, v in diagnostics.items()})
           for i, sums in enumerate(total)]
 
 

@@ -45,15 +45,16 @@ from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import resume
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import state as state_lib
 
 
-def eval_metrics(loss_sum: float, correct: float, count: float,
-                 diagnostics: dict[str, float]) -> dict[str, float]:
-  """eval/loss and eval/accuracy (means over `count` scored tokens) and the diagnostics."""
-  count = max(float(count), 1.0)
-  return {"eval/loss": float(loss_sum) / count, "eval/accuracy": float(correct) / count,
+def eval_metrics(sums: np.ndarray, diagnostics: dict[str, float]) -> dict[str, float]:
+  """eval/<name> for each of objective.METRICS (eval/loss, eval/accuracy: means over the
+  scored tokens of `sums`, objective.metric_sums added over the batches) and the diagnostics."""
+  means = objective_lib.means(np.asarray(sums, np.float64))
+  return {**{f"eval/{name}": float(value) for name, value in means.items()},
           **{k: float(v) for k, v in diagnostics.items()}}
 
 

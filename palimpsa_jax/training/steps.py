@@ -11,6 +11,8 @@ import optax
 
 from palimpsa_jax import models
 from palimpsa_jax.data.mqar import IGNORE_INDEX
+from palimpsa_jax.ops.token_loss import TokenLoss
+from palimpsa_jax.training import objective as objective_lib
 
 Batch = dict[str, jax.Array]
 # () -> the context the steps are traced in (sharding_lib.kernel_context).
@@ -26,22 +28,21 @@ def _traced_within(kernel_context: KernelContext, fn: Callable) -> Callable:
   return wrapped
 
 
-def _forward_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch):
-  """(loss_sum, correct, count) f32 scalars of a batch; with batch["positions"] [B, P], only there.
+def token_losses(graphdef: Any, params: dict, model_state: dict, batch: Batch) -> TokenLoss:
+  """The token loss of a batch's targets [B, T]; with batch["positions"] [B, P], only there.
 
-  "positions" must hold every position whose target counts (MQAR's query
-  positions), so the sums equal those over the whole sequence. A target counts
-  unless it is IGNORE_INDEX; the loss is the model's token_losses (the token_loss
-  op on the final hidden states, without the whole float32 logits in memory).
+  "positions" must hold every position whose target counts (MQAR's query positions), so the
+  objective's sums equal those over the whole sequence. A target counts unless it is
+  IGNORE_INDEX; the loss is the model's token_losses (the token_loss op on the final hidden
+  states, without the whole float32 logits in memory).
   """
   model = models.merge_model(graphdef, params, model_state)
   positions = batch.get("positions")
   targets = batch["targets"]
   if positions is not None:
     targets = models.take_positions(targets, positions)
-  loss = model.token_losses(batch["tokens"], targets, targets != IGNORE_INDEX,
+  return model.token_losses(batch["tokens"], targets, targets != IGNORE_INDEX,
                             segment_ids=batch.get("segment_ids"), positions=positions)
-  return loss.loss_sum, loss.hits, loss.count
 
 
 def _microbatches(batch: Batch, count: int) -> Batch:
@@ -56,7 +57,8 @@ def _microbatches(batch: Batch, count: int) -> Batch:
 
 
 def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
-                  schedule: optax.Schedule, grad_accum_steps: int = 1
+                  schedule: optax.Schedule, objective: objective_lib.Objective,
+                  grad_accum_steps: int = 1
                   ) -> Callable[[dict, Batch], tuple[dict, dict]]:
   """The un-jitted `step(state, batch) -> (state, metrics)` of make_train_step.
 
@@ -66,12 +68,11 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
     raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
 
   def sums_and_grads(params, model_state, batch):
-    def loss_sum_fn(p):
-      loss_sum, correct, count = _forward_sums(graphdef, p, model_state, batch)
-      return loss_sum, (correct, count)
-    (loss_sum, (correct, count)), grads = jax.value_and_grad(
-        loss_sum_fn, has_aux=True)(params)
-    return grads, jnp.stack([loss_sum, correct, count])
+    def minimised(p):
+      loss = token_losses(graphdef, p, model_state, batch)
+      return objective(loss), objective_lib.metric_sums(loss)
+    (_, sums), grads = jax.value_and_grad(minimised, has_aux=True)(params)
+    return grads, sums
 
   def step(state, batch):
     params, model_state = state["params"], state["model_state"]
@@ -81,32 +82,31 @@ def train_step_fn(graphdef: Any, tx: optax.GradientTransformation,
       def body(carry, micro):
         grads, sums = sums_and_grads(params, model_state, micro)
         return jax.tree.map(jnp.add, carry, (grads, sums)), None
-      zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((3,), jnp.float32))
+      zeros = (jax.tree.map(jnp.zeros_like, params),
+               jnp.zeros((len(objective_lib.METRICS) + 1,), jnp.float32))
       (grads, sums), _ = jax.lax.scan(
           body, zeros, _microbatches(batch, grad_accum_steps))
-    loss_sum, correct, count = sums[0], sums[1], sums[2]
-    denominator = jnp.maximum(count, 1.0)
+    denominator = jnp.maximum(objective_lib.count(sums), 1.0)
     grads = jax.tree.map(lambda g: g / denominator, grads)
-    loss = loss_sum / denominator
+    metrics = {f"train/{name}": value for name, value in objective_lib.means(sums).items()}
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = {"step": state["step"] + 1,
                  "params": optax.apply_updates(params, updates),
                  "model_state": model_state,
                  "opt_state": opt_state}
-    metrics = {"train/loss": loss,
-               "train/accuracy": correct / denominator,
-               "train/grad_norm": grad_norm,
-               "train/lr": jnp.asarray(schedule(state["step"]), jnp.float32),
-               "train/finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm)}
+    metrics.update({"train/grad_norm": grad_norm,
+                    "train/lr": jnp.asarray(schedule(state["step"]), jnp.float32),
+                    "train/finite": (jnp.isfinite(metrics["train/loss"])
+                                     & jnp.isfinite(grad_norm))})
     return new_state, metrics
 
   return step
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, state_shardings: dict,
-                    metric_sharding: Any, grad_accum_steps: int = 1,
+                    schedule: optax.Schedule, objective: objective_lib.Objective,
+                    state_shardings: dict, metric_sharding: Any, grad_accum_steps: int = 1,
                     kernel_context: KernelContext = contextlib.nullcontext
                     ) -> Callable[[dict, Batch], tuple[dict, dict]]:
   """Returns jitted `step(state, batch) -> (state, metrics)`; `state` is donated.
@@ -114,29 +114,28 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
   The step is traced inside kernel_context() (for every step maker here), so
   Pallas kernels run per device shard (training.sharding.kernel_context).
 
-  The loss is the mean cross-entropy over every counted target of the global
-  batch, also when the batch is processed in `grad_accum_steps` microbatches.
-  Metrics: train/loss, train/accuracy, train/grad_norm (before clipping),
+  The gradient is that of `objective` (training/objective.py) divided by the count of
+  targets of the global batch, also when the batch is processed in `grad_accum_steps`
+  microbatches. Metrics: train/<name> for each of objective.METRICS (train/loss,
+  train/accuracy: means over every counted target), train/grad_norm (before clipping),
   train/lr (used by this update), train/finite (loss and gradient finite).
   """
-  step = train_step_fn(graphdef, tx, schedule, grad_accum_steps)
+  step = train_step_fn(graphdef, tx, schedule, objective, grad_accum_steps)
   return jax.jit(_traced_within(kernel_context, step), donate_argnums=0,
                  out_shardings=(state_shardings, metric_sharding))
 
 
 def eval_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch
               ) -> jax.Array:
-  """[3] f32 (loss_sum, correct, count) of one evaluation batch (un-jitted)."""
-  return jnp.stack(_forward_sums(graphdef, params, model_state, batch))
+  """objective.metric_sums of one evaluation batch (un-jitted): add them over batches, then
+  take objective.means."""
+  return objective_lib.metric_sums(token_losses(graphdef, params, model_state, batch))
 
 
 def make_eval_step(graphdef: Any, metric_sharding: Any,
                    kernel_context: KernelContext = contextlib.nullcontext
                    ) -> Callable[[dict, dict, Batch], jax.Array]:
-  """Returns jitted `eval_step(params, model_state, batch) -> [3] f32`.
-
-  The result holds (loss_sum, correct, count); sum it over batches.
-  """
+  """Returns jitted `eval_step(params, model_state, batch) -> eval_sums(...)`."""
   def eval_step(params: dict, model_state: dict, batch: Batch) -> jax.Array:
     return eval_sums(graphdef, params, model_state, batch)
 

@@ -18,6 +18,7 @@ from palimpsa_jax.training import cadence as cadence_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import state as state_lib
@@ -145,7 +146,7 @@ def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: tasks_lib.T
   if total is None:
     return {}
   total, diagnostics = jax.device_get((total, diagnostics))
-  return bookkeeping.eval_metrics(*total, diagnostics)
+  return bookkeeping.eval_metrics(total, diagnostics)
 
 
 def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> None:
@@ -237,8 +238,8 @@ def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, 
   schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
   accum = grad_accum_steps(config, sharding_lib.batch_shards(placement.mesh))
   train_step = steps_lib.make_train_step(
-      spec.parts.graphdef, spec.tx, schedule, spec.shardings, replicated, accum,
-      kernel_context)
+      spec.parts.graphdef, spec.tx, schedule, objective_lib.Objective.for_run(config),
+      spec.shardings, replicated, accum, kernel_context)
   eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated, kernel_context)
   diagnostics_step = (steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated,
                                                       kernel_context)

@@ -32,3 +32,7 @@ def test_cpu_run_writes_json_and_record(tmp_path):
   assert len(record["table"]["rows"]) == 4
   assert record["figures"]["loop_step_ms"] == pytest.approx(saved["loop_step_ms"])
   assert any(k["source"].startswith("palimpsa_jax/") for k in saved["kernels"])
+  by_file = saved["ms_per_step_by_file"]
+  assert by_file == record["figures"]["ms_per_step_by_file"]
+  assert sum(by_file.values()) == pytest.approx(sum(k["ms_per_step"] for k in saved["kernels"]))
+  assert any(name.startswith("palimpsa_jax/ops/token_loss/") for name in by_file)

@@ -219,3 +219,85 @@ def test_mps_daemon_starts_and_quits(tmp_path, monkeypatch):
   with sweep.mps_daemon(True):
     assert log.read_text().startswith("args:-d")
   assert log.read_text().splitlines()[-2:] == ["args:", "quit"]
+
+
+def _tiny_sweep(monkeypatch):
+  """A one-run sweep of TinyLM: 16 steps, a checkpoint every 4; the `run` arguments."""
+  tiny_lm.use_tiny_model(monkeypatch)
+  monkeypatch.setattr(sweep, "run_config", lambda run, extra: tiny_lm.resumable_mqar_config(
+      16, **{"optimizer.learning_rate": run.lr, "seed": run.seed,
+             "args.learning_rate": run.lr, "args.seed": run.seed, "args.model": run.mixer}))
+  return ["--mixers", "mamba2", "--settings", "512:128", "--lrs", "1e-2", "--seeds", "0"]
+
+
+def _run_records(root):
+  """The run's logged records without its timings (perf/), and its summary's outcome."""
+  (workdir,) = [p for p in root.iterdir() if p.is_dir()]
+  records = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+             for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  summary = json.loads((workdir / "summary.json").read_text())
+  return ([r for r in records if len(r) > 1],
+          {k: summary[k] for k in ("best_accuracy", "best_step", "final_step")})
+
+
+def test_a_run_stopped_by_its_time_budget_resumes_in_another_slot(tmp_path, monkeypatch,
+                                                                  capsys):
+  """Stopped by --time_budget after 5 steps, packed, unpacked under a fresh root (the next
+  slot's machine) and resumed: the same records and outcome as one uninterrupted run."""
+  args = _tiny_sweep(monkeypatch)
+  sweep.main(["run", "--root", str(tmp_path / "whole"), *args])
+  polls = []
+  monkeypatch.setattr(sweep.TimeBudget, "__call__", lambda self: len(polls) > 4
+                      or polls.append(None))
+  first = tmp_path / "first_slot"
+  with pytest.raises(SystemExit) as stopped:
+    sweep.main(["run", "--root", str(first), "--time_budget", "8", *args])
+  assert stopped.value.code == sweep.BUDGET_EXIT
+  assert "time budget of 8 minutes is spent" in capsys.readouterr().err
+  (run,) = sweep.grid(("mamba2",), ((512, 128),), (1e-2,), (0,))
+  assert sorted(p.name for p in (first / run.name / "checkpoints").iterdir()) == ["4", "5"]
+
+  carry = tmp_path / "carry"
+  sweep.main(["pack", "--root", str(first), "--carry", str(carry), "--part_mib", "0.01",
+              *args])
+  parts = sorted(carry.iterdir())
+  assert len(parts) > 1 and all(p.stat().st_size <= 0.01 * 2**20 for p in parts)
+  second = tmp_path / "second_slot"
+  sweep.main(["unpack", "--root", str(second), "--carry", str(carry)])
+  assert sweep.latest_checkpoint(second / run.name) == 5
+  assert not (second / run.name / "checkpoints" / "4").exists()  # only the latest travels
+  monkeypatch.setattr(sweep.TimeBudget, "__call__", lambda self: False)
+  sweep.main(["run", "--root", str(second), "--time_budget", "8", *args])
+  assert "1 runs (lr 0.01 s0) from step 5" in capsys.readouterr().out
+  assert _run_records(second) == _run_records(tmp_path / "whole")
+  with pytest.raises(SystemExit, match="holds checkpoint 16, later than the carried 5"):
+    sweep.main(["unpack", "--root", str(second), "--carry", str(carry)])  # an older carry
+  assert _run_records(second) == _run_records(tmp_path / "whole")
+
+
+def test_pack_refuses_more_than_can_be_carried(tmp_path, monkeypatch, capsys):
+  args = _tiny_sweep(monkeypatch)
+  sweep.main(["run", "--root", str(tmp_path / "runs"), *args])
+  with pytest.raises(SystemExit, match=r"more than --most_mib 0.001"):
+    sweep.main(["pack", "--root", str(tmp_path / "runs"), "--carry", str(tmp_path / "c"),
+                "--most_mib", "0.001", *args])
+  with pytest.raises(SystemExit, match="no run of the grid"):
+    sweep.main(["pack", "--root", str(tmp_path / "none"), "--carry", str(tmp_path / "c"),
+                *args])
+  with pytest.raises(SystemExit) as refused:
+    sweep.main(["pack", "--root", str(tmp_path / "runs"), "--carry", str(tmp_path / "c"),
+                "--part_mib", "0", *args])
+  assert refused.value.code == 2
+  assert "--part_mib must be positive, got 0" in capsys.readouterr().err
+  with pytest.raises(SystemExit, match="no sweep_carry.tar.NN parts"):
+    sweep.main(["unpack", "--root", str(tmp_path / "r"), "--carry", str(tmp_path / "c")])
+
+
+def test_the_time_budget_expires_after_its_minutes(monkeypatch):
+  now = [100.0]
+  monkeypatch.setattr(sweep.time, "monotonic", lambda: now[0])
+  budget, never = sweep.TimeBudget(2), sweep.TimeBudget(None)
+  now[0] += 119
+  assert not budget() and not never()
+  now[0] += 1
+  assert budget() and not never()

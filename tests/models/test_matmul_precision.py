@@ -13,6 +13,7 @@ import pytest
 from palimpsa_jax import models
 from palimpsa_jax.data import mqar
 from palimpsa_jax.ops.palimpsa import api as palimpsa_api
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import steps as steps_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -42,7 +43,8 @@ def _step_dots(matmul: str) -> list:
   graphdef, params, model_state = models.split_model(
       models.build_model(config.model, nnx.Rngs(0)))
   tx = optax.sgd(1e-2)
-  step = steps_lib.train_step_fn(graphdef, tx, optax.constant_schedule(1e-2))
+  step = steps_lib.train_step_fn(graphdef, tx, optax.constant_schedule(1e-2),
+                                 objective_lib.Objective())
   tokens, targets = mqar.multiquery_ar(32, 2, 16, 2, seed=0)
   state = {"step": jnp.int32(0), "params": params, "model_state": model_state,
            "opt_state": tx.init(params)}

@@ -14,6 +14,7 @@ from palimpsa_jax import models
 from palimpsa_jax.data import mqar
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.token_loss import logits_token_loss, sliced
+from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import sharding as sharding_lib
 from palimpsa_jax.training import steps as steps_lib
 from tests.ops.numerics import assert_close_to_reference
@@ -41,7 +42,7 @@ def test_eval_sums_at_target_positions_equal_full_sums(setup):
   assert positions.shape == (6, PAIRS)
   gathered = eval_step(params, model_state, {**batch, "positions": positions})
   chex.assert_trees_all_close(gathered, full, rtol=1e-6)
-  assert float(full[2]) == 6 * PAIRS
+  assert float(objective_lib.count(full)) == 6 * PAIRS
 
 
 def test_steps_are_traced_inside_the_kernel_context(setup):
@@ -68,14 +69,27 @@ def test_steps_are_traced_inside_the_kernel_context(setup):
 
 
 def test_take_positions_matches_indexing():
+  """Exact values and gradients: float32 from 2^-96 up (all 24 significant bits, through
+  bfloat16 pieces), bfloat16, ints."""
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(3, 10, 4)).astype(np.float32)
+  bits = ((rng.integers(31, 254, size=(3, 10, 4)).astype(np.uint32) << 23)
+          | rng.integers(0, 1 << 23, size=(3, 10, 4)).astype(np.uint32)
+          | (rng.integers(0, 2, size=(3, 10, 4)).astype(np.uint32) << 31))
+  x = bits.view(np.float32)
   ints = rng.integers(-100, 100, size=(3, 10)).astype(np.int32)
-  positions = np.sort(rng.choice(10, size=(3, 5)), axis=1).astype(np.int32)
-  chex.assert_trees_all_equal(models.take_positions(x, positions),
-                              np.take_along_axis(x, positions[..., None], axis=1))
+  positions = np.sort([rng.choice(10, 5, replace=False) for _ in range(3)]).astype(np.int32)
+  for values in (x, x.astype(jax.numpy.bfloat16)):
+    chex.assert_trees_all_equal(jax.jit(models.take_positions)(values, positions),
+                                np.take_along_axis(values, positions[..., None], axis=1))
   chex.assert_trees_all_equal(models.take_positions(ints, positions),
                               np.take_along_axis(ints, positions, axis=1))
+  cotangent = rng.normal(size=(3, 5, 4)).astype(np.float32)
+  grad = jax.jit(jax.grad(
+      lambda x: jax.numpy.sum(models.take_positions(x, positions) * cotangent)))(x)
+  expected = np.zeros_like(x)
+  for row in range(3):
+    expected[row, positions[row]] = cotangent[row]
+  chex.assert_trees_all_equal(grad, expected)
 
 
 def _train_step_and_state(graphdef, params, model_state):
@@ -86,7 +100,7 @@ def _train_step_and_state(graphdef, params, model_state):
                            {"step": 0, "params": params, "model_state": model_state,
                             "opt_state": tx.init(params)})
   train_step = steps_lib.make_train_step(graphdef, tx, optax.constant_schedule(1e-2),
-                                         shardings, sharding)
+                                         objective_lib.Objective(), shardings, sharding)
 
   def fresh_state():
     copy = jax.tree.map(np.array, params)
@@ -154,12 +168,11 @@ def test_train_loss_and_gradients_equal_those_of_the_whole_logits(setup, monkeyp
 
   def whole_logits(p):
     model = models.merge_model(graphdef, p, model_state)
-    loss = logits_token_loss(model(batch["tokens"]), batch["targets"],
-                             batch["targets"] != mqar.IGNORE_INDEX)
-    return loss.loss_sum, loss.hits, loss.count
+    return objective_lib.metric_sums(logits_token_loss(
+        model(batch["tokens"]), batch["targets"], batch["targets"] != mqar.IGNORE_INDEX))
 
   def sliced_sums(p):
-    return steps_lib._forward_sums(graphdef, p, model_state, batch)
+    return steps_lib.eval_sums(graphdef, p, model_state, batch)
 
   def value_and_grad(fn):
     def loss_and_sums(p):

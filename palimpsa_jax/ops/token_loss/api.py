@@ -1,6 +1,6 @@
 """`token_loss` and `logits_token_loss`: the public op. They validate, turn the weights into the
-positions that count, run an implementation of the table in implementations.py (or the loss of
-given logits) and sum."""
+positions that count and run an implementation of the table in implementations.py (or the loss
+of given logits)."""
 
 import jax
 import jax.numpy as jnp
@@ -25,30 +25,31 @@ def token_loss(h: jax.Array, table: jax.Array, targets: jax.Array,
       float32 logits unless they fit sliced.SLICE_LOGITS) or "logits" (the whole logits).
 
   Returns:
-    TokenLoss (types.py). Gradients flow to h and table through nll and loss_sum; the backward
-    rounds the logits' cotangent to h's dtype before its two matmuls, and both directions take
-    the matmul precision in force at the call (jax.default_matmul_precision).
+    TokenLoss (types.py): per position. Gradients flow to h and table through nll and lse; the
+    backward rounds the logits' cotangent to h's dtype before its two matmuls, and both
+    directions take the matmul precision in force at the call (jax.default_matmul_precision).
   """
   validate_token_loss_args(h, table, targets, weights, implementation)
   counted, weights = _counted(weights, targets.shape)
   # A custom backward is traced after the caller's forward: it takes the matmul precision in
   # force now, as autodiff's own matmuls would.
-  nll, correct = IMPLEMENTATIONS[implementation](
+  nll, correct, lse = IMPLEMENTATIONS[implementation](
       h, table, targets, counted, precision=jax.config.jax_default_matmul_precision)
-  return _with_sums(nll, correct, weights)
+  return TokenLoss(nll, correct, lse, weights.astype(nll.dtype))
 
 
 def logits_token_loss(logits: jax.Array, targets: jax.Array,
                       weights: jax.Array | None = None) -> TokenLoss:
   """The same loss from logits [B, T, vocab] a caller already holds (computed in float32 or wider).
 
-  targets and weights as in `token_loss`; gradients flow to the logits by autodiff.
+  targets and weights as in `token_loss`; gradients flow to the logits by autodiff through nll
+  and lse.
   """
   validate_logits_args(logits, targets, weights)
   counted, weights = _counted(weights, targets.shape)
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-  nll, correct, _ = losses_of_logits(logits, targets, counted)
-  return _with_sums(nll, correct, weights)
+  nll, correct, lse = losses_of_logits(logits, targets, counted)
+  return TokenLoss(nll, correct, lse, weights.astype(nll.dtype))
 
 
 def _counted(weights, shape) -> tuple[jax.Array, jax.Array]:
@@ -59,8 +60,3 @@ def _counted(weights, shape) -> tuple[jax.Array, jax.Array]:
     return weights, weights.astype(jnp.float32)
   return weights != 0, weights
 
-
-def _with_sums(nll, correct, weights) -> TokenLoss:
-  weights = weights.astype(nll.dtype)
-  return TokenLoss(nll, correct, jnp.sum(weights * nll), jnp.sum(weights * correct),
-                   jnp.sum(weights))

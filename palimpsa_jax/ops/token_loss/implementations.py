@@ -3,13 +3,14 @@
 Every entry of IMPLEMENTATIONS is called by `token_loss` as
 
     fn(h, table, targets, counted, *, precision)
-    -> (nll [B, T], correct [B, T] bool)
+    -> (nll [B, T], correct [B, T] bool, lse [B, T])
 
 on validated arrays: h [B, T, d] and table [vocab, d] of one float dtype; targets [B, T] int,
 in [0, vocab) where counted [B, T] bool is True; precision the matmul precision in force at the
 call (jax.default_matmul_precision). nll is float32 (float64 for float64 h), 0 where not
-counted, and carries the gradients to h and table; correct is whether the first maximal logit
-is the target, False where not counted.
+counted; correct is whether the first maximal logit is the target, False where not counted;
+lse is the log-sum-exp of the logits at every position, in nll's dtype. nll and lse carry the
+gradients to h and table.
 """
 
 from palimpsa_jax.ops.token_loss.logits import head_logits, losses_of_logits
@@ -18,8 +19,7 @@ from palimpsa_jax.ops.token_loss.sliced import sliced_losses
 
 def _logits(h, table, targets, counted, *, precision):
   del precision  # head_logits reads it at the call, as the caller's context sets it.
-  nll, correct, _ = losses_of_logits(head_logits(h, table), targets, counted)
-  return nll, correct
+  return losses_of_logits(head_logits(h, table), targets, counted)
 
 
 def _sliced(h, table, targets, counted, *, precision):

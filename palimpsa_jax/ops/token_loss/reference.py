@@ -20,14 +20,13 @@ def token_loss_reference(h: jax.Array, table: jax.Array, targets: jax.Array,
 def logits_reference(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLoss:
   """TokenLoss of logits [B, T, vocab]: log-softmax with the maximum subtracted, a one-hot pick."""
   counted = weights != 0
-  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
-  log_probs = shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  shifted_lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+  log_probs = logits - top - shifted_lse
   one_hot = jnp.arange(logits.shape[-1]) == jnp.where(counted, targets, 0)[..., None]
   nll = jnp.where(counted, -jnp.sum(jnp.where(one_hot, log_probs, 0.0), axis=-1), 0.0)
   # The first maximal logit: the smallest index among those equal to the maximum.
   is_max = logits == jnp.max(logits, axis=-1, keepdims=True)
   first = jnp.min(jnp.where(is_max, jnp.arange(logits.shape[-1]), logits.shape[-1]), axis=-1)
   correct = counted & (first == targets)
-  weights = weights.astype(nll.dtype)
-  return TokenLoss(nll, correct, jnp.sum(weights * nll), jnp.sum(weights * correct),
-                   jnp.sum(weights))
+  return TokenLoss(nll, correct, (top + shifted_lse)[..., 0], weights.astype(nll.dtype))

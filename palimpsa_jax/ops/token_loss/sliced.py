@@ -33,7 +33,7 @@ def num_slices(batch: int, length: int, vocab: int) -> int:
 
 
 def sliced_losses(h, table, targets, counted, precision):
-  """(nll, correct) [B, T], one slice of positions at a time (the module docstring)."""
+  """(nll, correct, lse) [B, T], one slice of positions at a time (the module docstring)."""
   return _sliced(h, table, targets, counted, precision)
 
 
@@ -69,26 +69,29 @@ def _forward(h, table, targets, counted, precision):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _sliced(h, table, targets, counted, precision):
-  nll, correct, _ = _forward(h, table, targets, counted, precision)
-  return nll, correct
+  return _forward(h, table, targets, counted, precision)
 
 
 def _sliced_fwd(h, table, targets, counted, precision):
   nll, correct, lse = _forward(h, table, targets, counted, precision)
-  return (nll, correct), (h, table, targets, counted, lse)
+  return (nll, correct, lse), (h, table, targets, counted, lse)
 
 
 def _sliced_bwd(precision, residuals, cotangents):
   h, table, targets, counted, lse = residuals
-  # nll is 0 wherever the target does not count, whatever h and table are.
-  weight = jnp.where(counted, cotangents[0], 0.0)
+  d_nll, _, d_lse = cotangents
+  # nll is 0 wherever the target does not count, whatever h and table are. With
+  # p = softmax(logits): d nll / d logits = p - onehot(target), d lse / d logits = p.
+  d_nll = jnp.where(counted, d_nll, 0.0)
   vocab = jnp.arange(table.shape[0])
 
   def one_slice(d_table, slice_args):
-    h, targets, lse, weight = slice_args
+    h, targets, lse, d_nll, d_lse = slice_args
     probs = jnp.exp(logits_product(h, table, precision) - lse[..., None])
     hit = vocab == targets[..., None]
-    d_logits = ((probs - hit) * weight[..., None]).astype(h.dtype)
+    # (probs - hit) first: exact where probs is near 1, and the nll alone adds 0 from lse.
+    d_logits = ((probs - hit) * d_nll[..., None]
+                + probs * d_lse[..., None]).astype(h.dtype)
     dh = jnp.einsum("btv,vd->btd", d_logits, table, precision=precision,
                     preferred_element_type=d_table.dtype)
     d_table = d_table + jnp.einsum("btv,btd->vd", d_logits, h, precision=precision,
@@ -98,9 +101,9 @@ def _sliced_bwd(precision, residuals, cotangents):
   count = num_slices(*h.shape[:2], table.shape[0])
   zeros = jnp.zeros(table.shape, accumulation(h.dtype))
   if count == 1:
-    d_table, dh = one_slice(zeros, (h, targets, lse, weight))
+    d_table, dh = one_slice(zeros, (h, targets, lse, d_nll, d_lse))
   else:
-    sliced = tuple(_to_slices(x, count) for x in (h, targets, lse, weight))
+    sliced = tuple(_to_slices(x, count) for x in (h, targets, lse, d_nll, d_lse))
     d_table, dh = jax.lax.scan(one_slice, zeros, sliced)
     dh = _from_slices(dh)
   return dh, d_table.astype(table.dtype), None, None
