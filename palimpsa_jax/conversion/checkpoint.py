@@ -19,6 +19,7 @@ from flax import nnx
 import ml_collections
 
 from palimpsa_jax import models
+from palimpsa_jax.run_config import base
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 
 CONVERSION_FILE = "conversion.json"
@@ -48,7 +49,7 @@ def read_conversion(dest: str) -> tuple[ml_collections.ConfigDict, dict[str, Any
   path = epath.Path(dest) / CONVERSION_FILE
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {dest!r} a conversion output?")
-  record = json.loads(path.read_text())
+  record = base.read_saved(str(path), path.read_text())
   config = models.config.upgrade(record.pop("model"))  # an earlier version's in today's form
   return config, record
 
