@@ -162,3 +162,16 @@ def test_verbose_shows_the_traceback_of_a_refused_value(tmp_path):
                       "--verbose")
   assert done.returncode == 1 and "Traceback" in done.stderr
   assert "is not valid JSON" in done.stderr.splitlines()[-1]
+
+
+def test_an_output_file_is_checked_before_the_work(tmp_path, monkeypatch):
+  user_errors.check_output_file(str(tmp_path / "new" / "out.json"), "--output=x")  # creatable
+  with pytest.raises(IsADirectoryError, match="^--output=x: a directory, not a file"):
+    user_errors.check_output_file(str(tmp_path), "--output=x")
+  (tmp_path / "f").write_text("")
+  with pytest.raises(NotADirectoryError, match=f"^--output=x: {tmp_path}/f is a file"):
+    user_errors.check_output_file(str(tmp_path / "f" / "out.json"), "--output=x")
+  # A read-only folder (a read-only mount, or permissions that bind a user other than root).
+  monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path))
+  with pytest.raises(PermissionError, match=f"^--output=x: {tmp_path} is not writable"):
+    user_errors.check_output_file(str(tmp_path / "out.json"), "--output=x")

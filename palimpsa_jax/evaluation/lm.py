@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 import contextlib
 import math
-import os
 from typing import Any
 
 from flax import nnx
@@ -21,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import checkpoints
@@ -127,23 +127,11 @@ def lm_metrics(scorer: ModelScorer, batches: Iterable[Mapping[str, np.ndarray]],
   }
 
 
-def checkpoint_tokenizer(checkpoint: str, config: Any) -> tokenizer_lib.TextTokenizer:
-  """The tokenizer a run was trained with (config.data.tokenizer).
-
-  A "bpe:<n>" tokenizer is looked for in the checkpoint folder and its parents (the workdir).
-  """
-  spec = config.data.tokenizer
-  if not str(spec).startswith("bpe:"):
-    return tokenizer_lib.load_tokenizer(spec)
-  vocab_size = int(str(spec).split(":", 1)[1])
-  directory = os.path.abspath(checkpoint)
-  for _ in range(4):
-    path = tokenizer_lib.bpe_tokenizer_path(directory, vocab_size)
-    if os.path.isfile(path):
-      return tokenizer_lib.load_tokenizer(path)
-    directory = os.path.dirname(directory)
-  raise FileNotFoundError(f"checkpoint {checkpoint!r} was trained with tokenizer {spec!r} but "
-                          f"no {os.path.basename(path)} is in it or its parent folders")
+def checkpoint_tokenizer(folder: str, config: Any) -> tokenizer_lib.TextTokenizer:
+  """The tokenizer a run was trained with (config.data.tokenizer); a "bpe:<n>" one is looked
+  for in `folder` and its parents (the workdir)."""
+  return tokenizer_lib.load_tokenizer(
+      tokenizer_lib.find_tokenizer_file(config.data.tokenizer, folder))
 
 
 def load_checkpoint(checkpoint: str):
@@ -152,7 +140,7 @@ def load_checkpoint(checkpoint: str):
   model, config, step = checkpoints.load_model(checkpoint)
   checkpoints.require_task(checkpoint, config, "lm", "a language model's evaluation or "
                            "sampling")
-  return model, config, step, checkpoint_tokenizer(checkpoints.tokenizer_folder(checkpoint),
+  return model, config, step, checkpoint_tokenizer(conversion_lib.tokenizer_folder(checkpoint),
                                                    config)
 
 

@@ -110,3 +110,4 @@ def test_mqar_suite_on_a_conversion_matches_its_source(tmp_path):
   assert after["step"] == 0 and after["mixer"] == "mamba2+metaplastic[0]"
   np.testing.assert_allclose(after["results"][0]["loss"], before["results"][0]["loss"], rtol=1e-5)
   assert after["results"][0]["accuracy"] == before["results"][0]["accuracy"]
+
