@@ -66,7 +66,8 @@ def anything(default: Any, kind: type) -> Field:
 
 def positive(default: Any = REQUIRED, kind: type = int) -> Field:
   """A positive `kind`: an int >= 1, or a number > 0."""
-  return Field(default, (kind,), lambda v: v > 0, f"a positive {kind.__name__}")
+  return Field(default, (kind,), lambda v: v > 0,
+               f"a positive {'int' if kind is int else 'number'}")
 
 
 def at_least(minimum: int | float, default: Any = REQUIRED, kind: type = int) -> Field:

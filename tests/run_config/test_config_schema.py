@@ -61,9 +61,9 @@ def test_config_files_set_every_required_field(name, arg):
     ("early_stop_accuracy", 0.0, "config.early_stop_accuracy must be a number in (0, 1], or None"),
     ("total_steps", 0, "config.total_steps must be a positive int, or None (num_epochs passes)"),
     ("grad_accum_steps", 0, "config.grad_accum_steps must be a positive int, or None (auto"),
-    ("optimizer.clip_norm", 0.0, "config.optimizer.clip_norm must be a positive float, or None"),
+    ("optimizer.clip_norm", 0.0, "config.optimizer.clip_norm must be a positive number, or None"),
     ("optimizer.b2", 1.0, "config.optimizer.b2 must be a number in [0, 1), got 1.0."),
-    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate must be a positive float, "
+    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate must be a positive number, "
      "got 0.0."),
     ("optimizer.end_fraction", 2.0, "config.optimizer.end_fraction must be a number in [0, 1]"),
     ("optimizer.decay_steps", 0, "config.optimizer.decay_steps must be a positive int, or None "
@@ -105,10 +105,10 @@ def test_every_config_argument_is_checked_by_a_field(name):
     ("lm", "preset=cpu,total_steps=0", "config argument total_steps=0 must be a positive int, "
      "or None (ceil(tokens / (batch_size * seq_len)))."),
     ("lm", "preset=cpu,seq_len=1", "config argument seq_len=1 must be an int >= 2."),
-    ("lm", "tokens=-1", "config argument tokens=-1 must be a positive float."),
+    ("lm", "tokens=-1", "config argument tokens=-1 must be a positive number."),
     ("finetune", "source=runs/x,evals=0", "config argument evals=0 must be a positive int."),
     ("finetune", "source=runs/x,learning_rate=0", "config argument learning_rate=0 must be a "
-     "positive float."),
+     "positive number."),
 ])
 def test_a_refused_config_argument_says_what_its_field_expects(name, arg, message):
   with pytest.raises(config_args.ConfigArgumentError) as error:
