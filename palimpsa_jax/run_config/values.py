@@ -9,7 +9,7 @@ refusal ("a positive int"). The same Field checks
 
   positive()                       1, 2, ...          (kind=float: any number > 0)
   at_least(2)                      2, 3, ...          (seq_len, eval.py's --max_length)
-  in_interval(0, 1, high=False)    [0, 1)             (Adam's b1, b2)
+  in_interval(0, 1, high_closed=False)  [0, 1)        (Adam's b1, b2)
   or_none(positive(), "no limit")  a positive int, or None meaning "no limit"
   one_of("a", ("a", "b"))          "a" or "b"
 """
