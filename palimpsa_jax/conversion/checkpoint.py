@@ -108,5 +108,5 @@ def tokenizer_folder(checkpoint: str) -> str:
   itself, or for a conversion output its source."""
   if is_conversion(checkpoint):
     _, info = read_conversion(checkpoint)
-    return info["source"]
+    return info.get("source") or checkpoint
   return checkpoint
