@@ -16,7 +16,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from palimpsa_jax.evaluation.suites import OPTION_FIELDS
 from palimpsa_jax.evaluation.suites import SUITES
+from palimpsa_jax.run_config import values
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
 from palimpsa_jax import user_errors
@@ -41,6 +43,8 @@ _CACHE_DIR = compile_cache.define_flag()
 _MESH_SEQUENCE = flags.DEFINE_integer(
     "mesh_sequence", None, "lm / long_context: split each row over this many devices "
     "(context parallelism, like train.py's config.mesh.sequence).")
+for _flag in (_MAX_LENGTH, _BATCH_SIZE, _LIMIT, _NUM_EXAMPLES, _MESH_SEQUENCE):
+  values.check_flag(_flag, OPTION_FIELDS[_flag.name])
 
 
 def _checkpoints() -> list[str]:
@@ -65,6 +69,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   compile_cache.configure(_CACHE_DIR.value)
   checkpoints = _checkpoints()
+  output = _OUTPUT.value or default_output(_SUITE.value, checkpoints[0])
+  # Refused before the work rather than after it (the suites write beside it too: a plot).
+  user_errors.check_output_file(output, f"--output={output}" if _OUTPUT.value else
+                                f"results go to {output} by default (--output changes it)")
+  replaces = os.path.exists(output)
   options = {
       "suite": _SUITE.value, "checkpoint": checkpoints, "output": _OUTPUT.value,
       "files": _FILES.value, "tasks": _TASKS.value,
@@ -74,11 +83,10 @@ def main(argv):
       "mesh_sequence": _MESH_SEQUENCE.value,
   }
   results = SUITES[_SUITE.value](options)
-  output = _OUTPUT.value or default_output(_SUITE.value, checkpoints[0])
   os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
   with open(output, "w") as f:
     json.dump(results, f, indent=2)
-  print(f"wrote {output}")
+  print(f"{'replaced the earlier' if replaces else 'wrote'} {output}")
 
 
 if __name__ == "__main__":

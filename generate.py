@@ -19,18 +19,24 @@ from absl import logging
 
 from palimpsa_jax.evaluation import generation
 from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax.run_config import values
 from palimpsa_jax import user_errors
 
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "A workdir, one of its checkpoints/<step> folders, or a conversion output.")
 _PROMPT = flags.DEFINE_string("prompt", None, "The prompt (may be empty).")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "A UTF-8 text file, one prompt per line.")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 128, "Most new tokens per sample.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens; 0: all.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1: all.")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (the same seed gives the same text).")
-_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "Samples per prompt, decoded as one batch.")
+_SAMPLING = {  # the flag of each generation.Sampling setting, checked by its field
+    name: define(name, generation.SAMPLING_FIELDS[name].default, help_text)
+    for name, define, help_text in [
+        ("max_new_tokens", flags.DEFINE_integer, "Most new tokens per sample."),
+        ("temperature", flags.DEFINE_float, "Sampling temperature; 0 is greedy."),
+        ("top_k", flags.DEFINE_integer, "Sample among the k most likely tokens; 0: all."),
+        ("top_p", flags.DEFINE_float, "Nucleus sampling mass in (0, 1]; 1: all."),
+        ("seed", flags.DEFINE_integer, "Sampling seed (the same seed gives the same text)."),
+        ("num_samples", flags.DEFINE_integer, "Samples per prompt, decoded as one batch.")]}
+for _name, _holder in _SAMPLING.items():
+  values.check_flag(_holder, generation.SAMPLING_FIELDS[_name])
 
 
 def _prompts() -> list[str]:
@@ -44,15 +50,11 @@ def _prompts() -> list[str]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _NUM_SAMPLES.value < 1:
-    raise app.UsageError(f"--num_samples must be >= 1, got {_NUM_SAMPLES.value}")
   if logging.get_verbosity() == logging.INFO:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every restore at INFO.
   prompts = _prompts()
   model, _, _, tokenizer = lm_lib.load_checkpoint(_CHECKPOINT.value)
-  sampling = generation.Sampling(
-      max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-      top_p=_TOP_P.value, seed=_SEED.value, num_samples=_NUM_SAMPLES.value)
+  sampling = generation.Sampling(**{name: flag.value for name, flag in _SAMPLING.items()})
 
   def write(text):
     sys.stdout.write(generation.printable(text))

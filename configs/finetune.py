@@ -25,6 +25,7 @@ import ml_collections
 from palimpsa_jax.conversion import checkpoint
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
+from palimpsa_jax.run_config import values
 
 DEFAULTS = dict(
     source="",                # conversion output directory (required)
@@ -36,6 +37,15 @@ DEFAULTS = dict(
     new_params_only_steps=0,  # first steps train only beta_down/up, b_scale
     evals=4,                  # evaluations over the run
 )
+
+# What each argument accepts: the run-config field it sets, else its own.
+ARGUMENT_FIELDS = {
+    **base.argument_fields("mqar"),
+    "source": values.Field("", (str,), bool, "a conversion output directory"),
+    "task": values.one_of("mqar", base.TASKS),
+    "total_steps": values.positive(200),
+    "evals": values.positive(),
+}
 
 
 def _base_config(task: str, arg: str) -> ml_collections.ConfigDict:
@@ -52,14 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   items = [item for item in (arg or "").split(",") if item.strip()]
   own = [i for i in items if i.split("=", 1)[0].strip() in DEFAULTS]
   rest = [i for i in items if i not in own]
-  args = config_args.parse_config_arg(",".join(own), **DEFAULTS)
+  args = config_args.parse_config_arg(",".join(own), fields=ARGUMENT_FIELDS, **DEFAULTS)
   if not args.source:
     raise ValueError("configs/finetune.py needs source=<conversion output directory>.")
-  if args.task not in base.TASKS:
-    raise ValueError(f"task must be one of {base.TASKS}, got {args.task!r}.")
-  for name in ("total_steps", "evals"):
-    if args[name] <= 0:
-      raise ValueError(f"{name} must be positive, got {args[name]}.")
   if not 0 <= args.new_params_only_steps <= args.total_steps:
     raise ValueError(
         f"new_params_only_steps must be in [0, total_steps={args.total_steps}], got "

@@ -40,8 +40,10 @@ from ml_collections import config_dict
 
 from palimpsa_jax import models
 from palimpsa_jax.models import activation_memory
+from palimpsa_jax.models import config as model_fields
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
+from palimpsa_jax.run_config import values
 
 DEFAULTS = dict(
     preset="",  # "cpu": PRESETS["cpu"] under the explicitly given arguments.
@@ -88,18 +90,26 @@ PRESETS = {
 CPU_TRAIN_FILES, CPU_EVAL_FILES = "docs/*.md", "README.md"
 
 
+# What each argument accepts: the run-config or model-config field it sets, else its own.
+ARGUMENT_FIELDS = {
+    **model_fields.FIELDS, **base.argument_fields("lm"),
+    "preset": values.one_of("", ("", *PRESETS)),
+    "size": values.one_of("170m", tuple(SIZE_DEFAULTS)),
+    "tokens": values.positive(kind=float),
+    "total_steps": values.or_none(values.positive(), "ceil(tokens / (batch_size * seq_len))"),
+    "warmup_steps": values.at_least(0),
+}
+
+
 def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   """Arguments with the preset's and then the size's defaults under the explicitly given ones."""
-  args = config_args.parse_config_arg(arg, config_args.RENAMED_LM, **DEFAULTS)
+  args = config_args.parse_config_arg(arg, config_args.RENAMED_LM, fields=ARGUMENT_FIELDS,
+                                      **DEFAULTS)
   given = config_args.given_keys(arg)
-  if args.preset not in ("", *PRESETS):
-    raise ValueError(f"preset must be one of {tuple(PRESETS)} or empty, got {args.preset!r}.")
   for key, value in PRESETS.get(args.preset, {}).items():
     if key not in given:
       args[key] = value
       given.add(key)
-  if args.size not in SIZE_DEFAULTS:
-    raise ValueError(f"size must be one of {tuple(SIZE_DEFAULTS)}, got {args.size!r}.")
   for key, value in SIZE_DEFAULTS[args.size].items():
     if key not in given:
       args[key] = value
@@ -112,10 +122,6 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
     if "remat_saves" not in given:
       args.remat_saves = saves
   if args.total_steps is None:
-    if args.tokens <= 0 or args.batch_size <= 0 or args.seq_len <= 0:
-      raise ValueError(
-          f"tokens, batch_size and seq_len must be positive, got {args.tokens}, "
-          f"{args.batch_size} and {args.seq_len}.")
     args.total_steps = math.ceil(args.tokens / (args.batch_size * args.seq_len))
   return args
 

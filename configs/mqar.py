@@ -25,9 +25,11 @@ from ml_collections import config_dict
 
 from palimpsa_jax import models
 from palimpsa_jax.data import mqar as mqar_data
+from palimpsa_jax.models import config as model_fields
 from palimpsa_jax.models import registry
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
+from palimpsa_jax.run_config import values
 
 
 DEFAULTS = dict(
@@ -81,6 +83,16 @@ PAPER = dict(
 )
 
 
+# What each argument accepts: the run-config or model-config field it sets, else its own.
+ARGUMENT_FIELDS = {
+    **model_fields.FIELDS, **base.argument_fields("mqar"),
+    "preset": values.one_of("cpu", ("cpu", "paper")),
+    "num_heads": values.or_none(values.positive(), "the paper's layout"),
+    "head_v_dim": values.or_none(values.positive(), "32"),
+    "evals_per_epoch": values.positive(),
+}
+
+
 def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The model's MQAR config: 2 layers, no MLP, no positions, small forget gates."""
   overrides = dict(dtype=args.dtype, implementation=args.implementation,
@@ -96,9 +108,7 @@ def model_config(args: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def parse_args(arg: str | None) -> ml_collections.ConfigDict:
   """Arguments with the preset's values under the explicitly given ones."""
-  args = config_args.parse_config_arg(arg, **DEFAULTS)
-  if args.preset not in ("cpu", "paper"):
-    raise ValueError(f"preset must be 'cpu' or 'paper', got {args.preset!r}.")
+  args = config_args.parse_config_arg(arg, fields=ARGUMENT_FIELDS, **DEFAULTS)
   if args.preset == "paper":
     given = config_args.given_keys(arg)
     for key, value in PAPER.items():
@@ -106,19 +116,10 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
         args[key] = value
     if "batch_size" not in given and args.seq_len >= 1024:
       args.batch_size = 64
-  if args.model not in registry.MIXERS:
-    raise ValueError(f"model must be one of {tuple(registry.MIXERS)}, got {args.model!r}.")
-  for name in ("num_heads", "head_v_dim"):
-    if args[name] is not None and args[name] <= 0:
-      raise ValueError(f"{name} must be a positive int, or none (the paper's layout), "
-                       f"got {args[name]}.")
   if args.matmul_precision not in models.language_model.MATMUL_PRECISIONS:
     raise ValueError(f"matmul_precision must be one of "
                      f"{sorted(models.language_model.MATMUL_PRECISIONS)}, "
                      f"got {args.matmul_precision!r}.")
-  if args.total_steps is not None and args.total_steps <= 0:
-    raise ValueError(
-        f"total_steps must be > 0 (or none: `num_epochs` passes), got {args.total_steps}.")
   mqar_data.check_setting(args.seq_len, args.num_kv_pairs, args.vocab_size)
   return args
 

@@ -12,6 +12,7 @@ with exit status 1. --verbose (or PALIMPSA_TRACEBACK=1) shows the traceback inst
   ArgumentParser(prog=...)           argparse whose usage errors are refusals too
   precheck(...)                      a missing config file or an unusable output directory,
                                      answered before an entry point's heavy imports
+  check_output_file(path, label)     an output file that cannot be written, before the work
 """
 
 import argparse
@@ -106,18 +107,35 @@ class ArgumentParser(argparse.ArgumentParser):
     raise UserError(f"{message} (--help lists the arguments)")
 
 
+def _check_creatable(directory: str, label: str) -> None:
+  """Raises NotADirectoryError or PermissionError unless `directory` is (or can be made) a
+  writable directory; the message starts with `label`."""
+  existing = directory
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise NotADirectoryError(f"{label}: {existing} is a file, not a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise PermissionError(f"{label}: {existing} is not writable")
+
+
 def check_output_dir(path: str, flag: str) -> None:
   """Raises NotADirectoryError or PermissionError unless `path` is (or can be made) a
   writable directory; names `flag` (e.g. "--workdir")."""
   path = os.path.abspath(path)
-  existing = path
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing):
-    raise NotADirectoryError(
-        f"{flag}={path}: {existing} is a file, not a directory")
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise PermissionError(f"{flag}={path}: {existing} is not writable")
+  _check_creatable(path, f"{flag}={path}")
+
+
+def check_output_file(path: str, label: str) -> None:
+  """Raises IsADirectoryError, NotADirectoryError or PermissionError unless the file `path`
+  can be written (created, or replaced) in a writable directory; the message starts with
+  `label` (e.g. "--output=<path>")."""
+  path = os.path.abspath(path)
+  if os.path.isdir(path):
+    raise IsADirectoryError(f"{label}: a directory, not a file")
+  _check_creatable(os.path.dirname(path), label)
+  if os.path.exists(path) and not os.access(path, os.W_OK):
+    raise PermissionError(f"{label}: the file is not writable")
 
 
 def _flag_value(argv: Sequence[str], name: str) -> str | None:

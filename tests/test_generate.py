@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import types
@@ -125,3 +126,27 @@ def test_command_line_with_a_prompt_file(lm):
   assert "new tokens for 2 prompt(s)" in result.stderr and "tokens/s" in result.stderr
   result = _generate("--checkpoint", lm.workdir)
   assert result.returncode != 0 and "exactly one of --prompt and --prompt_file" in result.stderr
+
+
+def test_export_carries_the_tokenizer_and_import_brings_it_back(lm, tmp_path):
+  """The authors' format with the model's own tokenizer: imported back, the model samples the
+  same text with no file copied by hand."""
+  from palimpsa_jax.conversion import torch_checkpoints  # pylint: disable=g-import-not-at-top
+  exported, again = tmp_path / "authors", tmp_path / "again"
+  torch_checkpoints.export_checkpoint(lm.workdir, str(exported), verbose=False)
+  trained = pathlib.Path(tokenizer_lib.bpe_tokenizer_path(lm.workdir, VOCAB))
+  assert (exported / "tokenizer.json").read_bytes() == trained.read_bytes()
+  torch_checkpoints.import_checkpoint(str(exported), str(again), verbose=False)
+  shutil.rmtree(exported)  # the imported model reads its own copy
+  model, _, _, tokenizer = lm_lib.load_checkpoint(str(again))
+  assert tokenizer.path == str(again / "tokenizer.json")
+  greedy = dict(max_new_tokens=6, temperature=0.0)
+  assert (generation.sample(model, tokenizer, "Document", generation.Sampling(**greedy),
+                            lambda _: None)[0] == _sample(lm, "Document", **greedy)[0])
+
+
+def test_sampling_settings_out_of_range_are_refused_as_the_flags_are():
+  with pytest.raises(generation.SamplingError, match=r"^top_p must be a number in \(0, 1\], got"):
+    generation.Sampling(top_p=1.5)
+  with pytest.raises(generation.SamplingError, match="max_new_tokens must be a positive int"):
+    generation.Sampling(max_new_tokens=0)

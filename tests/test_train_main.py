@@ -41,7 +41,7 @@ def test_bad_config_argument_fails_clearly():
       "train.py: --config=configs/mqar.py:num_kv_pairs=abc: config argument "
       "num_kv_pairs='abc' must be an int.")
   result = _run("train.py", "--config=configs/mqar.py:model=lstm", "--dry_run", check=False)
-  assert result.returncode == 1 and "model must be one of" in result.stderr
+  assert result.returncode == 1 and "config argument model=lstm must be one of" in result.stderr
   assert "Traceback" not in result.stderr
   result = _run("train.py", "--config=configs/mqar.py:mixer=mamba2", "--dry_run", check=False)
   assert result.returncode == 1 and result.stderr.strip() == (
@@ -53,7 +53,7 @@ def test_refused_config_field_is_one_line(tmp_path):
   result = _run("train.py", "--config=configs/mqar.py", "--config.optimizer.b2=1.5",
                 f"--workdir={tmp_path / 'run'}", "--compilation_cache_dir=", check=False)
   assert result.returncode == 1 and result.stderr.strip() == (
-      "train.py: config.optimizer.b2 must be in [0, 1), got 1.5.")
+      "train.py: config.optimizer.b2 must be a number in [0, 1), got 1.5.")
   assert not (tmp_path / "run").exists()  # Refused before anything is written.
 
 

@@ -1,5 +1,6 @@
 """palimpsa_jax/user_errors.py: every kind of refusal as one line, "program: message"."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -100,3 +101,77 @@ def test_a_reader_that_goes_away_ends_the_program_without_a_traceback():
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         cwd=REPO, timeout=60, check=False)
   assert (done.returncode, done.stderr) == (1, "")
+
+
+def _entry_point(*argv, cwd=REPO):
+  env = {k: v for k, v in os.environ.items() if k != user_errors.TRACEBACK_VARIABLE}
+  return subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=cwd,
+                        env=env, timeout=300, check=False)
+
+
+def _corrupt_workdir(root: pathlib.Path) -> pathlib.Path:
+  """A workdir whose config.json was cut short (a full disk, an editor)."""
+  workdir = root / "run"
+  (workdir / "checkpoints").mkdir(parents=True)
+  (workdir / "config.json").write_text('{\n  "batch_size": 32,\n  "data": {\n    "num_kv')
+  return workdir
+
+
+# (argv, the line it prints after "program: "), a value error from each place a value comes
+# from: a config-file argument, a --config. override, a flag, a file.
+REFUSED_VALUES = [
+    (["train.py", "--config=configs/mqar.py:batch_size=0", "--dry_run"],
+     "--config=configs/mqar.py:batch_size=0: config argument batch_size=0 must be a positive "
+     "int."),
+    (["train.py", "--config=configs/lm.py:preset=cpu,seq_len=1", "--dry_run"],
+     "--config=configs/lm.py:preset=cpu,seq_len=1: config argument seq_len=1 must be an int "
+     ">= 2."),
+    (["train.py", "--config=configs/mqar.py", "--config.seq_len=1", "--workdir={tmp}/w"],
+     "config.seq_len must be an int >= 2, got 1."),
+    (["train.py", "--config=README.md", "--dry_run"],
+     "--config=README.md: README.md is not a Python config file (line "),
+    (["generate.py", "--checkpoint={corrupt}", "--prompt=a"],
+     "{corrupt}/config.json is not valid JSON ("),
+    (["generate.py", "--checkpoint=runs/x", "--prompt=a", "--max_new_tokens=0"],
+     "--max_new_tokens=0: expected a positive int"),
+    (["generate.py", "--checkpoint=runs/x", "--prompt=a", "--top_p=1.5"],
+     "--top_p=1.5: expected a number in (0, 1]"),
+    (["eval.py", "--suite=lm", "--checkpoint=runs/x", "--files=README.md", "--max_length=1"],
+     "--max_length=1: expected an int >= 2"),
+    (["eval.py", "--suite=long_context", "--checkpoint=runs/x", "--files={tmp}/e.txt"],
+     "--files='{tmp}/e.txt': the 1 matched file(s) hold no text (every document is empty)."),
+    (["eval.py", "--suite=mqar", "--checkpoint=runs/x", "--output={tmp}/e.txt/out.json"],
+     "--output={tmp}/e.txt/out.json: {tmp}/e.txt is a file, not a directory"),
+]
+
+
+@pytest.mark.parametrize("argv, line", REFUSED_VALUES, ids=lambda v: " ".join(v)[:60]
+                         if isinstance(v, list) else None)
+def test_entry_points_refuse_bad_values_in_one_line(argv, line, tmp_path):
+  (tmp_path / "e.txt").write_text("")
+  names = {"tmp": str(tmp_path), "corrupt": str(_corrupt_workdir(tmp_path))}
+  done = _entry_point(*(arg.format(**names) for arg in argv))
+  assert (done.returncode, done.stdout) == (1, "")
+  assert done.stderr.startswith(f"{argv[0]}: {line.format(**names)}"), done.stderr
+  assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["e.txt", "run"]  # nothing written
+
+
+def test_verbose_shows_the_traceback_of_a_refused_value(tmp_path):
+  done = _entry_point("generate.py", f"--checkpoint={_corrupt_workdir(tmp_path)}", "--prompt=a",
+                      "--verbose")
+  assert done.returncode == 1 and "Traceback" in done.stderr
+  assert "is not valid JSON" in done.stderr.splitlines()[-1]
+
+
+def test_an_output_file_is_checked_before_the_work(tmp_path, monkeypatch):
+  user_errors.check_output_file(str(tmp_path / "new" / "out.json"), "--output=x")  # creatable
+  with pytest.raises(IsADirectoryError, match="^--output=x: a directory, not a file"):
+    user_errors.check_output_file(str(tmp_path), "--output=x")
+  (tmp_path / "f").write_text("")
+  with pytest.raises(NotADirectoryError, match=f"^--output=x: {tmp_path}/f is a file"):
+    user_errors.check_output_file(str(tmp_path / "f" / "out.json"), "--output=x")
+  # A read-only folder (a read-only mount, or permissions that bind a user other than root).
+  monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path))
+  with pytest.raises(PermissionError, match=f"^--output=x: {tmp_path} is not writable"):
+    user_errors.check_output_file(str(tmp_path / "out.json"), "--output=x")

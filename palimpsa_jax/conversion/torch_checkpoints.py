@@ -4,7 +4,8 @@ import_checkpoint reads the authors' config.json and *.safetensors with numpy
 (no torch) and writes a conversion destination (conversion.json + converted/,
 checkpoint.py), the directory fine-tuning, evaluation and generation load.
 export_checkpoint reads such a destination or a train.py workdir and writes
-config.json + model.safetensors (float32) for the authors' `from_pretrained`.
+config.json + model.safetensors (float32) for the authors' `from_pretrained`, and the
+model's tokenizer as tokenizer.json, which an import copies back.
 Tensor names and the options that do not map are in torch_layouts.py; the
 command line is torch_models.py; docs/torch_models.md explains both.
 """
@@ -12,6 +13,7 @@ command line is torch_models.py; docs/torch_models.md explains both.
 import json
 import os
 import shutil
+import sys
 from typing import Any
 
 from flax import nnx
@@ -25,11 +27,12 @@ from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import hf_mamba2
 from palimpsa_jax.conversion import torch_layouts as layouts
 from palimpsa_jax.conversion import windows as windows_lib
+from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.training import checkpoint as train_checkpoint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = checkpoint_lib.TOKENIZER_FILE
 
 
 def _to_ours(kind: str, value: np.ndarray) -> np.ndarray:
@@ -149,8 +152,9 @@ def import_checkpoint(source: str, dest: str, *, dtype: str = "float32",
 
 
 def load_ours(checkpoint: str) -> tuple[dict, ml_collections.ConfigDict]:
-  """(parameter pure dict, model config) of a conversion destination or train.py workdir."""
-  if os.path.isfile(os.path.join(checkpoint, checkpoint_lib.CONVERSION_FILE)):
+  """(parameter pure dict, model config) of a conversion destination or train.py workdir (a
+  destination fine-tuned in place is that run's workdir: its latest step)."""
+  if checkpoint_lib.is_conversion(checkpoint):
     model, config, _ = checkpoint_lib.load_converted(checkpoint)
   else:
     model, run_config, _ = train_checkpoint.load_model(checkpoint)
@@ -195,15 +199,39 @@ def params_to_tensors(params: dict, config: ml_collections.ConfigDict) -> dict[s
   return tensors
 
 
+def tokenizer_file(checkpoint: str) -> str | None:
+  """The tokenizer.json the model at `checkpoint` reads text with (its run config's
+  data.tokenizer); None for a model without one (MQAR).
+
+  Raises:
+    FileNotFoundError: the run's tokenizer file is not where it was.
+  """
+  if checkpoint_lib.is_conversion(checkpoint):
+    config = checkpoint_lib.run_config(checkpoint, *checkpoint_lib.read_conversion(checkpoint))
+  else:
+    config = train_checkpoint.load_config(train_checkpoint.workdir_of(checkpoint))
+  spec = config.get("data", {}).get("tokenizer")
+  if not spec:
+    return None
+  return tokenizer_lib.find_tokenizer_file(spec, checkpoint_lib.tokenizer_folder(checkpoint))
+
+
 def export_checkpoint(checkpoint: str, dest: str, *, verbose: bool = True) -> str:
-  """Writes our model at `checkpoint` as the authors' config.json + model.safetensors in `dest`.
+  """Writes our model at `checkpoint` as the authors' config.json + model.safetensors in `dest`,
+  with its tokenizer as tokenizer.json (which import_checkpoint brings back).
 
   Returns:
     The authors' model_type written.
   """
-  for name in (CONFIG_FILE, WEIGHTS_FILE):
+  for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
     if os.path.exists(os.path.join(dest, name)):
       raise FileExistsError(f"{os.path.join(dest, name)} exists; choose another --dest")
+  try:
+    tokenizer = tokenizer_file(checkpoint)
+  except FileNotFoundError as missing:  # the weights are still worth exporting
+    tokenizer = None
+    if verbose:
+      print(f"exporting without a tokenizer: {missing}", file=sys.stderr, flush=True)
   params, config = load_ours(checkpoint)
   hf_config = layouts.authors_config(config)
   tensors = params_to_tensors(params, config)
@@ -213,7 +241,10 @@ def export_checkpoint(checkpoint: str, dest: str, *, verbose: bool = True) -> st
   os.replace(weights + ".tmp", weights)
   with open(os.path.join(dest, CONFIG_FILE), "w") as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
+  if tokenizer:
+    shutil.copyfile(tokenizer, os.path.join(dest, TOKENIZER_FILE))
   if verbose:
     print(f"exported our {config.model} model {checkpoint} as the authors' "
-          f"{hf_config['model_type']} -> {dest}", flush=True)
+          f"{hf_config['model_type']} -> {dest}"
+          f"{f' with its tokenizer ({tokenizer})' if tokenizer else ''}", flush=True)
   return hf_config["model_type"]

@@ -158,6 +158,29 @@ def bpe_tokenizer_path(workdir: str, vocab_size: int) -> str:
   return os.path.join(workdir, f"tokenizer_bpe{vocab_size}.json")
 
 
+def find_tokenizer_file(spec: str, folder: str) -> str:
+  """The tokenizer.json file of a run's tokenizer `spec`: the path itself, or for "bpe:<n>" the
+  BPE that training kept in `folder` or one of its parents (the workdir of a
+  checkpoints/<step> folder).
+
+  Raises:
+    FileNotFoundError: no such file, naming what was looked for.
+  """
+  vocab_size = bpe_vocab_size(spec)
+  if vocab_size is None:
+    if not os.path.isfile(spec):
+      raise FileNotFoundError(f"tokenizer file {spec!r} does not exist")
+    return spec
+  directory = os.path.abspath(folder)
+  for _ in range(4):
+    path = bpe_tokenizer_path(directory, vocab_size)
+    if os.path.isfile(path):
+      return path
+    directory = os.path.dirname(directory)
+  raise FileNotFoundError(f"{folder!r} was trained with tokenizer {spec!r} but no "
+                          f"{os.path.basename(path)} is in it or its parent folders")
+
+
 def load_or_train_tokenizer(spec: str, train_files: str | Sequence[str] | None,
                             workdir: str | None, *,
                             max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES) -> TextTokenizer:

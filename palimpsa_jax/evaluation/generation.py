@@ -16,20 +16,42 @@ import unicodedata
 
 import numpy as np
 
+from palimpsa_jax import user_errors
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.models import decoding
+from palimpsa_jax.run_config import values
+
+
+# What each sampling setting accepts (generate.py checks its flags of these names with them).
+SAMPLING_FIELDS = {
+    "max_new_tokens": values.positive(128),
+    "temperature": values.at_least(0, 1.0, float),  # 0: greedy.
+    "top_k": values.at_least(0, 0),  # 0: every token.
+    "top_p": values.in_interval(0, 1, 1.0, low_closed=False),  # 1: every token.
+    "seed": values.anything(0, int),
+    "num_samples": values.positive(1),
+}
+
+
+class SamplingError(ValueError, user_errors.UserError):
+  """A sampling setting out of its range (SAMPLING_FIELDS)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """Sampling settings (see models.decoding.sample_token); temperature 0 is greedy."""
-  max_new_tokens: int = 128
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  seed: int = 0
-  num_samples: int = 1
+  max_new_tokens: int = SAMPLING_FIELDS["max_new_tokens"].default
+  temperature: float = SAMPLING_FIELDS["temperature"].default
+  top_k: int = SAMPLING_FIELDS["top_k"].default
+  top_p: float = SAMPLING_FIELDS["top_p"].default
+  seed: int = SAMPLING_FIELDS["seed"].default
+  num_samples: int = SAMPLING_FIELDS["num_samples"].default
+
+  def __post_init__(self):
+    for name, field in SAMPLING_FIELDS.items():
+      if not field.accepts(getattr(self, name)):
+        raise SamplingError(f"{name} must be {field.expected}, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 import contextlib
 import math
-import os
 from typing import Any
 
 from flax import nnx
@@ -21,9 +20,12 @@ import ml_collections
 import numpy as np
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.conversion import checkpoint as conversion_lib
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.evaluation import checkpoints
+from palimpsa_jax.evaluation import suites
+from palimpsa_jax.evaluation import tables
 from palimpsa_jax.ops.token_loss import logits_token_loss
 from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import sharding as sharding_lib
@@ -127,23 +129,11 @@ def lm_metrics(scorer: ModelScorer, batches: Iterable[Mapping[str, np.ndarray]],
   }
 
 
-def checkpoint_tokenizer(checkpoint: str, config: Any) -> tokenizer_lib.TextTokenizer:
-  """The tokenizer a run was trained with (config.data.tokenizer).
-
-  A "bpe:<n>" tokenizer is looked for in the checkpoint folder and its parents (the workdir).
-  """
-  spec = config.data.tokenizer
-  if not str(spec).startswith("bpe:"):
-    return tokenizer_lib.load_tokenizer(spec)
-  vocab_size = int(str(spec).split(":", 1)[1])
-  directory = os.path.abspath(checkpoint)
-  for _ in range(4):
-    path = tokenizer_lib.bpe_tokenizer_path(directory, vocab_size)
-    if os.path.isfile(path):
-      return tokenizer_lib.load_tokenizer(path)
-    directory = os.path.dirname(directory)
-  raise FileNotFoundError(f"checkpoint {checkpoint!r} was trained with tokenizer {spec!r} but "
-                          f"no {os.path.basename(path)} is in it or its parent folders")
+def checkpoint_tokenizer(folder: str, config: Any) -> tokenizer_lib.TextTokenizer:
+  """The tokenizer a run was trained with (config.data.tokenizer); a "bpe:<n>" one is looked
+  for in `folder` and its parents (the workdir)."""
+  return tokenizer_lib.load_tokenizer(
+      tokenizer_lib.find_tokenizer_file(config.data.tokenizer, folder))
 
 
 def load_checkpoint(checkpoint: str):
@@ -152,7 +142,7 @@ def load_checkpoint(checkpoint: str):
   model, config, step = checkpoints.load_model(checkpoint)
   checkpoints.require_task(checkpoint, config, "lm", "a language model's evaluation or "
                            "sampling")
-  return model, config, step, checkpoint_tokenizer(checkpoints.tokenizer_folder(checkpoint),
+  return model, config, step, checkpoint_tokenizer(conversion_lib.tokenizer_folder(checkpoint),
                                                    config)
 
 
@@ -167,12 +157,25 @@ def checkpoints_option(options: Mapping[str, Any]) -> list[str]:
 
 
 def int_option(options: Mapping[str, Any], key: str, default: int | None) -> int | None:
+  """options[key] if given, else `default`; OptionError unless suites.OPTION_FIELDS[key]
+  accepts it."""
   value = options.get(key)
   if value is None:
     return default
-  if int(value) <= 0:
-    raise OptionError(f"options[{key!r}] must be a positive integer, got {value!r}")
-  return int(value)
+  field = suites.OPTION_FIELDS[key]
+  if not field.accepts(value):
+    raise OptionError(f"options[{key!r}] must be {field.expected}, got {value!r}")
+  return value
+
+
+def heldout_files(options: Mapping[str, Any], suite: str) -> str:
+  """options["files"], a glob of held-out files of which one at least holds text."""
+  files = options.get("files")
+  if not files:
+    raise OptionError(f"the {suite} suite needs held-out text files: options['files'] "
+                      "(--files GLOB)")
+  text_lib.require_text(files, "--files")
+  return files
 
 
 def evaluate_checkpoint(checkpoint: str, files: str | Sequence[str], seq_len: int | None,
@@ -188,30 +191,38 @@ def evaluate_checkpoint(checkpoint: str, files: str | Sequence[str], seq_len: in
   return {**metrics, "step": int(step), "seq_len": seq_len}
 
 
+def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
+  """One row per checkpoint; a note below when they were scored at different context lengths
+  (each checkpoint's own seq_len, unless --max_length set one)."""
+  rows = [[tables.shorten(checkpoint, 40), str(r["step"]), str(r["seq_len"]), f"{r['tokens']:,}",
+           f"{r['perplexity']:.4f}", f"{r['bits_per_byte']:.4f}"]
+          for checkpoint, r in results.items()]
+  table = tables.format_table(
+      ["checkpoint", "step", "seq_len", "tokens", "perplexity", "bits/byte"], rows,
+      right=[False, True, True, True, True, True])
+  if len({r["seq_len"] for r in results.values()}) > 1:
+    table += ("\nnote: these checkpoints were scored at different context lengths (seq_len, "
+              "each its run's own); --max_length scores them all at one.")
+  return table
+
+
 def run(options: Mapping[str, Any]) -> dict[str, Any]:
   """eval.py --suite lm.
 
   Options: "checkpoint" (list), "files" (glob of held-out files), "max_length" (row length,
-  default: the run's seq_len), "batch_size", "mesh_sequence" (devices each row is split over).
+  default: each run's seq_len), "batch_size", "mesh_sequence" (devices each row is split over).
 
   Returns:
-    For one checkpoint {"perplexity", "bits_per_byte", "nll_per_token", "tokens", "bytes",
-    "step", "seq_len", "files"}; for several, {"checkpoints": {path: the same dict}}.
+    {"checkpoints": {path: {"perplexity", "bits_per_byte", "nll_per_token", "tokens",
+    "bytes", "step", "seq_len"}}, "files"}, for one checkpoint as for several.
   """
-  files = options.get("files")
-  if not files:
-    raise OptionError("the lm suite needs held-out text files: options['files'] (--files GLOB)")
+  files = heldout_files(options, "lm")
   checkpoints = checkpoints_option(options)
   seq_len = int_option(options, "max_length", None)
   batch_size = int_option(options, "batch_size", DEFAULT_BATCH_SIZE)
   sequence_devices = int_option(options, "mesh_sequence", 1)
-  results = {}
-  for checkpoint in checkpoints:
-    results[checkpoint] = {**evaluate_checkpoint(checkpoint, files, seq_len, batch_size,
-                                                 sequence_devices),
-                           "files": files}
-    print(f"{checkpoint}: perplexity {results[checkpoint]['perplexity']:.4f}  "
-          f"bits/byte {results[checkpoint]['bits_per_byte']:.4f}", flush=True)
-  if len(checkpoints) == 1:
-    return results[checkpoints[0]]
-  return {"checkpoints": results}
+  results = {checkpoint: evaluate_checkpoint(checkpoint, files, seq_len, batch_size,
+                                             sequence_devices)
+             for checkpoint in checkpoints}
+  print(format_table(results), flush=True)
+  return {"checkpoints": results, "files": files}

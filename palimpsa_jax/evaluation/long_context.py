@@ -134,10 +134,7 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
     {"max_length", "bucket_end": [n], "checkpoints": {path: {"mean_nll": [n], "count": [n],
     "step"}}, "plot": path of the PNG}.
   """
-  files = options.get("files")
-  if not files:
-    raise lm_lib.OptionError(
-        "the long_context suite needs held-out text files: options['files'] (--files GLOB)")
+  files = lm_lib.heldout_files(options, "long_context")
   checkpoints = lm_lib.checkpoints_option(options)
   max_length = lm_lib.int_option(options, "max_length", None)
   batch_size = lm_lib.int_option(options, "batch_size", DEFAULT_BATCH_SIZE)

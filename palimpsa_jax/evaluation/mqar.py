@@ -15,6 +15,7 @@ from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.data import pipeline
 from palimpsa_jax.evaluation import checkpoints
 from palimpsa_jax.evaluation import lm as lm_lib
+from palimpsa_jax.evaluation import tables
 from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import steps as steps_lib
 
@@ -131,18 +132,16 @@ def mixer_name(config: ml_collections.ConfigDict) -> str:
 
 def format_table(evaluations: Sequence[Mapping[str, Any]]) -> str:
   """A plain-text table: one row per checkpoint and setting."""
-  header = f"{'checkpoint':<40} {'step':>7} {'mixer':<15} {'seq_len':>7} {'kv':>5} {'accuracy':>9} {'loss':>8}"
-  lines = [header, "-" * len(header)]
+  rows = []
   for evaluation in evaluations:
-    name = evaluation["checkpoint"]
-    name = name if len(name) <= 40 else "..." + name[-37:]
     for r in evaluation["results"]:
       loss = r["loss"] if math.isfinite(r["loss"]) else float("nan")
-      lines.append(
-          f"{name:<40} {evaluation['step']:>7} {str(evaluation['mixer']):<15} "
-          f"{r['seq_len']:>7} {r['num_kv_pairs']:>5} {100 * r['accuracy']:>8.2f}% "
-          f"{loss:>8.4f}")
-  return "\n".join(lines)
+      rows.append([tables.shorten(evaluation["checkpoint"], 40), str(evaluation["step"]),
+                   str(evaluation["mixer"]), str(r["seq_len"]), str(r["num_kv_pairs"]),
+                   f"{100 * r['accuracy']:.2f}%", f"{loss:.4f}"])
+  return tables.format_table(
+      ["checkpoint", "step", "mixer", "seq_len", "kv", "accuracy", "loss"], rows,
+      right=[False, True, False, True, True, True, True])
 
 
 def run(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,12 +153,8 @@ def run(options: Mapping[str, Any]) -> dict[str, Any]:
   """
   checkpoints = lm_lib.checkpoints_option(options)
   settings = parse_settings(options.get("mqar_settings"))
-  num_examples = int(options.get("num_examples") or DEFAULT_NUM_EXAMPLES)
-  batch_size = int(options.get("batch_size") or DEFAULT_BATCH_SIZE)
-  if num_examples <= 0 or batch_size <= 0:
-    raise mqar_lib.SettingError(
-        f"--num_examples and --batch_size must be positive, got {num_examples} "
-        f"and {batch_size}.")
+  num_examples = lm_lib.int_option(options, "num_examples", DEFAULT_NUM_EXAMPLES)
+  batch_size = lm_lib.int_option(options, "batch_size", DEFAULT_BATCH_SIZE)
   evaluations = [
       evaluate_checkpoint(c, settings, num_examples, batch_size,
                           int(options.get("seed") or 0))

@@ -4,7 +4,19 @@ from collections.abc import Callable, Mapping
 import importlib
 from typing import Any
 
+from palimpsa_jax.run_config import base
+from palimpsa_jax.run_config import values
+
 Suite = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+# What the suites' numeric options accept (eval.py checks its flags of these names with them).
+OPTION_FIELDS = {
+    "max_length": base.FIELDS["seq_len"],  # The row length, as the run's seq_len.
+    "batch_size": values.positive(),
+    "num_examples": values.positive(),
+    "mesh_sequence": values.positive(),
+    "limit": values.positive(kind=float),
+}
 
 # Modules are imported on first use: a suite's dependencies (lm-eval, ...)
 # are needed only when that suite runs.

@@ -20,7 +20,7 @@ from ml_collections import config_dict
 from palimpsa_jax.layers.mlp import swiglu_hidden_dim
 from palimpsa_jax.models import registry
 from palimpsa_jax.run_config import base
-from palimpsa_jax.run_config.base import REQUIRED, Field, flag, one_of, positive
+from palimpsa_jax.run_config.values import REQUIRED, Field, flag, one_of, positive
 
 MODELS = tuple(registry.MIXERS)
 SIZES = ("tiny", "170m", "760m", "2.7b")

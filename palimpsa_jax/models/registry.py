@@ -20,7 +20,7 @@ import ml_collections
 from flax import nnx
 
 from palimpsa_jax.layers import Attention, GatedDeltaNet, MesaNet, MetaMamba2, PalimpsaD
-from palimpsa_jax.run_config.base import Field, flag, one_of, positive
+from palimpsa_jax.run_config.values import Field, flag, one_of, positive
 
 # MesaNet's conjugate-gradient steps per readout (the published training value).
 MESANET_CG_STEPS = 30

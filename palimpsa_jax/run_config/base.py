@@ -5,6 +5,8 @@ only what differs. A field whose default is REQUIRED has none: the config file s
 its arguments). `validate` checks a config field by field, once, when a run starts
 (training/trainer.py's validate_config) and raises ConfigError naming the first bad field and
 what it expects. The checks that need the devices (mesh, batch shards) stay in the trainer.
+Each field is a values.Field: the config-file argument of the same name is checked by the same
+Field while the config file parses it (`argument_fields`).
 
 A setting that may be "not set" is None there (total_steps: num_epochs passes; grad_accum_steps:
 auto; device_batch, decay_steps, clip_norm, early_stop_accuracy: none), never a 0 that means
@@ -15,72 +17,25 @@ config.args and config.finetune (the config file's own arguments, already checke
 are not described here.
 """
 
-from collections.abc import Callable
-import dataclasses
+import json
 from typing import Any
 
 import ml_collections
 
 from palimpsa_jax import user_errors
 from palimpsa_jax.run_config import config_args
+from palimpsa_jax.run_config.values import (REQUIRED, Field, anything, at_least, flag,
+                                            in_interval, one_of, or_none, positive)
 
 TASKS = ("mqar", "lm")
+
+
 class ConfigError(ValueError, user_errors.UserError):
   """A run config the trainer refuses; the message names the field and what it expects."""
 
 
-REQUIRED = object()  # A default that means "the config file sets this field".
 # Groups of fields the trainer does not read (see the module docstring).
 FREE_GROUPS = ("model", "args", "finetune")
-
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-  """One config field.
-
-  Attributes:
-    default: its value in base_config, or REQUIRED.
-    types: the accepted value types (bool is never an int or a float here).
-    check: value -> whether it is allowed (after the type check).
-    expected: what an allowed value is, for the error ("a positive int").
-  """
-  default: Any
-  types: tuple[type, ...]
-  check: Callable[[Any], bool]
-  expected: str
-
-
-def _any(_: Any) -> bool:
-  return True
-
-
-def positive(default: Any = REQUIRED, kind: type = int) -> Field:
-  """A positive `kind` (also the model config's fields, models/config.py)."""
-  return Field(default, (kind,), lambda v: v > 0, f"a positive {kind.__name__}")
-
-
-def flag(default: bool) -> Field:
-  return Field(default, (bool,), _any, "True or False")
-
-
-def one_of(default: Any, choices: tuple[Any, ...]) -> Field:
-  """One of `choices` (strings, or None too)."""
-  return Field(default, tuple(dict.fromkeys(type(c) for c in choices)), lambda v: v in choices,
-               f"one of {choices}")
-
-
-def _positive_int(default: Any) -> Field:
-  return positive(default)
-
-
-def _fraction(default: Any) -> Field:
-  return Field(default, (float,), lambda v: 0 <= v <= 1, "a number in [0, 1]")
-
-
-def _positive_or_none(default: Any, kind: type, none: str) -> Field:
-  """A positive `kind`, or None meaning `none`."""
-  return Field(default, (kind, type(None)), lambda v: v is None or v > 0,
-               f"a positive {kind.__name__}, or None ({none})")
 
 
 def _mesh_axis(default: int) -> Field:
@@ -90,52 +45,52 @@ def _mesh_axis(default: int) -> Field:
 
 # The top-level fields; "data" holds DATA_FIELDS[task].
 FIELDS = {
-    "task": Field(REQUIRED, (str,), lambda v: v in TASKS, f"one of {TASKS}"),
-    "seed": Field(REQUIRED, (int,), _any, "an int"),
-    "seq_len": _positive_int(REQUIRED),
-    "batch_size": _positive_int(REQUIRED),  # Global, in sequences.
-    "eval_batch_size": _positive_int(REQUIRED),  # Global, in sequences.
+    "task": one_of(REQUIRED, TASKS),
+    "seed": anything(REQUIRED, int),
+    "seq_len": at_least(2),  # A row predicts its tokens 2.. from the ones before.
+    "batch_size": positive(),  # Global, in sequences.
+    "eval_batch_size": positive(),  # Global, in sequences.
     # None: as many microbatches as keep each device at device_batch sequences or fewer.
-    "grad_accum_steps": _positive_or_none(1, int, "auto: from device_batch"),
+    "grad_accum_steps": or_none(positive(), "auto: from device_batch", default=1),
     # Most sequences per device and microbatch for grad_accum_steps=None.
-    "device_batch": _positive_or_none(None, int, "not set"),
+    "device_batch": or_none(positive(), "not set"),
     # None: num_epochs passes over the training set (MQAR only).
-    "total_steps": _positive_or_none(None, int, "num_epochs passes"),
-    "num_epochs": Field(0, (int,), lambda v: v >= 0, "an int >= 0"),
-    "log_every_steps": _positive_int(50),
-    "eval_every_steps": _positive_int(1000),
-    "checkpoint_every_steps": _positive_int(1000),
-    "keep_checkpoints": _positive_int(3),
+    "total_steps": or_none(positive(), "num_epochs passes"),
+    "num_epochs": at_least(0, 0),
+    "log_every_steps": positive(50),
+    "eval_every_steps": positive(1000),
+    "checkpoint_every_steps": positive(1000),
+    "keep_checkpoints": positive(3),
     # Also checkpoint at the first step after this much wall time since the last save
     # (whatever checkpoint_every_steps says), bounding what a hard kill loses; 0: off.
     "checkpoint_every_minutes": Field(10.0, (float, int), lambda v: v >= 0,
                                       "minutes >= 0 (0: only checkpoint_every_steps)"),
-    "async_checkpointing": Field(True, (bool,), _any, "True or False"),
-    "log_diagnostics": Field(True, (bool,), _any, "True or False"),  # Mixer statistics per layer.
+    "async_checkpointing": flag(True),
+    "log_diagnostics": flag(True),  # Mixer statistics per layer.
     # Initial parameters computed on the CPU, then sharded: "auto" (on GPU/TPU, whose
     # compilers take minutes for the per-parameter random init), True, False.
     "init_on_host": Field("auto", (bool, str), lambda v: v in (True, False, "auto"),
                           "'auto', True or False"),
     # Stop once an evaluation reaches this accuracy; None: never.
-    "early_stop_accuracy": Field(None, (float, type(None)), lambda v: v is None or 0 < v <= 1,
-                                 "a number in (0, 1], or None (never stop early)"),
+    "early_stop_accuracy": or_none(in_interval(0, 1, low_closed=False), "never stop early"),
     # A conversion output whose parameters start the run (configs/finetune.py); "": none.
-    "init_from": Field("", (str,), _any, "a directory, or '' for a fresh initialisation"),
+    "init_from": Field("", (str,), lambda _: True,
+                       "a directory, or '' for a fresh initialisation"),
 }
 
 OPTIMIZER_FIELDS = {
-    "learning_rate": Field(REQUIRED, (float,), lambda v: v > 0, "> 0"),
-    "warmup_fraction": _fraction(0.0),  # Of the schedule's horizon (decay_steps).
+    "learning_rate": positive(kind=float),
+    "warmup_fraction": in_interval(0, 1, 0.0),  # Of the schedule's horizon (decay_steps).
     # The cosine's horizon, warmup included; None: total_steps.
-    "decay_steps": _positive_or_none(None, int, "total_steps"),
-    "end_fraction": _fraction(0.0),  # The final learning rate, as a fraction of the peak.
-    "b1": Field(0.9, (float,), lambda v: 0 <= v < 1, "in [0, 1)"),
-    "b2": Field(0.999, (float,), lambda v: 0 <= v < 1, "in [0, 1)"),
-    "eps": Field(1e-8, (float,), lambda v: v >= 0, ">= 0"),
-    "weight_decay": Field(0.1, (float,), lambda v: v >= 0, ">= 0"),
-    "clip_norm": _positive_or_none(1.0, float, "no clipping"),
+    "decay_steps": or_none(positive(), "total_steps"),
+    "end_fraction": in_interval(0, 1, 0.0),  # The final learning rate, a fraction of the peak.
+    "b1": in_interval(0, 1, 0.9, high_closed=False),
+    "b2": in_interval(0, 1, 0.999, high_closed=False),
+    "eps": at_least(0, 1e-8, float),
+    "weight_decay": at_least(0, 0.1, float),
+    "clip_norm": or_none(positive(kind=float), "no clipping", default=1.0),
     # Fine-tuning: the first steps train only the new metaplastic parameters.
-    "new_params_only_steps": Field(0, (int,), lambda v: v >= 0, "an int >= 0"),
+    "new_params_only_steps": at_least(0, 0),
 }
 
 MESH_FIELDS = {
@@ -144,27 +99,34 @@ MESH_FIELDS = {
     "sequence": _mesh_axis(1),  # > 1: each sequence split over that many devices.
     "tensor": _mesh_axis(1),
     # (logical axis, mesh axis or None) pairs over training/sharding.py's DEFAULT_RULES.
-    "rules": Field((), (tuple, list), _any, "a sequence of (logical axis, mesh axis) pairs"),
+    "rules": Field((), (tuple, list), lambda _: True,
+                   "a sequence of (logical axis, mesh axis) pairs"),
 }
 
 DATA_FIELDS = {
     "mqar": {  # data/mqar.py's generator.
-        "vocab_size": _positive_int(REQUIRED),
-        "num_kv_pairs": _positive_int(REQUIRED),
-        "num_train_examples": _positive_int(REQUIRED),
-        "num_test_examples": _positive_int(REQUIRED),
-        "power_a": Field(REQUIRED, (float,), lambda v: v > 0, "> 0"),
-        "random_non_queries": Field(REQUIRED, (bool,), _any, "True or False"),
+        "vocab_size": positive(),
+        "num_kv_pairs": positive(),
+        "num_train_examples": positive(),
+        "num_test_examples": positive(),
+        "power_a": positive(kind=float),
+        "random_non_queries": flag(REQUIRED),
     },
     "lm": {  # data/text.py, data/token_shards.py.
         "train_files": Field("", (str,), bool,
                              "the training text files (a glob, or comma-separated globs)"),
-        "eval_files": Field("", (str,), _any, "held-out files, or '' for none"),
-        "eval_batches": _positive_int(20),
+        "eval_files": Field("", (str,), lambda _: True, "held-out files, or '' for none"),
+        "eval_batches": positive(20),
         # A tokenizer.json path, or "bpe:<vocab>": a byte-level BPE trained on train_files.
         "tokenizer": Field(REQUIRED, (str,), bool, "a tokenizer.json path or 'bpe:<vocab>'"),
     },
 }
+
+
+def argument_fields(task: str) -> dict[str, Field]:
+  """{name: Field} of the run-config fields a config-file argument of that name sets (the
+  top-level, optimizer and data fields of `task`), for config_args.parse_config_arg."""
+  return {**FIELDS, **OPTIMIZER_FIELDS, **DATA_FIELDS[task]}
 
 
 def _group(fields: dict[str, Field]) -> dict[str, Any]:
@@ -201,6 +163,19 @@ _EARLIER_ZEROS = (
 _EARLIER_ARG_ZEROS = ("num_heads", "head_v_dim")
 
 
+def read_saved(path: str, text: str) -> dict[str, Any]:
+  """The JSON object `text` read from `path` (a config.json or conversion.json the project
+  wrote); ConfigError naming the file when it is not one (cut short by a full disk, edited)."""
+  try:
+    saved = json.loads(text)
+  except json.JSONDecodeError as error:
+    raise ConfigError(f"{path} is not valid JSON ({error.msg}: line {error.lineno}, "
+                      f"column {error.colno}): the file was cut short or edited.") from None
+  if not isinstance(saved, dict):
+    raise ConfigError(f"{path} holds a {type(saved).__name__}, not a JSON object of settings.")
+  return saved
+
+
 def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
   """A config.json written by train.py, in today's spelling (earlier runs' too).
 
@@ -229,14 +204,6 @@ def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(saved)
 
 
-def _is_type(value: Any, types: tuple[type, ...]) -> bool:
-  if isinstance(value, bool):
-    return bool in types
-  if float in types and isinstance(value, int):
-    return True
-  return isinstance(value, types)
-
-
 def check_group(group: ml_collections.ConfigDict, fields: dict[str, Field],
                 prefix: str) -> None:
   """Raises ConfigError for the first field of `group` that is unknown, missing or bad."""
@@ -248,7 +215,7 @@ def check_group(group: ml_collections.ConfigDict, fields: dict[str, Field],
     if name not in group:
       raise ConfigError(f"{prefix}{name} is missing; expected {field.expected}.")
     value = group[name]
-    if not (_is_type(value, field.types) and field.check(value)):
+    if not field.accepts(value):
       raise ConfigError(f"{prefix}{name} must be {field.expected}, got {value!r}.")
 
 

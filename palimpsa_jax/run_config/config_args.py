@@ -9,11 +9,13 @@ is read under the new one (`upgrade_args`). REMOVED lists arguments that no long
 command that gives one is refused saying why; a saved config.json keeps it as a record.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.run_config import values
 
 # Earlier argument names -> today's (configs/mqar.py, configs/lm.py, configs/finetune.py).
 RENAMED = {
@@ -80,13 +82,17 @@ def _convert(key: str, text: str, default: Any) -> Any:
 
 
 def parse_config_arg(arg: str | None, renamed: dict[str, str] | None = None,
+                     fields: Mapping[str, values.Field] | None = None,
                      **defaults: Any) -> ml_collections.ConfigDict:
   """Parses "k=v,k=v" into a ConfigDict of `defaults` updated by the arguments.
 
   Values take the type of their default (a FieldReference's field type: then also "none");
-  unknown keys raise ConfigArgumentError, naming
-  the new spelling of a key in `renamed` (default RENAMED_FRACTION).
+  a given value must be one its Field in `fields` accepts (the run-config field it sets, or
+  the argument's own). Unknown keys, values of another type and refused values raise
+  ConfigArgumentError; an unknown key names the new spelling of a key in `renamed` (default
+  RENAMED_FRACTION).
   """
+  fields = fields or {}
   renamed = RENAMED_FRACTION if renamed is None else renamed
   # Fresh FieldReferences: setting a field of the result must not change `defaults`.
   args = {key: ml_collections.FieldReference(value.get(), field_type=value.get_type())
@@ -106,6 +112,9 @@ def parse_config_arg(arg: str | None, renamed: dict[str, str] | None = None,
       raise ConfigArgumentError(
           f"unknown config argument {key!r}; known: {sorted(defaults)}.")
     args[key] = _convert(key, text, defaults[key])
+    if key in fields and not fields[key].accepts(args[key]):
+      raise ConfigArgumentError(
+          f"config argument {key}={text} must be {fields[key].expected}.")
   return ml_collections.ConfigDict(args)
 
 

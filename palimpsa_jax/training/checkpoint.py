@@ -18,7 +18,6 @@ item {"params": parameter tree}; see save_params and restore_params.
 import asyncio
 import contextlib
 import datetime
-import json
 import os
 import shutil
 from typing import Any
@@ -110,7 +109,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   if not path.exists():
     raise FileNotFoundError(
         f"{path} not found: is {workdir!r} a workdir written by train.py?")
-  saved = json.loads(path.read_text())
+  saved = base.read_saved(str(path), path.read_text())
   if isinstance(saved.get("model"), dict):  # an earlier version's model config in today's form
     saved["model"] = models.config.upgrade(saved["model"])
   return base.from_saved(saved)

@@ -9,7 +9,8 @@ the nearest known fields, or the field an earlier spelling is now called
 were already derived, so changing them afterwards would change nothing but
 config.json; the message gives the config-argument form that does work.
 A config file that refuses its arguments (`--config=configs/mqar.py:num_kv_pairs=abc`)
-stops with its one-line message, not the file's traceback. These refusals are raised as
+stops with its one-line message, not the file's traceback, and so does a file that is no
+config file (not Python, or without get_config). These refusals are raised as
 user_errors.UserError, and wrong override types as absl's flags.Error, for the entry point
 to report in one line (user_errors.run_app).
 """
@@ -128,6 +129,16 @@ def parse_flags(argv: list[str]) -> list[str]:
       flags.FLAGS["config"].parser.parse(config_arg)
     except ValueError as refused:
       raise user_errors.UserError(f"--config={config_arg}: {_error_line(refused)}") from None
+    except SyntaxError as error:  # README.md, say: not Python
+      raise user_errors.UserError(
+          f"--config={config_arg}: {error.filename} is not a Python config file "
+          f"(line {error.lineno}: {error.msg}).") from None
+    except AttributeError as error:
+      if "get_config" not in str(error):
+        raise
+      raise user_errors.UserError(
+          f"--config={config_arg}: the file defines no get_config(arg), which a config "
+          "file provides (configs/*.py).") from None
   found = overrides(argv)
   for path, value in found.items():
     if path.split(".")[0] in ARGUMENT_FIELDS:

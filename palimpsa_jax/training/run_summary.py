@@ -95,7 +95,9 @@ class RunSummary:
                "segments": segments}
     if self._writer:
       with open(path + ".partial", "w") as f:
-        f.write(json.dumps(summary, indent=2))
+        # Sorted: the order of a value's keys must not depend on where it came from (a rerun
+        # reads last_eval back from metrics.jsonl), or a rerun would rewrite the file.
+        f.write(json.dumps(summary, indent=2, sort_keys=True))
       os.replace(path + ".partial", path)
     return summary
 

@@ -184,9 +184,9 @@ def test_finetune_config_errors(hf_source, tmp_path):
   folder, _, _ = hf_source
   dest = str(tmp_path / "conv")
   command.run_conversion(folder, dest, "1", "paper", verbose=False)
-  for bad, match in (("total_steps=0", "steps must be positive"),
+  for bad, match in (("total_steps=0", "total_steps=0 must be a positive int"),
                      ("total_steps=20,new_params_only_steps=30", "new_params_only_steps"),
-                     ("task=speech", "task must be")):
+                     ("task=speech", r"task=speech must be one of \('mqar', 'lm'\)")):
     with pytest.raises(ValueError, match=match):
       _finetune_config(f"source={dest},{bad}")
   with pytest.raises(ValueError, match="needs source="):

@@ -52,8 +52,8 @@ def _lm(tmp_path_factory):
 
 def test_lm_suites_on_a_zero_init_conversion_match_its_source(lm):
   options = {"files": lm.files, "batch_size": 2}
-  source = suites.SUITES["lm"]({**options, "checkpoint": [lm.workdir]})
-  converted = suites.SUITES["lm"]({**options, "checkpoint": [lm.dest]})
+  source = suites.SUITES["lm"]({**options, "checkpoint": [lm.workdir]})["checkpoints"][lm.workdir]
+  converted = suites.SUITES["lm"]({**options, "checkpoint": [lm.dest]})["checkpoints"][lm.dest]
   assert converted["step"] == 0 and converted["seq_len"] == 16
   assert converted["tokens"] == source["tokens"]
   np.testing.assert_allclose(converted["perplexity"], source["perplexity"], rtol=1e-5)
@@ -88,7 +88,9 @@ def test_hugging_face_conversion_uses_the_tokenizer_beside_its_source(lm, tmp_pa
   _, config, step, tokenizer = lm_lib.load_checkpoint(dest)
   assert (step, config.seq_len) == (0, 2048) and tokenizer.path == folder + "/tokenizer.json"
   result = suites.SUITES["lm"]({"checkpoint": [dest], "files": lm.files, "max_length": 16})
+  result = result["checkpoints"][dest]
   source = suites.SUITES["lm"]({"checkpoint": [lm.workdir], "files": lm.files})
+  source = source["checkpoints"][lm.workdir]
   np.testing.assert_allclose(result["perplexity"], source["perplexity"], rtol=1e-5)
 
 
@@ -108,3 +110,4 @@ def test_mqar_suite_on_a_conversion_matches_its_source(tmp_path):
   assert after["step"] == 0 and after["mixer"] == "mamba2+metaplastic[0]"
   np.testing.assert_allclose(after["results"][0]["loss"], before["results"][0]["loss"], rtol=1e-5)
   assert after["results"][0]["accuracy"] == before["results"][0]["accuracy"]
+

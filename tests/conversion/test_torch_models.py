@@ -179,7 +179,8 @@ def test_export_accepts_a_zero_beta_bias(tmp_path):
 
 @pytest.mark.slow
 def test_imported_model_finetunes_and_exports_from_the_train_py_workdir(tmp_path, capsys):
-  """configs/finetune.py trains an imported model; its train.py workdir exports exactly."""
+  """configs/finetune.py trains an imported model in its destination; that workdir exports its
+  trained parameters exactly."""
   # pylint: disable=g-import-not-at-top
   import importlib.util
   import pathlib
@@ -196,7 +197,7 @@ def test_imported_model_finetunes_and_exports_from_the_train_py_workdir(tmp_path
                              "vocab_size=32,batch_size=4,num_train_examples=16,"
                              "num_test_examples=8")
   config.eval_batch_size, config.log_diagnostics = 8, False
-  workdir = str(tmp_path / "ft")
+  workdir = dest  # fine-tuned in place (docs/torch_models.md): the export takes its last step
   assert trainer.train_and_evaluate(config, workdir)["final_step"] == 2
   assert f"initialised parameters from {dest}" in capsys.readouterr().out
   exported = str(tmp_path / "exported")

@@ -158,10 +158,12 @@ def test_run_suites(setup, monkeypatch):
   a, b = str(ckpt_dir), str(setup.root)
   _fake_checkpoints(monkeypatch, setup, {a: UniformLM(VOCAB), b: BigramLM(VOCAB)})
   result = lm_lib.run({"checkpoint": [a], "files": setup.files, "batch_size": 2})
+  assert result["files"] == setup.files and list(result["checkpoints"]) == [a]
+  result = result["checkpoints"][a]
   np.testing.assert_allclose(result["perplexity"], VOCAB, rtol=1e-5)
   assert {"bits_per_byte", "step", "seq_len"} <= set(result) and result["seq_len"] == SEQ_LEN
   both = lm_lib.run({"checkpoint": f"{a},{b}", "files": setup.files, "max_length": 8})
-  assert set(both["checkpoints"]) == {a, b}
+  assert set(both["checkpoints"]) == {a, b}  # the same form as for one checkpoint
   output = str(setup.root / "out" / "long.json")
   curves = long_context.run({"checkpoint": [a, b], "files": setup.files, "max_length": 8,
                              "output": output})
@@ -207,6 +209,7 @@ def test_suites_on_a_trained_checkpoint(setup, tmp_path):
   workdir = str(tmp_path / "run")
   trainer.train_and_evaluate(config, workdir)
   result = suites.SUITES["lm"]({"checkpoint": [workdir], "files": setup.files, "batch_size": 2})
+  result = result["checkpoints"][workdir]
   assert result["step"] == 2 and result["seq_len"] == 16
   assert result["tokens"] == len(_scored_pairs(setup.tok, 16))
   assert 1 < result["perplexity"] < 2 * VOCAB and result["bits_per_byte"] > 0
@@ -214,3 +217,22 @@ def test_suites_on_a_trained_checkpoint(setup, tmp_path):
                                           "files": setup.files, "max_length": 16})
   assert curves["checkpoints"][workdir + "/checkpoints/2"]["step"] == 2
   assert curves["plot"] == workdir + "/eval_long_context.png"
+
+
+@pytest.mark.parametrize("suite", [lm_lib, long_context])
+def test_held_out_files_without_text_are_refused_before_any_checkpoint_loads(suite, tmp_path,
+                                                                             monkeypatch):
+  empty = tmp_path / "e.txt"
+  empty.write_text("")
+  monkeypatch.setattr(lm_lib, "load_checkpoint", lambda _: pytest.fail("loaded a checkpoint"))
+  with pytest.raises(text_lib.DataError, match=r"--files=.*e\.txt.*hold no text"):
+    suite.run({"checkpoint": [str(tmp_path)], "files": str(empty)})
+
+
+def test_lm_table_says_when_checkpoints_were_scored_at_different_lengths():
+  row = {"step": 7, "tokens": 1200, "perplexity": 30.0, "bits_per_byte": 1.5}
+  same = lm_lib.format_table({"runs/a": {**row, "seq_len": 128}, "runs/b": {**row, "seq_len": 128}})
+  assert "seq_len" in same.splitlines()[0] and "note" not in same
+  mixed = lm_lib.format_table({"runs/a": {**row, "seq_len": 128},
+                               "runs/b": {**row, "seq_len": 2048}})
+  assert "different context lengths" in mixed.splitlines()[-1]

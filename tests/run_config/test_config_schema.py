@@ -54,20 +54,21 @@ def test_config_files_set_every_required_field(name, arg):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("seq_len", 0, "config.seq_len must be a positive int, got 0."),
+    ("seq_len", 1, "config.seq_len must be an int >= 2, got 1."),
     ("log_diagnostics", 1, "config.log_diagnostics must be True or False, got 1."),
     ("batch_size", True, "config.batch_size must be a positive int, got True."),
     ("early_stop_accuracy", 1.5, "config.early_stop_accuracy must be a number in (0, 1]"),
     ("early_stop_accuracy", 0.0, "config.early_stop_accuracy must be a number in (0, 1], or None"),
     ("total_steps", 0, "config.total_steps must be a positive int, or None (num_epochs passes)"),
     ("grad_accum_steps", 0, "config.grad_accum_steps must be a positive int, or None (auto"),
-    ("optimizer.clip_norm", 0.0, "config.optimizer.clip_norm must be a positive float, or None"),
-    ("optimizer.b2", 1.0, "config.optimizer.b2 must be in [0, 1), got 1.0."),
-    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate must be > 0, got 0.0."),
+    ("optimizer.clip_norm", 0.0, "config.optimizer.clip_norm must be a positive number, or None"),
+    ("optimizer.b2", 1.0, "config.optimizer.b2 must be a number in [0, 1), got 1.0."),
+    ("optimizer.learning_rate", 0.0, "config.optimizer.learning_rate must be a positive number, "
+     "got 0.0."),
     ("optimizer.end_fraction", 2.0, "config.optimizer.end_fraction must be a number in [0, 1]"),
     ("optimizer.decay_steps", 0, "config.optimizer.decay_steps must be a positive int, or None "
      "(total_steps)"),
-    ("optimizer.learning_rate", "3e-3", "config.optimizer.learning_rate must be > 0"),
+    ("optimizer.learning_rate", "3e-3", "config.optimizer.learning_rate must be a positive"),
     ("mesh.tensor", 0, "config.mesh.tensor must be a positive int, or -1"),
     ("data.num_kv_pairs", None, "config.data.num_kv_pairs must be a positive int, got None."),
 ])
@@ -79,6 +80,39 @@ def test_a_bad_value_is_named_with_what_was_expected(field, value, message):
     target[leaf] = value
   with pytest.raises(ValueError) as error:
     base.validate(config)
+  assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("name", ["mqar", "lm", "finetune"])
+def test_every_config_argument_is_checked_by_a_field(name):
+  module = _config_file(name)
+  assert set(module.DEFAULTS) <= set(module.ARGUMENT_FIELDS)
+  task = "lm" if name == "lm" else "mqar"
+  own = {"lm": {"total_steps"}, "finetune": {"total_steps", "task"}}.get(name, set())
+  for key, field in base.argument_fields(task).items():  # a field's argument: its own check
+    if key in module.DEFAULTS and key not in own:
+      assert module.ARGUMENT_FIELDS[key] is field, key
+
+
+@pytest.mark.parametrize("name, arg, message", [
+    ("mqar", "batch_size=0", "config argument batch_size=0 must be a positive int."),
+    ("mqar", "evals_per_epoch=0", "config argument evals_per_epoch=0 must be a positive int."),
+    ("mqar", "warmup_fraction=1.5", "config argument warmup_fraction=1.5 must be a number in "
+     "[0, 1]."),
+    ("mqar", "early_stop_accuracy=0", "config argument early_stop_accuracy=0 must be a number "
+     "in (0, 1], or None (never stop early)."),
+    ("mqar", "model=lstm", "config argument model=lstm must be one of ('palimpsa_d', "),
+    ("lm", "preset=cpu,total_steps=0", "config argument total_steps=0 must be a positive int, "
+     "or None (ceil(tokens / (batch_size * seq_len)))."),
+    ("lm", "preset=cpu,seq_len=1", "config argument seq_len=1 must be an int >= 2."),
+    ("lm", "tokens=-1", "config argument tokens=-1 must be a positive number."),
+    ("finetune", "source=runs/x,evals=0", "config argument evals=0 must be a positive int."),
+    ("finetune", "source=runs/x,learning_rate=0", "config argument learning_rate=0 must be a "
+     "positive number."),
+])
+def test_a_refused_config_argument_says_what_its_field_expects(name, arg, message):
+  with pytest.raises(config_args.ConfigArgumentError) as error:
+    _config_file(name).get_config(arg)
   assert str(error.value).startswith(message)
 
 

@@ -102,7 +102,7 @@ def test_mqar_steps_argument():
   config = _config_module("mqar").get_config("total_steps=200")
   assert config.total_steps == 200
   assert _warmup(config, 200) == 10  # 5% of the run
-  with pytest.raises(ValueError, match="total_steps must be > 0"):
+  with pytest.raises(ValueError, match=r"total_steps=-1 must be a positive int, or None"):
     _config_module("mqar").get_config("total_steps=-1")
 
 

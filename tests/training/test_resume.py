@@ -162,10 +162,11 @@ def test_summary_is_kept_across_segments(tmp_path, finished):
   workdir = _copy(finished[0], tmp_path)
   first = finished[1]
   assert first["last_eval"] and len(first["segments"]) == 1
-  # Already finished:
+  # Already finished: summary.json stays as it was, byte for byte.
+  before = (workdir / "summary.json").read_text()
   again = trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
-  saved = json.loads((workdir / "summary.json").read_text())
-  assert saved == again
+  assert (workdir / "summary.json").read_text() == before
+  assert json.loads(before) == again
   for key in ("wall_time_s", "last_eval", "best_accuracy", "best_step", "final_step",
               "segments"):
     assert again[key] == first[key], key
