@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import bf16_terms
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import SMEM_LIMIT, smem_bytes_of
 
 f32, bf16 = jnp.float32, jnp.bfloat16

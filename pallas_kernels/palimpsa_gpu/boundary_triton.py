@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import bf16_terms, largest_power_of_two_dividing
 from pallas_kernels.palimpsa_gpu import layout
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Triton software-pipelining stages of the chunk loop: two overlap the next chunk's loads

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 
 f32 = jnp.float32
 WARPGROUP = 128

@@ -9,7 +9,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import k_parts, largest_power_of_two_dividing
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 # State entries per program at most: the V-tile is the largest that keeps within them.
 TILE_ENTRIES = 1024

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
     K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
     smem_bytes_of, sum_stores)

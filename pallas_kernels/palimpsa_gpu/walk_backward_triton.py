@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.common import fast_reciprocal, fma, k_parts
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 
 def supports_call(call: StageCall) -> bool:

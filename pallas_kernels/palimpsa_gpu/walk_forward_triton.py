@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import fast_reciprocal, fma, k_parts, largest_power_of_two_dividing
 from pallas_kernels.palimpsa_gpu import layout
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 # Loop bodies ahead that a program loads its rows; one hides the load latency.
 FORWARD_PREFETCH = 1
