@@ -6,8 +6,8 @@ sequentially over chunks, giving the chunk-boundary states; (2) a Pallas kernel 
 (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out at every
 step. Both read the inputs in the caller's [B, T, H, D] layout. The boundary states are
 not kept for the backward (2 * V * K floats per chunk of every batch-head: 37 KB a token at
-Palimpsa-D 760M's shape, where the whole block now keeps 87 KB): the backward runs the
-boundary kernel again from the kept inputs, once the output's cotangent exists.
+Palimpsa-D 760M's shape with 64-step chunks): the backward runs the boundary kernel again from
+the kept inputs, once the output's cotangent exists.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas, one
 [16, 16] state tile per Triton program or per warp of a Mosaic GPU warpgroup, the tiles'
 sums added by TMA reduce-add or by XLA) with zero adjoint from later chunks, scan the
