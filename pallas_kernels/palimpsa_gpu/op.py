@@ -81,6 +81,17 @@ def _check_nvidia_gpu() -> None:
         f"got {device.platform!r} ({device.client.platform_version})")
 
 
+def check_supported(q, k, v, beta, log_alpha, prior_precision, *, return_variance: bool,
+                    chunk_size: int, interpret: bool, backend: str = "auto") -> GpuKernelConfig:
+  """The call's config (`make_config`); raises NotImplementedError with the reason where
+  palimpsa_gpu cannot run the call (arguments as palimpsa_gpu's)."""
+  if not interpret:
+    _check_nvidia_gpu()
+  return make_config(q, v, log_alpha, prior_precision, return_variance=return_variance,
+                     chunk_size=chunk_size, interpret=interpret, k_dtype=k.dtype,
+                     beta_dtype=beta.dtype, backend=backend)
+
+
 def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
                  initial_precision, segment_starts, *, return_variance: bool,
                  chunk_size: int, interpret: bool, backend: str = "auto",
@@ -115,12 +126,9 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
   if config is not None and backend != "auto":
     raise ValueError(f"give backend or config, not both (backend={backend!r}): a config "
                      "names each stage's kernel itself")
-  if not interpret:
-    _check_nvidia_gpu()
-  expected = make_config(q, v, log_alpha, prior_precision,
-                         return_variance=return_variance, chunk_size=chunk_size,
-                         interpret=interpret, k_dtype=k.dtype, beta_dtype=beta.dtype,
-                         backend=backend)
+  expected = check_supported(q, k, v, beta, log_alpha, prior_precision,
+                             return_variance=return_variance, chunk_size=chunk_size,
+                             interpret=interpret, backend=backend)
   if config is None:
     config = expected
   else:

@@ -4,8 +4,9 @@ starts, dispatches to an implementation of the table in implementations.py."""
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.gated_delta_rule.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.gated_delta_rule.implementations import IMPLEMENTATIONS, PREFERENCE
 from palimpsa_jax.ops.gated_delta_rule.types import GatedDeltaRuleResult
 from palimpsa_jax.ops.gated_delta_rule.validation import validate_gated_delta_args
 
@@ -50,7 +51,6 @@ def gated_delta_rule(
   state_shape = (batch, heads, value_dim, key_dim)
   s0 = jnp.zeros(state_shape, f32) if initial_state is None else initial_state.astype(f32)
   starts = segment_starts(segment_ids, batch, time)
-  name = "chunked" if implementation == "auto" else implementation
-  out, state = IMPLEMENTATIONS[name](q, k, v_f, beta, log_alpha, s0, starts,
-                                     chunk_size=chunk_size)
+  out, state = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                            (q, k, v_f, beta, log_alpha, s0, starts), dict(chunk_size=chunk_size))
   return GatedDeltaRuleResult(out.astype(v.dtype), state)

@@ -4,8 +4,9 @@ dispatches to an implementation of the table in implementations.py."""
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.mesa_net.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.mesa_net.implementations import IMPLEMENTATIONS, PREFERENCE
 from palimpsa_jax.ops.mesa_net.types import MesaNetResult, MesaState
 from palimpsa_jax.ops.mesa_net.validation import validate_mesa_args
 
@@ -63,7 +64,7 @@ def mesa_net(
   else:
     h0, g0 = (x.astype(f32) for x in initial_state)
   starts = segment_starts(segment_ids, batch, time)
-  name = "chunked" if implementation == "auto" else implementation
-  out, h, g = IMPLEMENTATIONS[name](q, k, v_f, beta, log_gamma, lam, h0, g0, starts,
-                                    chunk_size=chunk_size, cg_steps=cg_steps)
+  out, h, g = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                           (q, k, v_f, beta, log_gamma, lam, h0, g0, starts),
+                           dict(chunk_size=chunk_size, cg_steps=cg_steps))
   return MesaNetResult(out.astype(v.dtype), MesaState(h, g))

@@ -4,8 +4,9 @@ dispatches to an implementation of the table in implementations.py."""
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.simple_gla.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops.simple_gla.implementations import IMPLEMENTATIONS, PREFERENCE
 from palimpsa_jax.ops.simple_gla.types import SimpleGLAResult
 from palimpsa_jax.ops.simple_gla.validation import validate_gla_args
 
@@ -45,6 +46,6 @@ def simple_gla(
   state_shape = (batch, heads, value_dim, key_dim)
   h0 = jnp.zeros(state_shape, f32) if initial_state is None else initial_state.astype(f32)
   starts = segment_starts(segment_ids, batch, time)
-  name = "chunked" if implementation == "auto" else implementation
-  out, state = IMPLEMENTATIONS[name](q, k, v_f, log_alpha, h0, starts, chunk_size=chunk_size)
+  out, state = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                            (q, k, v_f, log_alpha, h0, starts), dict(chunk_size=chunk_size))
   return SimpleGLAResult(out.astype(v.dtype), state)
