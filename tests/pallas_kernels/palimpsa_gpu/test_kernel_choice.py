@@ -7,6 +7,10 @@ change to where the choice is made cannot change what is chosen. CPU only: the d
 stood in for (compute capability, device count).
 """
 
+import dataclasses
+import types
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -157,3 +161,29 @@ def test_tiles_are_pinned(monkeypatch, call):
           k_part=MOSAIC_K_PART_BOUNDARY[call])
     else:
       assert getattr(auto, stage) == MOSAIC_TILES[stage], stage
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThirdTiles:
+  backend: ClassVar[str] = "third"
+  kp: int
+
+
+def test_a_third_kernel_for_one_stage_is_one_entry_of_its_row(monkeypatch):
+  """A new kernel for a stage is its module and one entry in the stage's row of KERNELS: "auto"
+  takes it where it comes first and supports the call (else the next), stages.run launches it
+  with its tiles, and the other stages and the named backends do not change."""
+  launched = []
+  third = types.SimpleNamespace(
+      supports=lambda call: None if call.kp <= 32 else "it takes K up to 32",
+      tiles=lambda call: _ThirdTiles(call.kp),
+      launch=lambda cfg, *arrays: launched.append((cfg.walk_fwd, arrays)))
+  monkeypatch.setitem(stages.KERNELS, "walk_fwd", {"third": third, **stages.KERNELS["walk_fwd"]})
+  cfg = _config(monkeypatch, "mqar", "sm_90", "pallas_gpu")
+  assert cfg.backends == ("mosaic", "third", "mosaic", "mosaic")
+  assert cfg.walk_fwd == _ThirdTiles(kp=16)
+  stages.run("walk_fwd", cfg, "rows")
+  assert launched == [(_ThirdTiles(kp=16), ("rows",))]
+  assert _config(monkeypatch, "d170", "sm_90", "pallas_gpu").backends[1] == "mosaic"  # K=48.
+  assert _config(monkeypatch, "mqar", "sm_90", "pallas_gpu_triton").backends == ("triton",) * 4
+  assert _config(monkeypatch, "mqar", "sm_90", "pallas_gpu_mosaic").backends == ("mosaic",) * 4
