@@ -25,8 +25,11 @@ from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, mak
                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import backward, forward, layout, make_config, palimpsa_gpu, stages
+from pallas_kernels.palimpsa_gpu.boundary_mosaic import BoundaryMosaicTiles
+from pallas_kernels.palimpsa_gpu.boundary_triton import BoundaryTritonTiles
 from pallas_kernels.palimpsa_gpu.config import largest_block_v
-from pallas_kernels.palimpsa_gpu.walk_forward_triton import block_v_for
+from pallas_kernels.palimpsa_gpu.walk_backward_triton import WalkBackwardTritonTiles
+from pallas_kernels.palimpsa_gpu.walk_forward_triton import WalkForwardTritonTiles, block_v_for
 
 REFERENCE_MS = {  # docs/results/gpu_performance.md: authors' Triton kernel fwd, fwd+bwd
     "D170": (6.76, 30.9), "M170": (7.44, 37.3), "D760": (28.6, 154.7),
@@ -100,44 +103,44 @@ def _variants(base):
   kp = base.k + base.k_pad
   kp2 = next_power_of_two(kp)
   largest = largest_power_of_two_dividing(kp)
+  replace = dataclasses.replace
   out = []
   for k_part, (elems, warps) in itertools.product(
       sorted({16, min(largest, 32), min(kp2, 64)}), ((512, 1), (2048, 4))):
-    cfg = dataclasses.replace(base, boundary_fwd="triton", k_part_boundary=k_part,
-                              num_warps_boundary=warps)
-    cfg = dataclasses.replace(cfg, block_v_boundary=_tiles(cfg, elems, k_part, 16))
-    out.append(("boundary", f"bv={cfg.block_v_boundary} w={warps} kpart={k_part}", cfg))
-  if base.boundary_fwd == "mosaic":
+    tiles = BoundaryTritonTiles(k_part=k_part, block_v=_tiles(base, elems, k_part, 16),
+                                num_warps=warps)
+    out.append(("boundary", f"bv={tiles.block_v} w={warps} kpart={k_part}",
+                replace(base, boundary_fwd=tiles)))
+  if base.boundary_fwd.backend == "mosaic":
     for k_part in range(16, kp + 1, 16):
       if kp % k_part == 0:
-        cfg = dataclasses.replace(base, k_part_boundary=k_part)
-        out.append(("boundary", f"mosaic kpart={k_part}", cfg))
+        out.append(("boundary", f"mosaic kpart={k_part}",
+                    replace(base, boundary_fwd=BoundaryMosaicTiles(k_part=k_part))))
   for k_part in sorted({8, 16, min(largest, 32)}):
     if k_part > largest:
       continue
     for warps in (1, 2):
       for unroll in (2, 4):
         bv = block_v_for(base.v + base.v_pad, k_part, warps)
-        cfg = dataclasses.replace(base, walk_fwd="triton", block_v=bv, num_warps=warps,
-                                  unroll=unroll, k_part=k_part)
-        out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}", cfg))
+        tiles = WalkForwardTritonTiles(k_part=k_part, block_v=bv, num_warps=warps,
+                                       unroll=unroll)
+        out.append(("walk_fwd", f"bv={bv} w={warps} u={unroll} kpart={k_part}",
+                    replace(base, walk_fwd=tiles)))
   vp = base.v + base.v_pad
-  # Backward walk (Triton): K in one program (padded to a power of two, or the default's
-  # parts), or in 16-column slices of one program each; one V-tile per program.
-  k_layouts = {(kp2, 1), (base.k_part_bwd, base.k_split_bwd)}
-  if kp > 16:
-    k_layouts.add((16, kp // 16))
+  # Backward walk (Triton): K in one program (padded to a power of two; at K=16 also in the
+  # default tiles' 8-column parts), or in 16-column slices of one program each (the default
+  # past K=16); one V-tile per program.
+  k_layouts = {(kp2, 1), (16, kp // 16) if kp > 16 else (8, 1)}
   for k_part, k_split in sorted(k_layouts):
     tiles = (16, 32) if k_split > 1 else sorted({_tiles(base, 512, kp2),
                                                  _tiles(base, 1024, kp2)})
     for bv, sub, prefetch in itertools.product(tiles, (2, 4), (False, True)):
       if vp % bv:
         continue
-      cfg = dataclasses.replace(base, walk_bwd="triton", block_v_bwd=bv, num_warps_bwd=1,
-                                sub=sub, groups_bwd=vp // bv, k_part_bwd=k_part,
-                                k_split_bwd=k_split, prefetch_bwd=prefetch)
+      walk = WalkBackwardTritonTiles(k_part=k_part, k_split=k_split, block_v=bv,
+                                     groups=vp // bv, sub=sub, num_warps=1, prefetch=prefetch)
       out.append(("walk_bwd", f"triton bv={bv} sub={sub} kpart={k_part} ksplit={k_split} "
-                  f"prefetch={prefetch}", cfg))
+                  f"prefetch={prefetch}", replace(base, walk_bwd=walk)))
   return out
 
 
@@ -154,16 +157,8 @@ def sweep(base, base_times, args, log):
     log(f"    {stage} {label}: {t:.3f} ms")
     if t < best[stage][0]:
       best[stage] = (t, cfg)
-  b_cfg, f_cfg, w_cfg = (best[s][1] for s in STAGES)
-  return dataclasses.replace(
-      base, boundary_fwd=b_cfg.boundary_fwd, block_v_boundary=b_cfg.block_v_boundary,
-      num_warps_boundary=b_cfg.num_warps_boundary, k_part_boundary=b_cfg.k_part_boundary,
-      block_v=f_cfg.block_v, num_warps=f_cfg.num_warps, unroll=f_cfg.unroll,
-      k_part=f_cfg.k_part, walk_fwd=f_cfg.walk_fwd, walk_bwd=w_cfg.walk_bwd,
-      block_v_bwd=w_cfg.block_v_bwd,
-      num_warps_bwd=w_cfg.num_warps_bwd, sub=w_cfg.sub, groups_bwd=w_cfg.groups_bwd,
-      k_part_bwd=w_cfg.k_part_bwd, k_split_bwd=w_cfg.k_split_bwd,
-      prefetch_bwd=w_cfg.prefetch_bwd)
+  return dataclasses.replace(base, **{
+      _OP_STAGES[stage]: getattr(best[stage][1], _OP_STAGES[stage]) for stage in STAGES})
 
 
 def max_rel_diff(xs, ys):

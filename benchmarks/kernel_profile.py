@@ -140,7 +140,7 @@ def run_stage(stage: str, shape, calls: int) -> None:
   cfg = make_config(args[0], args[2], args[4], args[5], return_variance=False,
                     chunk_size=64, interpret=False)
   chosen = {"boundary": cfg.boundary_fwd, "walk_fwd": cfg.walk_fwd, "walk_bwd": cfg.walk_bwd}
-  if chosen[stage] != "mosaic":
+  if chosen[stage].backend != "mosaic":
     raise SystemExit(f"--stage {stage}: this GPU runs it with Triton, not Mosaic GPU "
                      "(kernel_profile profiles the Mosaic kernels, sm_90)")
   cfg = dataclasses.replace(cfg, accumulate_bwd=False)

@@ -62,10 +62,24 @@ def _subpackage(module: str) -> str | None:
   return None
 
 
+def _package(path: pathlib.Path) -> str:
+  """The package a relative import in the file at `path` starts from."""
+  module = _module_name(path)
+  return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _absolute_base(node: ast.ImportFrom, package: str) -> str:
+  """The module a `from ... import` statement in `package` imports from."""
+  base = node.module or ""
+  if node.level:
+    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+    base = ".".join(anchor + ([base] if base else []))
+  return base
+
+
 def _imports(path: pathlib.Path, text: str) -> list[tuple[str, int, bool]]:
   """(imported module, line, inside a function) of every import in `text`, the file at `path`."""
-  module = _module_name(path)
-  package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+  package = _package(path)
   found = []
 
   def visit(node: ast.AST, in_function: bool) -> None:
@@ -75,10 +89,7 @@ def _imports(path: pathlib.Path, text: str) -> list[tuple[str, int, bool]]:
       if isinstance(child, ast.Import):
         found.extend((alias.name, child.lineno, in_function) for alias in child.names)
       elif isinstance(child, ast.ImportFrom):
-        base = child.module or ""
-        if child.level:
-          anchor = package.split(".")[:len(package.split(".")) - child.level + 1]
-          base = ".".join(anchor + ([base] if base else []))
+        base = _absolute_base(child, package)
         # `from palimpsa_jax import models` names the subpackage itself.
         names = [f"{base}.{a.name}" for a in child.names] if base in PACKAGES else [base]
         found.extend((name, child.lineno, in_function) for name in names)
@@ -148,6 +159,36 @@ def test_deferred_imports_are_few_and_say_why():
   # matplotlib and matplotlib.pyplot, imported for one plot, count once.
   count = sum(not d.endswith(": matplotlib.pyplot") for d in deferred)
   assert count <= MOST_DEFERRED_IMPORTS, "\n".join(deferred)
+
+
+def _names_taken(path: pathlib.Path, text: str) -> list[tuple[str, int]]:
+  """(dotted name, line) of everything an import in `text` binds: `from a.b import c` takes
+  a.b.c, `import a.b` takes a.b."""
+  package = _package(path)
+  taken = []
+  for node in ast.walk(ast.parse(text, str(path))):
+    if isinstance(node, ast.Import):
+      taken.extend((alias.name, node.lineno) for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = _absolute_base(node, package)
+      taken.extend((f"{base}.{alias.name}", node.lineno) for alias in node.names)
+  return taken
+
+
+def test_no_op_imports_another_ops_api():
+  """The ops are siblings: an op package (palimpsa_jax/ops/NAME/) takes from another only its
+  implementations table (to run it through ops.dispatch, as palimpsa's beta=None path runs
+  SimpleGLA's); what two ops share lives in a module of palimpsa_jax/ops/ below both."""
+  ops = REPO / "palimpsa_jax" / "ops"
+  packages = {p.name for p in ops.iterdir() if (p / "__init__.py").exists()}
+  found = []
+  for path in sorted(ops.glob("*/*.py")):
+    for name, line in _names_taken(path, path.read_text()):
+      parts = name.split(".")
+      if (parts[:2] == ["palimpsa_jax", "ops"] and len(parts) > 2 and parts[2] in packages
+          and parts[2] != path.parent.name and parts[3:4] != ["implementations"]):
+        found.append(f"{path.relative_to(REPO)}:{line}: {name}")
+  assert not found, "an op importing another op's api, types or helpers:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("source, expected", [

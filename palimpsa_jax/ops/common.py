@@ -4,8 +4,13 @@ Checks raise TypeError/ValueError whose message names the argument and the expec
 dtype. Chunk helpers work on the op layout [B, T, H, ...].
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import dispatch
 
 
 def check_array(name: str, x, shape: tuple[int, ...], layout: str, kind: str = "float"):
@@ -28,10 +33,10 @@ def check_array(name: str, x, shape: tuple[int, ...], layout: str, kind: str = "
     raise ValueError(f"{name} must have shape {layout} = {tuple(shape)}, got {tuple(x.shape)}.")
 
 
-def check_options(implementation: str, chunk_size: int, allowed: tuple[str, ...]):
-  """Raises ValueError/TypeError for an unknown implementation or a bad chunk size."""
-  if implementation not in allowed:
-    raise ValueError(f"implementation must be one of {allowed}, got {implementation!r}.")
+def check_options(implementation: str, chunk_size: int, table: Mapping[str, Any]):
+  """Raises ValueError/TypeError for an implementation that is neither "auto" nor a name of
+  the op's `table`, or a bad chunk size."""
+  dispatch.check_name(implementation, table)
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
     raise TypeError(f"chunk_size must be a positive int, got {chunk_size!r}.")
   if chunk_size < 1:

@@ -45,7 +45,7 @@ from pallas_kernels.fast_palimpsa_gpu.reads_forward import (COL, ROW, WGMMA, car
                                                             matmul, per_chunk_rows)
 from pallas_kernels.fast_palimpsa_gpu.tiles import (ROW_CS, ROW_F, ROW_IP, ROW_MB, NUM_ROWS,
                                                     BackwardTiles, padded_width, tiled)
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import smem_bytes_of
 
 f32, bf16 = jnp.float32, jnp.bfloat16

@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.fast_palimpsa_gpu.tiles import (ROW_CS, ROW_F, ROW_G, ROW_ID, ROW_IP,
                                                     ROW_MB, NUM_ROWS, ForwardTiles,
                                                     padded_width, tiled)
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import smem_bytes_of
 
 f32, bf16 = jnp.float32, jnp.bfloat16

@@ -13,13 +13,10 @@ from pallas_kernels.palimpsa_gpu.forward import pad_state
 
 
 def backward_starts(cfg: GpuKernelConfig, saved: jax.Array) -> jax.Array:
-  """Saved boundary states [BH, NC, V, K] -> the backward walk's [BH, NC, Vp, Ks].
-
-  A walk in one K-part reads the columns past Ks = K + k_pad (a multiple of 16: usually
-  no copy) up to its own width as zeros; K-parts or K-slices need Ks = k_bwd.
-  """
-  one_part = cfg.k_part_bwd == cfg.k_bwd
-  return pad_state(cfg, saved, cfg.k + cfg.k_pad if one_part else cfg.k_bwd)
+  """Saved boundary states [BH, NC, V, K] -> the backward walk's [BH, NC, Vp, Ks], Ks the
+  width its tiles read them at (`saved_k_width`: K + k_pad, a multiple of 16, usually no
+  copy)."""
+  return pad_state(cfg, saved, cfg.walk_bwd.saved_k_width(cfg.k + cfg.k_pad))
 
 
 def segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:

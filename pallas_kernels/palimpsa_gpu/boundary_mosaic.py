@@ -19,16 +19,18 @@ in the second. The state is a float32 register tile [64, K-part] in the WGMMA la
 - A V-tile past Vp reads zeros and its rows beyond Vp are not stored (TMA bounds).
 """
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import bf16_terms
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.common import bf16_terms, round_up
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, mosaic_refusal
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import SMEM_LIMIT, smem_bytes_of
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -106,15 +108,31 @@ def _x_dtype(v_dtype, beta_dtype):
   return v_dtype if jnp.dtype(v_dtype) == jnp.dtype(beta_dtype) else f32
 
 
-def supports_call(call: StageCall) -> bool:
-  """Whether the kernel takes the call with its default K-part (`supported`)."""
-  return supported(call.chunk, default_k_part(call.kp), call.vp, call.k_dtype,
-                   _x_dtype(call.v_dtype, call.beta_dtype), interpret=call.interpret)
+def supports(call: StageCall) -> str | None:
+  """None where the kernel takes the call with its default K-part (`supported`) on the
+  call's device (Hopper, sm_90), else why not."""
+  return mosaic_refusal(
+      supported(call.chunk, default_k_part(call.kp), call.vp, call.k_dtype,
+                _x_dtype(call.v_dtype, call.beta_dtype), interpret=call.interpret),
+      call, hopper_only=HOPPER_ONLY)
 
 
-def tiles(call: StageCall) -> dict:
-  """GpuKernelConfig's boundary field: one K-part as wide as `default_k_part` allows."""
-  return dict(k_part_boundary=default_k_part(call.kp))
+@dataclasses.dataclass(frozen=True)
+class BoundaryMosaicTiles:
+  """One CTA per (batch*head, V-tile of BLOCK_V rows, K-part of k_part columns), M and Ibar
+  in one launch; K is padded to a multiple of k_part."""
+
+  backend: ClassVar[str] = "mosaic"
+  k_part: int
+
+  def k_width(self, kp: int) -> int:
+    """K width of the kernel and of the saved-state layout it writes, for K padded to kp."""
+    return round_up(kp, self.k_part)
+
+
+def tiles(call: StageCall) -> BoundaryMosaicTiles:
+  """One K-part as wide as `default_k_part` allows."""
+  return BoundaryMosaicTiles(k_part=default_k_part(call.kp))
 
 
 def _kernel(k_g, v_g, beta_g, gates_g, m0_g, b0_g, ms_g, bs_g, mf_g, bf_g, k_s, x_s, gate_s,
@@ -284,4 +302,4 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
 def launch(cfg: GpuKernelConfig, k, v, beta, to_end, chunk_gate, m0, b0):
   """`boundary_states` with cfg's K-part (arguments as there)."""
   return boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, heads=cfg.h, chunk=cfg.chunk,
-                         k_part=cfg.k_part_boundary, interpret=cfg.interpret)
+                         k_part=cfg.boundary_fwd.k_part, interpret=cfg.interpret)

@@ -5,16 +5,18 @@ The backward's adjoint carries, the same scan in reverse without writes, are in
 `carries_triton`.
 """
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import bf16_terms, largest_power_of_two_dividing
+from pallas_kernels.common import bf16_terms, largest_power_of_two_dividing, round_up
 from pallas_kernels.palimpsa_gpu import layout
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Triton software-pipelining stages of the chunk loop: two overlap the next chunk's loads
@@ -22,20 +24,34 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _NUM_STAGES = 2
 
 
-def supports_call(call: StageCall) -> bool:
-  """Every call the op takes (K, V <= 256, any dtypes)."""
+def supports(call: StageCall) -> str | None:
+  """None: it runs every call the op takes (K, V <= 256, any dtypes, any device)."""
   del call
-  return True
 
 
-def tiles(call: StageCall) -> dict:
-  """GpuKernelConfig's boundary fields (chosen by benchmarks/gpu_kernel_bench.py's sweeps):
-  one program per K-part of the largest power of two dividing K up to 32 columns (no
-  padding) and V-tile of up to 2048 entries, a warp per 512 entries."""
+@dataclasses.dataclass(frozen=True)
+class BoundaryTritonTiles:
+  """One program per (batch*head, V-tile of block_v rows, K-part of k_part columns, M or
+  Ibar), with num_warps warps; K is padded to a multiple of k_part (Triton tensors have
+  power-of-two shapes)."""
+
+  backend: ClassVar[str] = "triton"
+  k_part: int
+  block_v: int
+  num_warps: int
+
+  def k_width(self, kp: int) -> int:
+    """K width of the kernel and of the saved-state layout it writes, for K padded to kp."""
+    return round_up(kp, self.k_part)
+
+
+def tiles(call: StageCall) -> BoundaryTritonTiles:
+  """The tiles benchmarks/gpu_kernel_bench.py's sweeps chose: one program per K-part of the
+  largest power of two dividing K up to 32 columns (no padding) and V-tile of up to 2048
+  entries, a warp per 512 entries."""
   k_part = min(largest_power_of_two_dividing(call.kp), 32)
   block_v = largest_block_v(call.vp, k_part, 2048, minimum=16)
-  return dict(k_part_boundary=k_part, block_v_boundary=block_v,
-              num_warps_boundary=max(1, block_v * k_part // 512))
+  return BoundaryTritonTiles(k_part=k_part, block_v=block_v, num_warps=max(1, block_v * k_part // 512))
 
 
 def dot_precision(interpret: bool):
@@ -143,6 +159,7 @@ def boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, *, heads: int, chunk
 
 def launch(cfg: GpuKernelConfig, k, v, beta, to_end, chunk_gate, m0, b0):
   """`boundary_states` with cfg's tiles (arguments as there)."""
+  own = cfg.boundary_fwd
   return boundary_states(k, v, beta, to_end, chunk_gate, m0, b0, heads=cfg.h, chunk=cfg.chunk,
-                         block_v=cfg.block_v_boundary, k_part=cfg.k_part_boundary,
-                         num_warps=cfg.num_warps_boundary, interpret=cfg.interpret)
+                         block_v=own.block_v, k_part=own.k_part,
+                         num_warps=own.num_warps, interpret=cfg.interpret)

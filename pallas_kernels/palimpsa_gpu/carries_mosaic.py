@@ -16,15 +16,17 @@ The scan is elementwise over the state and memory-bound, so:
 - The chunk gates of the batch*head sit in shared memory, one scalar load per chunk.
 """
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, mosaic_refusal
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 
 f32 = jnp.float32
 WARPGROUP = 128
@@ -35,16 +37,22 @@ DEPTH = 4
 HOPPER_ONLY = False  # Hopper and newer.
 
 
-def supports_call(call: StageCall) -> bool:
-  """Every call the op takes (its states' Vp * Kw is a multiple of 256)."""
-  del call
-  return True
+def supports(call: StageCall) -> str | None:
+  """None where the call's device runs it (Hopper and newer): it takes every call the op
+  takes (its states' Vp * Kw is a multiple of 256); else why not."""
+  return mosaic_refusal(True, call, hopper_only=HOPPER_ONLY)
 
 
-def tiles(call: StageCall) -> dict:
-  """No GpuKernelConfig fields: the flat tile follows from the state's size at launch."""
+@dataclasses.dataclass(frozen=True)
+class CarriesMosaicTiles:
+  """None to choose: the flat tile follows from the state's size at launch."""
+
+  backend: ClassVar[str] = "mosaic"
+
+
+def tiles(call: StageCall) -> CarriesMosaicTiles:
   del call
-  return {}
+  return CarriesMosaicTiles()
 
 
 def default_tile(state_size: int) -> int:

@@ -1,7 +1,9 @@
 """The backward's adjoint carries as a Pallas (Triton) kernel: the scan of
 `boundary_triton` in reverse over chunks, without chunk writes."""
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -9,22 +11,27 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import k_parts, largest_power_of_two_dividing
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 # State entries per program at most: the V-tile is the largest that keeps within them.
 TILE_ENTRIES = 1024
 
 
-def supports_call(call: StageCall) -> bool:
-  """Every call the op takes (K, V <= 256, any dtypes)."""
+def supports(call: StageCall) -> str | None:
+  """None: it runs every call the op takes (K, V <= 256, any dtypes, any device)."""
   del call
-  return True
 
 
-def tiles(call: StageCall) -> dict:
-  """No GpuKernelConfig fields: the V-tile follows from the state's width at launch."""
+@dataclasses.dataclass(frozen=True)
+class CarriesTritonTiles:
+  """None to choose: the V-tile follows from the state's width at launch."""
+
+  backend: ClassVar[str] = "triton"
+
+
+def tiles(call: StageCall) -> CarriesTritonTiles:
   del call
-  return {}
+  return CarriesTritonTiles()
 
 
 def _carries_kernel(g_ref, am_ref, ab_ref, em_ref, eb_ref, cm_ref, cb_ref, m0_ref,

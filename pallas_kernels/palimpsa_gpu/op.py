@@ -6,8 +6,8 @@ sequentially over chunks, giving the chunk-boundary states; (2) a Pallas kernel 
 (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out at every
 step. Both read the inputs in the caller's [B, T, H, D] layout. The boundary states are
 not kept for the backward (2 * V * K floats per chunk of every batch-head: 37 KB a token at
-Palimpsa-D 760M's shape, where the whole block now keeps 87 KB): the backward runs the
-boundary kernel again from the kept inputs, once the output's cotangent exists.
+Palimpsa-D 760M's shape with 64-step chunks): the backward runs the boundary kernel again from
+the kept inputs, once the output's cotangent exists.
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas, one
 [16, 16] state tile per Triton program or per warp of a Mosaic GPU warpgroup, the tiles'
 sums added by TMA reduce-add or by XLA) with zero adjoint from later chunks, scan the
@@ -81,6 +81,17 @@ def _check_nvidia_gpu() -> None:
         f"got {device.platform!r} ({device.client.platform_version})")
 
 
+def check_supported(q, k, v, beta, log_alpha, prior_precision, *, return_variance: bool,
+                    chunk_size: int, interpret: bool, backend: str = "auto") -> GpuKernelConfig:
+  """The call's config (`make_config`); raises NotImplementedError with the reason where
+  palimpsa_gpu cannot run the call (arguments as palimpsa_gpu's)."""
+  if not interpret:
+    _check_nvidia_gpu()
+  return make_config(q, v, log_alpha, prior_precision, return_variance=return_variance,
+                     chunk_size=chunk_size, interpret=interpret, k_dtype=k.dtype,
+                     beta_dtype=beta.dtype, backend=backend)
+
+
 def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
                  initial_precision, segment_starts, *, return_variance: bool,
                  chunk_size: int, interpret: bool, backend: str = "auto",
@@ -115,12 +126,9 @@ def palimpsa_gpu(q, k, v, beta, log_alpha, prior_precision, initial_mu,
   if config is not None and backend != "auto":
     raise ValueError(f"give backend or config, not both (backend={backend!r}): a config "
                      "names each stage's kernel itself")
-  if not interpret:
-    _check_nvidia_gpu()
-  expected = make_config(q, v, log_alpha, prior_precision,
-                         return_variance=return_variance, chunk_size=chunk_size,
-                         interpret=interpret, k_dtype=k.dtype, beta_dtype=beta.dtype,
-                         backend=backend)
+  expected = check_supported(q, k, v, beta, log_alpha, prior_precision,
+                             return_variance=return_variance, chunk_size=chunk_size,
+                             interpret=interpret, backend=backend)
   if config is None:
     config = expected
   else:

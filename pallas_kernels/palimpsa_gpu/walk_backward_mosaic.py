@@ -29,15 +29,17 @@ where the data lives:
   dq and dk where V is one tile) is stored by a plain TMA copy, with nothing to zero.
 """
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, mosaic_refusal
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
     K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
     smem_bytes_of, sum_stores)
@@ -99,20 +101,37 @@ def supported(chunk: int, sub: int, row_dtypes, *, interpret: bool,
           and (interpret or smem_bytes(chunk, sub, row_dtypes, every) <= SMEM_LIMIT))
 
 
-def supports_call(call: StageCall) -> bool:
-  """Whether the kernel takes the call's chunk and rows (q, k, v, beta, dO and, with the
-  variance, its float32 cotangent) in sub-chunks of SUB steps (`supported`)."""
+def supports(call: StageCall) -> str | None:
+  """None where the kernel takes the call's chunk and rows (q, k, v, beta, dO and, with the
+  variance, its float32 cotangent) in sub-chunks of SUB steps (`supported`) on the call's
+  device (Hopper and newer), else why not."""
   rows = [call.q_dtype, call.k_dtype, call.v_dtype, call.beta_dtype, call.v_dtype]
   if call.with_var:
     rows.append(jnp.float32)
-  return supported(call.chunk, SUB, rows, interpret=call.interpret)
+  return mosaic_refusal(supported(call.chunk, SUB, rows, interpret=call.interpret), call,
+                        hopper_only=HOPPER_ONLY)
 
 
-def tiles(call: StageCall) -> dict:
-  """GpuKernelConfig's backward-walk field: sub-chunks of SUB steps (its other tiles are
-  fixed: [16, 16] per warp, checkpoints every `checkpoint_every` steps)."""
+@dataclasses.dataclass(frozen=True)
+class WalkBackwardMosaicTiles:
+  """Sub-chunks of sub steps (its other tiles are fixed: [16, 16] per warp, checkpoints every
+  `checkpoint_every` steps), over all of K padded to a multiple of 16."""
+
+  backend: ClassVar[str] = "mosaic"
+  sub: int
+
+  def k_width(self, kp: int) -> int:
+    """K width of the walk, for K padded to kp (a multiple of its 16-column tiles)."""
+    return kp
+
+  def saved_k_width(self, kp: int) -> int:
+    """K width the walk reads the saved boundary states at."""
+    return kp
+
+
+def tiles(call: StageCall) -> WalkBackwardMosaicTiles:
   del call
-  return dict(sub=SUB)
+  return WalkBackwardMosaicTiles(sub=SUB)
 
 
 def temp_bytes(cfg: GpuKernelConfig) -> int:
@@ -402,5 +421,5 @@ def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip_row, do, dvar, m_starts, b
   """`walk_backward` for cfg's call, adding its sums by reduce-add where cfg says so
   (arguments as there)."""
   return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, chunk=cfg.chunk,
-                       sub=cfg.sub, interpret=cfg.interpret, bh_range=bh_range,
+                       sub=cfg.walk_bwd.sub, interpret=cfg.interpret, bh_range=bh_range,
                        accumulate=cfg.accumulate_bwd)

@@ -9,44 +9,72 @@ sums partial over the K-slices. The state and adjoints are held as K-parts ([BV,
 tensors: Triton shapes are powers of two) and their updates are written as explicit FMAs.
 """
 
+import dataclasses
 import functools
 import operator
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.common import fast_reciprocal, fma, k_parts
+from pallas_kernels.common import fast_reciprocal, fma, k_parts, round_up
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 
-def supports_call(call: StageCall) -> bool:
-  """Every call the op takes (K, V <= 256, any dtypes)."""
+def supports(call: StageCall) -> str | None:
+  """None: it runs every call the op takes (K, V <= 256, any dtypes, any device)."""
   del call
-  return True
 
 
-def tiles(call: StageCall) -> dict:
-  """GpuKernelConfig's backward-walk fields (chosen by benchmarks/gpu_kernel_bench.py's
-  sweeps): single-warp programs over one [16, 16] state tile each (K cut into 16-column
-  slices, no padding), sub-chunks of 4 steps, the next sub-chunk's rows loaded a body ahead;
-  at K=16, one program over K in 8-column parts and V-tiles of up to 512 entries."""
+@dataclasses.dataclass(frozen=True)
+class WalkBackwardTritonTiles:
+  """Grid (batch*head, chunk, group, K-slice): each program walks its V-tiles of block_v rows
+  (groups programs over V) on one of k_split K-slices, held as K-parts of k_part columns
+  (their dv, dbeta and dL/dI sums partial over the slices, summed by XLA); sub steps per
+  sub-chunk (states recomputed together), num_warps warps; prefetch: each reverse body loads
+  the next sub-chunk's rows first. K is padded to a multiple of k_part * k_split (one part
+  over all of K when k_part is a power of two >= K)."""
+
+  backend: ClassVar[str] = "triton"
+  k_part: int
+  k_split: int
+  block_v: int
+  groups: int
+  sub: int
+  num_warps: int
+  prefetch: bool
+
+  def k_width(self, kp: int) -> int:
+    """K width of the walk, for K padded to kp."""
+    return round_up(kp, self.k_part * self.k_split)
+
+  def saved_k_width(self, kp: int) -> int:
+    """K width the walk reads the saved boundary states at: a walk in one K-part reads the
+    columns past kp up to its own width as zeros, K-parts or K-slices need k_width."""
+    return kp if self.k_part == self.k_width(kp) else self.k_width(kp)
+
+
+def tiles(call: StageCall) -> WalkBackwardTritonTiles:
+  """The tiles benchmarks/gpu_kernel_bench.py's sweeps chose: single-warp programs over one
+  [16, 16] state tile each (K cut into 16-column slices, no padding), sub-chunks of 4 steps,
+  the next sub-chunk's rows loaded a body ahead; at K=16, one program over K in 8-column parts
+  and V-tiles of up to 512 entries."""
   if call.kp == 16:
-    parts = dict(k_part_bwd=8, k_split_bwd=1, block_v_bwd=largest_block_v(call.vp, 16, 512),
-                 groups_bwd=1)
+    parts = dict(k_part=8, k_split=1, block_v=largest_block_v(call.vp, 16, 512), groups=1)
   else:
-    parts = dict(k_part_bwd=16, k_split_bwd=call.kp // 16, block_v_bwd=16,
-                 groups_bwd=call.vp // 16)
-  return dict(parts, sub=4, num_warps_bwd=1, prefetch_bwd=call.kp > 16)
+    parts = dict(k_part=16, k_split=call.kp // 16, block_v=16, groups=call.vp // 16)
+  return WalkBackwardTritonTiles(**parts, sub=4, num_warps=1, prefetch=call.kp > 16)
 
 
 def temp_bytes(cfg: GpuKernelConfig) -> int:
   """Bytes of scratch and partial sums per batch*head of one call."""
+  own = cfg.walk_bwd
   tp, vp, kp = cfg.t + cfg.t_pad, cfg.v + cfg.v_pad, cfg.k_bwd
-  scratch = tp // cfg.sub * cfg.groups_bwd * cfg.block_v_bwd * kp * 2
-  partials = (cfg.groups_bwd * kp * 2 + cfg.k_split_bwd * vp * 2 + 1) * tp
+  scratch = tp // own.sub * own.groups * own.block_v * kp * 2
+  partials = (own.groups * kp * 2 + own.k_split * vp * 2 + 1) * tp
   return 4 * (scratch + partials)
 
 
@@ -298,8 +326,9 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
 def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
            bh_range: tuple[int, int] | None = None):
   """`walk_backward` with cfg's tiles (arguments as there)."""
+  own = cfg.walk_bwd
   return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, chunk=cfg.chunk,
-                       block_v=cfg.block_v_bwd, sub=cfg.sub, groups=cfg.groups_bwd,
-                       k_part=cfg.k_part_bwd, k_split=cfg.k_split_bwd,
-                       num_warps=cfg.num_warps_bwd, interpret=cfg.interpret,
-                       prefetch=cfg.prefetch_bwd, bh_range=bh_range)
+                       block_v=own.block_v, sub=own.sub, groups=own.groups,
+                       k_part=own.k_part, k_split=own.k_split,
+                       num_warps=own.num_warps, interpret=cfg.interpret,
+                       prefetch=own.prefetch, bh_range=bh_range)

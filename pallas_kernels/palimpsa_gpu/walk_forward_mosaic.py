@@ -15,15 +15,17 @@ slots; readouts are staged per slot and leave by TMA into [B * G, 4, chunk, H, V
 No register waits on global memory inside the walk.
 """
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import mosaic_kernel
+from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, mosaic_refusal
+from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import (
     K_ROWS, SMEM_LIMIT, TILE, TILE_PER_WARP, V_ROWS, WALKS, over_k, over_v, pointwise_ops,
     readout_stores, smem_bytes_of)
@@ -63,17 +65,24 @@ def supported(chunk: int, kp: int, row_dtypes, out_dtype, with_var: bool, *,
           and (interpret or smem_bytes(kp, row_dtypes, out_dtype, with_var) <= SMEM_LIMIT))
 
 
-def supports_call(call: StageCall) -> bool:
-  """Whether the kernel takes the call's chunk, K and rows (`supported`)."""
+def supports(call: StageCall) -> str | None:
+  """None where the kernel takes the call's chunk, K and rows (`supported`) on the call's
+  device (Hopper and newer), else why not."""
   rows = [call.k_dtype, call.q_dtype, call.v_dtype, call.beta_dtype]
-  return supported(call.chunk, call.kp, rows, call.v_dtype, call.with_var,
-                   interpret=call.interpret)
+  return mosaic_refusal(supported(call.chunk, call.kp, rows, call.v_dtype, call.with_var,
+                                  interpret=call.interpret), call, hopper_only=HOPPER_ONLY)
 
 
-def tiles(call: StageCall) -> dict:
-  """No GpuKernelConfig fields: its tiles are fixed ([16, 16] per warp, 8-step slots)."""
+@dataclasses.dataclass(frozen=True)
+class WalkForwardMosaicTiles:
+  """None to choose: its tiles are fixed ([16, 16] per warp, 8-step slots)."""
+
+  backend: ClassVar[str] = "mosaic"
+
+
+def tiles(call: StageCall) -> WalkForwardMosaicTiles:
   del call
-  return {}
+  return WalkForwardMosaicTiles()
 
 
 def _kernel(*refs, chunk, nk, heads, groups, with_var, interpret):

@@ -7,7 +7,9 @@ writing readouts in the caller's layout [B, T, H, D]. The state is held as K-par
 than one padded to 64), and its updates are written as explicit FMAs.
 """
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +18,15 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import fast_reciprocal, fma, k_parts, largest_power_of_two_dividing
 from pallas_kernels.palimpsa_gpu import layout
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall
-from pallas_kernels.palimpsa_gpu.launch import triton_params
+from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
 # Loop bodies ahead that a program loads its rows; one hides the load latency.
 FORWARD_PREFETCH = 1
 
 
-def supports_call(call: StageCall) -> bool:
-  """Every call the op takes (K, V <= 256, any dtypes)."""
+def supports(call: StageCall) -> str | None:
+  """None: it runs every call the op takes (K, V <= 256, any dtypes, any device)."""
   del call
-  return True
 
 
 def block_v_for(v_padded: int, k_part: int, num_warps: int) -> int:
@@ -33,15 +34,27 @@ def block_v_for(v_padded: int, k_part: int, num_warps: int) -> int:
   return min(largest_power_of_two_dividing(v_padded), 256 * num_warps // k_part)
 
 
-def tiles(call: StageCall) -> dict:
-  """GpuKernelConfig's forward-walk fields (chosen by benchmarks/gpu_kernel_bench.py's sweeps):
-  K-parts of 8-32 columns, about 256 state entries per part and warp, two warps for 32-column
-  parts or where V lets the tile double, two steps per loop body."""
+@dataclasses.dataclass(frozen=True)
+class WalkForwardTritonTiles:
+  """One program per (batch*head, chunk, V-tile of block_v rows) with num_warps warps, K in
+  parts of k_part columns, unroll steps per loop body."""
+
+  backend: ClassVar[str] = "triton"
+  k_part: int
+  block_v: int
+  num_warps: int
+  unroll: int
+
+
+def tiles(call: StageCall) -> WalkForwardTritonTiles:
+  """The tiles benchmarks/gpu_kernel_bench.py's sweeps chose: K-parts of 8-32 columns, about
+  256 state entries per part and warp, two warps for 32-column parts or where V lets the tile
+  double, two steps per loop body."""
   k_part = 8 if call.kp == 16 else min(largest_power_of_two_dividing(call.kp), 32)
   num_warps = 2 if (k_part == 32 or block_v_for(call.vp, k_part, 2)
                     > block_v_for(call.vp, k_part, 1)) else 1
-  return dict(k_part=k_part, num_warps=num_warps, unroll=2,
-              block_v=block_v_for(call.vp, k_part, num_warps))
+  return WalkForwardTritonTiles(k_part=k_part, block_v=block_v_for(call.vp, k_part, num_warps),
+               num_warps=num_warps, unroll=2)
 
 
 def _fma_sum(pairs: list[tuple[jax.Array, jax.Array]], interpret: bool) -> jax.Array:
@@ -152,7 +165,9 @@ def walk_forward(q, k, v, beta, a, ip_row, m_starts, b_starts, *, heads: int,
 
 def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip, m_starts, b_starts):
   """`walk_forward` with cfg's tiles; ip: [BH] prior precision, the rest as there."""
+  own = cfg.walk_fwd
   return walk_forward(q, k, v, beta, a, layout.ip_row(ip, q.shape[-1]), m_starts, b_starts,
-                      heads=cfg.h, chunk=cfg.chunk, block_v=cfg.block_v, unroll=cfg.unroll,
-                      k_part=cfg.k_part, with_var=cfg.return_variance, out_dtype=v.dtype,
-                      num_warps=cfg.num_warps, interpret=cfg.interpret)
+                      heads=cfg.h, chunk=cfg.chunk, block_v=own.block_v,
+                      unroll=own.unroll, k_part=own.k_part,
+                      with_var=cfg.return_variance, out_dtype=v.dtype,
+                      num_warps=own.num_warps, interpret=cfg.interpret)

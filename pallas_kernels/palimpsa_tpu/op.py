@@ -145,6 +145,14 @@ def _check_tpu() -> None:
         f"palimpsa_tpu needs a TPU as the default device (or interpret=True); got {platform!r}")
 
 
+def check_supported(q, v, *, chunk_size: int, interpret) -> None:
+  """Raises NotImplementedError with the reason where palimpsa_tpu cannot run the call (q
+  [B, T, H, K], v [B, T, H, V]; the rest as palimpsa_tpu's)."""
+  if not interpret and not isinstance(q, jax.core.Tracer):
+    _check_tpu()
+  layout.geometry(q.shape, v.shape[-1], chunk_size)
+
+
 def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
                  segment_starts, *, return_variance: bool, chunk_size: int,
                  interpret: bool | pltpu.InterpretParams):
@@ -171,8 +179,6 @@ def palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_
       lowering platform decides: lowering for TPU works from any host, lowering for another
       platform raises NotImplementedError then.
   """
-  if not interpret and not isinstance(q, jax.core.Tracer):
-    _check_tpu()
-  layout.geometry(q.shape, v.shape[-1], chunk_size)
+  check_supported(q, v, chunk_size=chunk_size, interpret=interpret)
   return _palimpsa_tpu(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
                        segment_starts, return_variance, chunk_size, interpret)

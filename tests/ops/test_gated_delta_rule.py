@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops.gated_delta_rule import DeltaRuleResult, gated_delta_rule
+from palimpsa_jax.ops.gated_delta_rule import GatedDeltaRuleResult, gated_delta_rule
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 to_float64)
 
@@ -149,7 +149,7 @@ def test_segments_restart_from_zero(implementation):
   head = run(q[:, :split], k[:, :split], v[:, :split], beta[:, :split], log_alpha[:, :split],
              initial_state=s0)
   tail = run(q[:, split:], k[:, split:], v[:, split:], beta[:, split:], log_alpha[:, split:])
-  assert isinstance(tail, DeltaRuleResult)
+  assert isinstance(tail, GatedDeltaRuleResult)
   chex.assert_trees_all_close(packed.out[:, :split], head.out, rtol=1e-5, atol=1e-5)
   chex.assert_trees_all_close(packed.out[:, split:], tail.out, rtol=1e-5, atol=1e-5)
   chex.assert_trees_all_close(packed.state, tail.state, rtol=1e-5, atol=1e-5)

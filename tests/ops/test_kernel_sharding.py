@@ -1,5 +1,7 @@
 """Kernels under kernel_sharding run on per-device shards and give the global result."""
 
+import dataclasses
+
 import chex
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -12,7 +14,7 @@ from palimpsa_jax.ops.palimpsa import implementations, palimpsa
 # Runs in a subprocess with 4 CPU devices: mesh data 2 x tensor 2; the batch is
 # sharded over data, the heads over tensor.
 _SCRIPT = """
-import chex, jax, jax.numpy as jnp, numpy as np
+import chex, dataclasses, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from palimpsa_jax.ops import kernel_sharding
 from palimpsa_jax.ops.palimpsa import implementations, palimpsa
@@ -22,8 +24,8 @@ seen = []
 original = implementations.IMPLEMENTATIONS[IMPL]
 def recording(q, *args, **kwargs):
   seen.append(q.shape)
-  return original(q, *args, **kwargs)
-implementations.IMPLEMENTATIONS[IMPL] = recording
+  return original.fn(q, *args, **kwargs)
+implementations.IMPLEMENTATIONS[IMPL] = dataclasses.replace(original, fn=recording)
 
 B, T, H, K, V = 4, 24, 4, 16, 16
 rng = np.random.default_rng(0)
@@ -115,14 +117,15 @@ def test_compiled_kernel_per_gpu_shard():
 
   def recording(q, *args, **kwargs):
     seen.append(q.shape)
-    return original(q, *args, **kwargs)
+    return original.fn(q, *args, **kwargs)
 
   def loss(impl, *args):
     return jax.numpy.sum(palimpsa(*args, ip, implementation=impl).out ** 2)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5)), static_argnums=0)
   with pytest.MonkeyPatch.context() as patch:
-    patch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", recording)
+    patch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu",
+                  dataclasses.replace(original, fn=recording))
     with kernel_sharding.kernel_sharding(mesh, batch_axes=("data",)):
       value, grads = step("pallas_gpu", *sharded)
   assert set(seen) == {(b // n, t, h, kd)}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops.mesa_net import MesaResult, MesaState, mesa_net
+from palimpsa_jax.ops.mesa_net import MesaNetResult, MesaState, mesa_net
 from palimpsa_jax.ops.mesa_net.chunked import mesa_chunked
 from palimpsa_jax.ops.mesa_net.sequential import mesa_sequential
 from tests.ops.numerics import rel_error, to_float64
@@ -70,9 +70,9 @@ def _run(q, k, v, beta, log_gamma, lam, kk0, kv0, seg, implementation, chunk_siz
 
 
 def _exact64(q, k, v, beta, log_gamma, lam, kk0, kv0, seg):
-  """float64 sequential (exact solve) MesaResult; call inside enable_x64."""
+  """float64 sequential (exact solve) MesaNetResult; call inside enable_x64."""
   out, kk, kv = mesa_sequential(q, k, v, beta, log_gamma, lam, kk0, kv0, _starts(seg))
-  return MesaResult(out, MesaState(kk, kv))
+  return MesaNetResult(out, MesaState(kk, kv))
 
 
 def test_float64_sequential_is_the_literal_least_squares_readout():

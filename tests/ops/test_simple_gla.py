@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from palimpsa_jax.ops.simple_gla import GLAResult, simple_gla
+from palimpsa_jax.ops.simple_gla import SimpleGLAResult, simple_gla
 from tests.ops.oracles.ssd import ssd_quadratic
 from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
                                 to_float64)
@@ -159,7 +159,7 @@ def test_ssd_dual_form_matches_recurrence():
     out = ssd_quadratic(*(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, log_alpha)))
     assert_close_to_reference(out, ref_out, 1e-12)
   out = simple_gla(q, k, v, log_alpha, chunk_size=CHUNK)
-  assert isinstance(out, GLAResult)
+  assert isinstance(out, SimpleGLAResult)
   assert_close_to_reference(out.out, ref_out, FLOAT32_TOL)
 
 

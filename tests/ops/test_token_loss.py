@@ -182,7 +182,7 @@ def test_slices_divide_the_length_within_the_budget():
     (lambda a: {**a, "weights": a["weights"].astype(jnp.int32)}, TypeError,
      r"^weights must have a floating dtype"),
     (lambda a: {**a, "implementation": "pallas_gpu"}, ValueError,
-     r"^implementation must be one of \('logits', 'sliced'\), got 'pallas_gpu'"),
+     r"^implementation must be one of \('auto', 'logits', 'sliced'\), got 'pallas_gpu'"),
 ])
 def test_bad_arguments_are_refused_naming_them(change, error, message):
   h, table, targets, weights = _inputs(jnp.float32, "mask")

@@ -1,16 +1,14 @@
 """`fast_palimpsa`: the public op. Validates, builds the initial state and the segment starts,
 dispatches to an implementation of the table in implementations.py."""
 
-import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops import context_parallel
+from palimpsa_jax.ops import context_parallel, dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS, KERNELS
+from palimpsa_jax.ops.fast_palimpsa.implementations import IMPLEMENTATIONS, PREFERENCE
 from palimpsa_jax.ops.fast_palimpsa.validation import validate_fast_palimpsa_args
-from palimpsa_jax.ops.palimpsa.api import run_kernel
-from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
-                                          initial_mean_and_precision)
+from palimpsa_jax.ops.palimpsa_contract import (PalimpsaResult, PalimpsaState,
+                                                initial_mean_and_precision)
 
 
 def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None,
@@ -59,18 +57,6 @@ def fast_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=No
   starts = None if segment_ids is None else segment_starts(segment_ids, b, t)
   args = (q, k, v, beta, log_alpha, ip, mu0, prec0, starts)
   options = dict(return_variance=return_variance, chunk_size=chunk_size, interpret=interpret)
-  outputs = None
-  if implementation == "auto" and on_nvidia_gpu():
-    outputs = run_kernel(IMPLEMENTATIONS, "pallas_gpu", args, options, explicit=False)
-  elif implementation in KERNELS:
-    outputs = run_kernel(IMPLEMENTATIONS, implementation, args, options, explicit=True)
-  if outputs is None:
-    name = "chunked" if implementation in ("auto", *KERNELS) else implementation
-    outputs = IMPLEMENTATIONS[name](*args, **options)
-  out, var, mu, precision = outputs
+  out, var, mu, precision = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE, args,
+                                         options)
   return PalimpsaResult(out, var, PalimpsaState(mu, precision))
-
-
-def on_nvidia_gpu() -> bool:
-  """Whether the default backend is CUDA: where "auto" tries the GPU kernel first."""
-  return jax.default_backend() in ("gpu", "cuda")

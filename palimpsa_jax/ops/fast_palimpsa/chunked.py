@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.common import chunk_masks, pad_time, to_chunks
-from palimpsa_jax.ops.palimpsa.linear_form import scan_chunk_states
+from palimpsa_jax.ops.linear_form import scan_chunk_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from palimpsa_jax.ops.fast_palimpsa.reference import ChunkStart, InChunk, chunk_start, step
-from palimpsa_jax.ops.palimpsa.types import PalimpsaState
+from palimpsa_jax.ops.palimpsa_contract import PalimpsaState
 
 
 class FastPalimpsaCache(NamedTuple):

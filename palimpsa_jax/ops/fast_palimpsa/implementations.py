@@ -1,17 +1,10 @@
-"""The Fast Palimpsa implementations by name: one table, one contract.
+"""The Fast Palimpsa implementations by name: one table, the contract of `palimpsa`'s
+(ops.palimpsa_contract), and the order "auto" tries them in on each platform (ops.dispatch).
 
-Every entry of IMPLEMENTATIONS is called by `fast_palimpsa` as
-
-    fn(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_precision,
-       segment_starts, *, return_variance, chunk_size, interpret)
-    -> (out [B, T, H, V] dtype of v, variance [B, T, H, V] float32 or None,
-        mu [B, H, V, K] float32, precision [B, H, V, K] float32)
-
-on validated arrays (the shapes of `palimpsa`'s table; prior_precision [H] float32,
-segment_starts [B, T] bool or None) and computes in float32 whatever the input dtype.
-The XLA forms ignore `interpret`; the GPU kernel ("pallas_gpu", KERNELS) runs interpreted
-with it, may decline a call with NotImplementedError, and stays in the table as a function
-raising KernelUnavailable where its module cannot be imported.
+Every implementation computes in float32 whatever the input dtype. The XLA forms ignore
+`interpret`; the GPU kernel ("pallas_gpu") runs interpreted with it, per device shard under
+ops.kernel_sharding, supports a call where its package's `check_supported` passes, and stays
+in the table supporting no call where its module cannot be imported.
 """
 
 import functools
@@ -19,15 +12,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops.dispatch import ELSEWHERE, Implementation, declined, unavailable
 from palimpsa_jax.ops.fast_palimpsa.chunked import fast_palimpsa_chunked
 from palimpsa_jax.ops.fast_palimpsa.reference import reference_fast_palimpsa
-from palimpsa_jax.ops.palimpsa.implementations import unavailable
-from palimpsa_jax.ops.palimpsa.types import PalimpsaState
+from palimpsa_jax.ops.palimpsa_contract import PalimpsaState, kernel_layouts
+
+
+def _gpu_supports(call):
+  k, v, beta = call.args[1:4]
+  return declined(fast_palimpsa_kernels.check_supported, k, v, beta,
+                  call.options["chunk_size"], call.options["interpret"])
+
 
 try:
   from palimpsa_jax.ops.fast_palimpsa.gpu import fast_palimpsa_gpu
+  import pallas_kernels.fast_palimpsa_gpu as fast_palimpsa_kernels
+  gpu_kernel = Implementation(fast_palimpsa_gpu, _gpu_supports, kernel_layouts)
 except ImportError as missing:
-  fast_palimpsa_gpu = unavailable("pallas_gpu", missing)
+  gpu_kernel = unavailable(missing, kernel_layouts)
 
 
 def _f32(*xs):
@@ -71,6 +73,7 @@ def _chunked(q, k, v, beta, log_alpha, prior_precision, initial_mu, initial_prec
   return out.astype(v.dtype), var, m / precision, precision
 
 
-IMPLEMENTATIONS = {"chunked": chunked, "sequential": sequential, "pallas_gpu": fast_palimpsa_gpu}
-# The kernels: run per device shard, may decline; "auto" tries them on an NVIDIA GPU.
-KERNELS = ("pallas_gpu",)
+IMPLEMENTATIONS = {"chunked": Implementation(chunked), "sequential": Implementation(sequential),
+                   "pallas_gpu": gpu_kernel}
+# What "auto" runs: on an NVIDIA GPU the kernel where it supports the call, else "chunked".
+PREFERENCE = {"cuda": ("pallas_gpu", "chunked"), ELSEWHERE: ("chunked",)}

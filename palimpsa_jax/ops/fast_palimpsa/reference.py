@@ -11,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
+from palimpsa_jax.ops.palimpsa_contract import PalimpsaResult, PalimpsaState
 
 
 class ChunkStart(NamedTuple):

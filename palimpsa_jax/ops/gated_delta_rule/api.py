@@ -4,9 +4,10 @@ starts, dispatches to an implementation of the table in implementations.py."""
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.gated_delta_rule.implementations import IMPLEMENTATIONS
-from palimpsa_jax.ops.gated_delta_rule.types import DeltaRuleResult
+from palimpsa_jax.ops.gated_delta_rule.implementations import IMPLEMENTATIONS, PREFERENCE
+from palimpsa_jax.ops.gated_delta_rule.types import GatedDeltaRuleResult
 from palimpsa_jax.ops.gated_delta_rule.validation import validate_gated_delta_args
 
 
@@ -21,7 +22,7 @@ def gated_delta_rule(
     segment_ids: jax.Array | None = None,
     implementation: str = "auto",
     chunk_size: int = 64,
-) -> DeltaRuleResult:
+) -> GatedDeltaRuleResult:
   """Gated delta rule S_t = a_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T.
 
   out_t = S_t q_t, a_t = exp(log_alpha_t). DeltaNet is log_alpha = 0. The recurrence is stable
@@ -41,7 +42,7 @@ def gated_delta_rule(
     chunk_size: steps per chunk for "chunked"; any T works (the tail is padded).
 
   Returns:
-    DeltaRuleResult(out [B, T, H, V] in v's dtype, state [B, H, V, K] float32).
+    GatedDeltaRuleResult(out [B, T, H, V] in v's dtype, state [B, H, V, K] float32).
   """
   batch, time, heads, key_dim, value_dim = validate_gated_delta_args(
       q, k, v, beta, log_alpha, initial_state, segment_ids, implementation, chunk_size)
@@ -50,7 +51,6 @@ def gated_delta_rule(
   state_shape = (batch, heads, value_dim, key_dim)
   s0 = jnp.zeros(state_shape, f32) if initial_state is None else initial_state.astype(f32)
   starts = segment_starts(segment_ids, batch, time)
-  name = "chunked" if implementation == "auto" else implementation
-  out, state = IMPLEMENTATIONS[name](q, k, v_f, beta, log_alpha, s0, starts,
-                                     chunk_size=chunk_size)
-  return DeltaRuleResult(out.astype(v.dtype), state)
+  out, state = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                            (q, k, v_f, beta, log_alpha, s0, starts), dict(chunk_size=chunk_size))
+  return GatedDeltaRuleResult(out.astype(v.dtype), state)

@@ -1,6 +1,7 @@
-"""The gated delta rule's implementations by name: one table, one contract.
+"""The gated delta rule's implementations by name: one table, one contract, and the
+order "auto" tries them in (ops.dispatch).
 
-Every entry of IMPLEMENTATIONS is called by `gated_delta_rule` as
+`gated_delta_rule` runs the fn of an entry of IMPLEMENTATIONS as
 
     fn(q, k, v, beta, log_alpha, s0, starts, *, chunk_size)
     -> (out [B, T, H, V] float32, state [B, H, V, K] float32)
@@ -10,6 +11,7 @@ s0 [B, H, V, K] the state before step 0; starts [B, T] bool (True where the stat
 from zero before the step).
 """
 
+from palimpsa_jax.ops.dispatch import ELSEWHERE, Implementation
 from palimpsa_jax.ops.gated_delta_rule.chunked import gated_delta_chunked
 from palimpsa_jax.ops.gated_delta_rule.sequential import gated_delta_sequential
 
@@ -24,6 +26,8 @@ def _chunked(q, k, v, beta, log_alpha, s0, starts, *, chunk_size):
 
 
 IMPLEMENTATIONS = {
-    "sequential": _sequential,  # lax.scan over time.
-    "chunked": _chunked,  # The WY / UT-transform chunkwise form.
+    "sequential": Implementation(_sequential),  # lax.scan over time.
+    "chunked": Implementation(_chunked),  # The WY / UT-transform chunkwise form.
 }
+# What "auto" runs, on every platform.
+PREFERENCE = {ELSEWHERE: ("chunked",)}

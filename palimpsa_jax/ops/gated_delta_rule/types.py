@@ -5,7 +5,7 @@ from typing import NamedTuple
 import jax
 
 
-class DeltaRuleResult(NamedTuple):
+class GatedDeltaRuleResult(NamedTuple):
   """What `gated_delta_rule` returns.
 
   out:   [B, T, H, V], dtype of v: readout S_t q_t.

@@ -2,9 +2,10 @@
 
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
 from palimpsa_jax.ops.gated_delta_rule import implementations
+from pallas_kernels import dispatch
 
 # The names `gated_delta_rule` accepts: "auto" and the table's.
-IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)
+IMPLEMENTATIONS = dispatch.names(implementations.IMPLEMENTATIONS)
 
 
 def validate_gated_delta_args(q, k, v, beta, log_alpha, initial_state, segment_ids,
@@ -19,5 +20,5 @@ def validate_gated_delta_args(q, k, v, beta, log_alpha, initial_state, segment_i
   batch, time, heads = sizes[:3]
   check_array("beta", beta, (batch, time, heads), "[B, T, H]")
   check_array("log_alpha", log_alpha, (batch, time, heads), "[B, T, H]")
-  check_options(implementation, chunk_size, IMPLEMENTATIONS)
+  check_options(implementation, chunk_size, implementations.IMPLEMENTATIONS)
   return sizes

@@ -4,9 +4,10 @@ dispatches to an implementation of the table in implementations.py."""
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.mesa_net.implementations import IMPLEMENTATIONS
-from palimpsa_jax.ops.mesa_net.types import MesaResult, MesaState
+from palimpsa_jax.ops.mesa_net.implementations import IMPLEMENTATIONS, PREFERENCE
+from palimpsa_jax.ops.mesa_net.types import MesaNetResult, MesaState
 from palimpsa_jax.ops.mesa_net.validation import validate_mesa_args
 
 
@@ -23,7 +24,7 @@ def mesa_net(
     implementation: str = "auto",
     chunk_size: int = 64,
     cg_steps: int = 30,
-) -> MesaResult:
+) -> MesaNetResult:
   """MesaNet: out_t = G_t (H_t + diag lam)^{-1} q_t with
 
       H_t = gamma_t H_{t-1} + beta_t k_t k_t^T,   G_t = gamma_t G_{t-1} + beta_t v_t k_t^T,
@@ -49,7 +50,7 @@ def mesa_net(
       out with that diagonal solve, K or more is exact up to rounding.
 
   Returns:
-    MesaResult(out [B, T, H, V] in v's dtype, state MesaState float32).
+    MesaNetResult(out [B, T, H, V] in v's dtype, state MesaState float32).
   """
   batch, time, heads, key_dim, value_dim = validate_mesa_args(
       q, k, v, beta, log_gamma, lam, initial_state, segment_ids, implementation, chunk_size,
@@ -63,7 +64,7 @@ def mesa_net(
   else:
     h0, g0 = (x.astype(f32) for x in initial_state)
   starts = segment_starts(segment_ids, batch, time)
-  name = "chunked" if implementation == "auto" else implementation
-  out, h, g = IMPLEMENTATIONS[name](q, k, v_f, beta, log_gamma, lam, h0, g0, starts,
-                                    chunk_size=chunk_size, cg_steps=cg_steps)
-  return MesaResult(out.astype(v.dtype), MesaState(h, g))
+  out, h, g = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                           (q, k, v_f, beta, log_gamma, lam, h0, g0, starts),
+                           dict(chunk_size=chunk_size, cg_steps=cg_steps))
+  return MesaNetResult(out.astype(v.dtype), MesaState(h, g))

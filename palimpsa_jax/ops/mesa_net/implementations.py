@@ -1,6 +1,7 @@
-"""MesaNet's implementations by name: one table, one contract.
+"""MesaNet's implementations by name: one table, one contract, and the
+order "auto" tries them in (ops.dispatch).
 
-Every entry of IMPLEMENTATIONS is called by `mesa_net` as
+`mesa_net` runs the fn of an entry of IMPLEMENTATIONS as
 
     fn(q, k, v, beta, log_gamma, lam, h0, g0, starts, *, chunk_size, cg_steps)
     -> (out [B, T, H, V] float32, H [B, H, K, K] float32, G [B, H, V, K] float32)
@@ -10,6 +11,7 @@ lam [H, K]; (h0, g0) the sums before step 0; starts [B, T] bool (True where both
 restart from zero before the step).
 """
 
+from palimpsa_jax.ops.dispatch import ELSEWHERE, Implementation
 from palimpsa_jax.ops.mesa_net.chunked import mesa_chunked
 from palimpsa_jax.ops.mesa_net.sequential import mesa_sequential
 
@@ -24,6 +26,10 @@ def _chunked(q, k, v, beta, log_gamma, lam, h0, g0, starts, *, chunk_size, cg_st
 
 
 IMPLEMENTATIONS = {
-    "sequential": _sequential,  # lax.scan over time, an exact solve per step.
-    "chunked": _chunked,  # Chunkwise sums, cg_steps conjugate-gradient steps per readout.
+    # lax.scan over time, an exact solve per step.
+    "sequential": Implementation(_sequential),
+    # Chunkwise sums, cg_steps conjugate-gradient steps per readout.
+    "chunked": Implementation(_chunked),
 }
+# What "auto" runs, on every platform.
+PREFERENCE = {ELSEWHERE: ("chunked",)}

@@ -16,7 +16,7 @@ class MesaState(NamedTuple):
   kv: jax.Array
 
 
-class MesaResult(NamedTuple):
+class MesaNetResult(NamedTuple):
   """What `mesa_net` returns.
 
   out:   [B, T, H, V], dtype of v: readout G_t (H_t + diag lam)^{-1} q_t.

@@ -3,9 +3,6 @@
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
 from palimpsa_jax.ops.mesa_net import implementations
 
-# The names `mesa_net` accepts: "auto" and the table's.
-IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)
-
 
 def validate_mesa_args(q, k, v, beta, log_gamma, lam, initial_state, segment_ids,
                        implementation: str, chunk_size: int, cg_steps: int
@@ -26,7 +23,7 @@ def validate_mesa_args(q, k, v, beta, log_gamma, lam, initial_state, segment_ids
                 "[B, H, K, K]")
     check_array("initial_state.kv", initial_state.kv, (batch, heads, value_dim, key_dim),
                 "[B, H, V, K]")
-  check_options(implementation, chunk_size, IMPLEMENTATIONS)
+  check_options(implementation, chunk_size, implementations.IMPLEMENTATIONS)
   if isinstance(cg_steps, bool) or not isinstance(cg_steps, int) or cg_steps < 0:
     raise ValueError(f"cg_steps must be a non-negative int, got {cg_steps!r}.")
   return sizes

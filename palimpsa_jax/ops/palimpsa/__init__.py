@@ -2,6 +2,6 @@
 
 from palimpsa_jax.ops.palimpsa.api import palimpsa
 from palimpsa_jax.ops.palimpsa.reference import reference_palimpsa
-from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
+from palimpsa_jax.ops.palimpsa_contract import PalimpsaResult, PalimpsaState
 
 __all__ = ["palimpsa", "reference_palimpsa", "PalimpsaResult", "PalimpsaState"]

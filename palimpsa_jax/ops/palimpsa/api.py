@@ -1,20 +1,16 @@
 """`palimpsa`: the public op. Validates, builds the initial state and the segment starts,
 dispatches to an implementation of the table in implementations.py."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops import context_parallel
-from palimpsa_jax.ops import kernel_sharding
+from palimpsa_jax.ops import context_parallel, dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.palimpsa.implementations import (IMPLEMENTATIONS, KERNELS,
-                                                       KernelUnavailable)
-from palimpsa_jax.ops.palimpsa.types import (PalimpsaResult, PalimpsaState,
-                                          initial_mean_and_precision)
+from palimpsa_jax.ops.palimpsa.implementations import IMPLEMENTATIONS, PREFERENCE
 from palimpsa_jax.ops.palimpsa.validation import validate_palimpsa_args
-from palimpsa_jax.ops.simple_gla import simple_gla
+from palimpsa_jax.ops.palimpsa_contract import (PalimpsaResult, PalimpsaState,
+                                                initial_mean_and_precision)
+from palimpsa_jax.ops.simple_gla import implementations as simple_gla
 
 
 def palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None, segment_ids=None,
@@ -79,17 +75,8 @@ def _whole_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
   starts = None if segment_ids is None else segment_starts(segment_ids, *segment_ids.shape)
   args = (q, k, v, beta, log_alpha, ip, mu0, prec0, starts)
   options = dict(return_variance=return_variance, chunk_size=chunk_size, interpret=interpret)
-  explicit = implementation != "auto"
-  if not explicit:
-    implementation = auto_implementation()
-  outputs = None
-  if implementation in KERNELS:
-    outputs = run_kernel(IMPLEMENTATIONS, implementation, args, options, explicit)
-    if outputs is None:  # "auto", and the kernel cannot run this call.
-      implementation = "chunked"
-  if outputs is None:
-    outputs = IMPLEMENTATIONS[implementation](*args, **options)
-  out, var, mu, precision = outputs
+  out, var, mu, precision = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE, args,
+                                         options)
   return PalimpsaResult(out, var, PalimpsaState(mu, precision))
 
 
@@ -101,18 +88,24 @@ def _simple_gla_path(q, k, v, log_alpha, ip, segment_ids, return_variance, imple
   (With a given initial_state its precision need not equal Ip, so beta=None then runs the
   general path with beta = 0.)
   """
+  f32 = jnp.float32
+  b, t, heads, kd = q.shape
+  vd = v.shape[-1]
+  if h0 is None:
+    h0 = jnp.zeros((b, heads, vd, kd), f32)
   gla_impl = "sequential" if implementation == "sequential" else "auto"
-  h = simple_gla(q, k, v.astype(jnp.float32), log_alpha, initial_state=h0,
-                 segment_ids=segment_ids, implementation=gla_impl, chunk_size=chunk_size)
+  gla_args = (q.astype(f32), k.astype(f32), v.astype(f32), log_alpha.astype(f32), h0,
+              segment_starts(segment_ids, b, t))
+  gla_out, state = dispatch.run(simple_gla.IMPLEMENTATIONS, gla_impl, simple_gla.PREFERENCE,
+                                gla_args, dict(chunk_size=chunk_size))
   inv_ip = 1.0 / ip
-  out = (h.out * inv_ip[:, None]).astype(v.dtype)
+  out = (gla_out * inv_ip[:, None]).astype(v.dtype)
   var = None
   if return_variance:
-    q2 = jnp.sum(jnp.square(q.astype(jnp.float32)), axis=-1, keepdims=True)  # [B,T,H,1]
+    q2 = jnp.sum(jnp.square(q.astype(f32)), axis=-1, keepdims=True)  # [B,T,H,1]
     var = jnp.broadcast_to(q2 * inv_ip[:, None], out.shape)
-  b, h_heads, vd, kd = h.state.shape
-  precision = jnp.broadcast_to(ip[None, :, None, None], (b, h_heads, vd, kd))
-  return PalimpsaResult(out, var, PalimpsaState(h.state * inv_ip[None, :, None, None], precision))
+  precision = jnp.broadcast_to(ip[None, :, None, None], state.shape)
+  return PalimpsaResult(out, var, PalimpsaState(state * inv_ip[None, :, None, None], precision))
 
 
 def _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
@@ -154,40 +147,5 @@ def _over_sequence(q, k, v, beta, log_alpha, ip, initial_state, segment_ids, *,
 
 
 def auto_implementation() -> str:
-  """What implementation="auto" runs first: the kernel of the default backend, else
-  "chunked"."""
-  platform = jax.default_backend()
-  if platform in ("gpu", "cuda", "rocm"):
-    return "pallas_gpu"
-  if platform == "tpu":
-    return "pallas_tpu"
-  return "chunked"
-
-
-def run_kernel(table, implementation, args, options, explicit):
-  """Calls the Pallas kernel table[implementation]; None under "auto" (explicit=False) where
-  it cannot run the call. Fast Palimpsa's kernels share the contract and this rule.
-
-  Inside ops.kernel_sharding.kernel_sharding the kernel runs per device shard of the batch
-  and heads (shard_map); elsewhere on the whole arrays.
-
-  A kernel that declines (NotImplementedError) or whose module is missing gives None under
-  "auto" (-> "chunked"). A kernel the caller named explicitly never falls back: a decline
-  raises ValueError with the kernel's reason, a missing module its ImportError.
-  """
-  q = args[0]
-  try:
-    return kernel_sharding.shard_kernel(
-        functools.partial(table[implementation], **options), args,
-        in_layouts=("b.h.", "b.h.", "b.h.", "b.h.", "b.h", "h", "bh..", "bh..", "b."),
-        out_layouts=("b.h.", "b.h." if options["return_variance"] else None, "bh..", "bh.."),
-        batch_size=q.shape[0], num_heads=q.shape[2])
-  except KernelUnavailable:
-    if explicit:
-      raise
-    return None
-  except NotImplementedError as declined:
-    if explicit:
-      raise ValueError(
-          f"implementation={implementation!r} cannot run this call: {declined}") from declined
-    return None
+  """What implementation="auto" tries first on this platform: its kernel, else "chunked"."""
+  return dispatch.preferred(PREFERENCE)[0]

@@ -5,7 +5,7 @@ Materialises every state, O(T*V*K) memory: meant for checking and short sequence
 
 import jax
 
-from palimpsa_jax.ops.palimpsa.linear_form import readout
+from palimpsa_jax.ops.linear_form import readout
 
 
 def _combine(earlier, later):

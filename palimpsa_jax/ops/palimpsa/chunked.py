@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.palimpsa.linear_form import readout, scan_chunk_states
+from palimpsa_jax.ops.linear_form import readout, scan_chunk_states
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # The backward recomputes the states of N / _BACKWARD_GROUPS chunks at a time.

@@ -7,7 +7,7 @@ Runs in the dtype it is given (tests call it with float64 inside `jax.enable_x64
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.palimpsa.types import PalimpsaResult, PalimpsaState
+from palimpsa_jax.ops.palimpsa_contract import PalimpsaResult, PalimpsaState
 
 
 def reference_palimpsa(q, k, v, beta, log_alpha, prior_precision, *, initial_state=None,

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.palimpsa.linear_form import readout
+from palimpsa_jax.ops.linear_form import readout
 
 
 def palimpsa_sequential(q, k, v, beta, gate, prior_precision, m0, ibar0, *, return_variance,

@@ -11,6 +11,6 @@ log_alpha [B, T, H]; state [B, H, V, K] float32. All arithmetic runs in float32.
 """
 
 from palimpsa_jax.ops.simple_gla.api import simple_gla
-from palimpsa_jax.ops.simple_gla.types import GLAResult
+from palimpsa_jax.ops.simple_gla.types import SimpleGLAResult
 
-__all__ = ["GLAResult", "simple_gla"]
+__all__ = ["SimpleGLAResult", "simple_gla"]

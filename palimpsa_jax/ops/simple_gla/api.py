@@ -4,9 +4,10 @@ dispatches to an implementation of the table in implementations.py."""
 import jax
 import jax.numpy as jnp
 
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.common import segment_starts
-from palimpsa_jax.ops.simple_gla.implementations import IMPLEMENTATIONS
-from palimpsa_jax.ops.simple_gla.types import GLAResult
+from palimpsa_jax.ops.simple_gla.implementations import IMPLEMENTATIONS, PREFERENCE
+from palimpsa_jax.ops.simple_gla.types import SimpleGLAResult
 from palimpsa_jax.ops.simple_gla.validation import validate_gla_args
 
 
@@ -20,7 +21,7 @@ def simple_gla(
     segment_ids: jax.Array | None = None,
     implementation: str = "auto",
     chunk_size: int = 64,
-) -> GLAResult:
+) -> SimpleGLAResult:
   """Scalar-gated linear attention h_t = a_t h_{t-1} + v_t k_t^T, out_t = h_t q_t.
 
   Args:
@@ -36,7 +37,7 @@ def simple_gla(
     chunk_size: steps per chunk for "chunked"; any T works (the tail is padded).
 
   Returns:
-    GLAResult(out [B, T, H, V] in v's dtype, state [B, H, V, K] float32).
+    SimpleGLAResult(out [B, T, H, V] in v's dtype, state [B, H, V, K] float32).
   """
   batch, time, heads, key_dim, value_dim = validate_gla_args(
       q, k, v, log_alpha, initial_state, segment_ids, implementation, chunk_size)
@@ -45,6 +46,6 @@ def simple_gla(
   state_shape = (batch, heads, value_dim, key_dim)
   h0 = jnp.zeros(state_shape, f32) if initial_state is None else initial_state.astype(f32)
   starts = segment_starts(segment_ids, batch, time)
-  name = "chunked" if implementation == "auto" else implementation
-  out, state = IMPLEMENTATIONS[name](q, k, v_f, log_alpha, h0, starts, chunk_size=chunk_size)
-  return GLAResult(out.astype(v.dtype), state)
+  out, state = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                            (q, k, v_f, log_alpha, h0, starts), dict(chunk_size=chunk_size))
+  return SimpleGLAResult(out.astype(v.dtype), state)

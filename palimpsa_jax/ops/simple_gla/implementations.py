@@ -1,6 +1,7 @@
-"""SimpleGLA's implementations by name: one table, one contract.
+"""SimpleGLA's implementations by name: one table, one contract, and the
+order "auto" tries them in (ops.dispatch).
 
-Every entry of IMPLEMENTATIONS is called by `simple_gla` as
+`simple_gla` runs the fn of an entry of IMPLEMENTATIONS as
 
     fn(q, k, v, log_alpha, h0, starts, *, chunk_size)
     -> (out [B, T, H, V] float32, state [B, H, V, K] float32)
@@ -10,6 +11,7 @@ h0 [B, H, V, K] the state before step 0; starts [B, T] bool (True where the stat
 from zero before the step).
 """
 
+from palimpsa_jax.ops.dispatch import ELSEWHERE, Implementation
 from palimpsa_jax.ops.simple_gla.chunked import gla_chunked
 from palimpsa_jax.ops.simple_gla.sequential import gla_sequential
 
@@ -24,6 +26,8 @@ def _chunked(q, k, v, log_alpha, h0, starts, *, chunk_size):
 
 
 IMPLEMENTATIONS = {
-    "sequential": _sequential,  # lax.scan over time.
-    "chunked": _chunked,  # Matmuls inside chunks, a scan over chunk states.
+    "sequential": Implementation(_sequential),  # lax.scan over time.
+    "chunked": Implementation(_chunked),  # Matmuls inside chunks, a scan over chunk states.
 }
+# What "auto" runs, on every platform.
+PREFERENCE = {ELSEWHERE: ("chunked",)}

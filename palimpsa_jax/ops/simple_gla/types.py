@@ -5,7 +5,7 @@ from typing import NamedTuple
 import jax
 
 
-class GLAResult(NamedTuple):
+class SimpleGLAResult(NamedTuple):
   """What `simple_gla` returns.
 
   out:   [B, T, H, V], dtype of v: readout h_t q_t.

@@ -3,9 +3,6 @@
 from palimpsa_jax.ops.common import check_array, check_options, check_sequences
 from palimpsa_jax.ops.simple_gla import implementations
 
-# The names `simple_gla` accepts: "auto" and the table's.
-IMPLEMENTATIONS = ("auto", *implementations.IMPLEMENTATIONS)
-
 
 def validate_gla_args(q, k, v, log_alpha, initial_state, segment_ids, implementation: str,
                       chunk_size: int) -> tuple[int, int, int, int, int]:
@@ -16,5 +13,5 @@ def validate_gla_args(q, k, v, log_alpha, initial_state, segment_ids, implementa
   """
   sizes = check_sequences(q, k, v, initial_state, segment_ids)
   check_array("log_alpha", log_alpha, sizes[:3], "[B, T, H]")
-  check_options(implementation, chunk_size, IMPLEMENTATIONS)
+  check_options(implementation, chunk_size, implementations.IMPLEMENTATIONS)
   return sizes

@@ -5,7 +5,8 @@ of given logits)."""
 import jax
 import jax.numpy as jnp
 
-from palimpsa_jax.ops.token_loss.implementations import IMPLEMENTATIONS
+from palimpsa_jax.ops import dispatch
+from palimpsa_jax.ops.token_loss.implementations import IMPLEMENTATIONS, PREFERENCE
 from palimpsa_jax.ops.token_loss.logits import losses_of_logits
 from palimpsa_jax.ops.token_loss.types import TokenLoss
 from palimpsa_jax.ops.token_loss.validation import validate_logits_args, validate_token_loss_args
@@ -22,7 +23,8 @@ def token_loss(h: jax.Array, table: jax.Array, targets: jax.Array,
     targets: [B, T] int, in [0, vocab) wherever the weight is not 0 (any value elsewhere).
     weights: [B, T] bool mask or non-negative floats; None: every target counts with weight 1.
     implementation: "sliced" (a slice of positions at a time: the default, never the whole
-      float32 logits unless they fit sliced.SLICE_LOGITS) or "logits" (the whole logits).
+      float32 logits unless they fit sliced.SLICE_LOGITS), "logits" (the whole logits) or
+      "auto" ("sliced").
 
   Returns:
     TokenLoss (types.py): per position. Gradients flow to h and table through nll and lse; the
@@ -33,8 +35,9 @@ def token_loss(h: jax.Array, table: jax.Array, targets: jax.Array,
   counted, weights = _counted(weights, targets.shape)
   # A custom backward is traced after the caller's forward: it takes the matmul precision in
   # force now, as autodiff's own matmuls would.
-  nll, correct, lse = IMPLEMENTATIONS[implementation](
-      h, table, targets, counted, precision=jax.config.jax_default_matmul_precision)
+  nll, correct, lse = dispatch.run(IMPLEMENTATIONS, implementation, PREFERENCE,
+                                   (h, table, targets, counted),
+                                   dict(precision=jax.config.jax_default_matmul_precision))
   return TokenLoss(nll, correct, lse, weights.astype(nll.dtype))
 
 

@@ -1,6 +1,7 @@
-"""The token loss's implementations by name: one table, one contract.
+"""The token loss's implementations by name: one table, one contract, and the order "auto"
+tries them in (ops.dispatch).
 
-Every entry of IMPLEMENTATIONS is called by `token_loss` as
+`token_loss` runs the fn of an entry of IMPLEMENTATIONS as
 
     fn(h, table, targets, counted, *, precision)
     -> (nll [B, T], correct [B, T] bool, lse [B, T])
@@ -13,6 +14,7 @@ lse is the log-sum-exp of the logits at every position, in nll's dtype. nll and 
 gradients to h and table.
 """
 
+from palimpsa_jax.ops.dispatch import ELSEWHERE, Implementation
 from palimpsa_jax.ops.token_loss.logits import head_logits, losses_of_logits
 from palimpsa_jax.ops.token_loss.sliced import sliced_losses
 
@@ -27,6 +29,10 @@ def _sliced(h, table, targets, counted, *, precision):
 
 
 IMPLEMENTATIONS = {
-    "logits": _logits,  # The whole float32 logits, differentiated by autodiff.
-    "sliced": _sliced,  # A slice of positions at a time, logits recomputed in the backward.
+    # The whole float32 logits, differentiated by autodiff.
+    "logits": Implementation(_logits),
+    # A slice of positions at a time, logits recomputed in the backward.
+    "sliced": Implementation(_sliced),
 }
+# What "auto" runs, on every platform.
+PREFERENCE = {ELSEWHERE: ("sliced",)}

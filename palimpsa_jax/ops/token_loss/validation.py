@@ -4,6 +4,7 @@ import jax.numpy as jnp
 
 from palimpsa_jax.ops.common import check_array
 from palimpsa_jax.ops.token_loss.implementations import IMPLEMENTATIONS
+from pallas_kernels import dispatch
 
 
 def _check_rank(name: str, x, ndim: int, layout: str) -> None:
@@ -37,9 +38,7 @@ def validate_token_loss_args(h, table, targets, weights, implementation: str) ->
   if table.dtype != h.dtype:
     raise TypeError(f"table must have h's dtype {h.dtype}, got {table.dtype}.")
   _check_targets_and_weights(targets, weights, tuple(h.shape[:2]))
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {tuple(IMPLEMENTATIONS)}, "
-                     f"got {implementation!r}.")
+  dispatch.check_name(implementation, IMPLEMENTATIONS)
 
 
 def validate_logits_args(logits, targets, weights) -> None:

@@ -1,5 +1,6 @@
 """Palimpsa op: the shared suite per XLA implementation, validation, reference, memory."""
 
+import dataclasses
 import functools
 
 import chex
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from palimpsa_jax.ops import PalimpsaState, palimpsa
+from palimpsa_jax.ops import dispatch
 from palimpsa_jax.ops.palimpsa import api, implementations, reference_palimpsa
 from palimpsa_jax.ops.palimpsa.chunked import palimpsa_chunked
 from tests.ops.numerics import FLOAT32_TOL, GRAD_TOL, assert_close_to_reference
@@ -161,38 +163,41 @@ def test_chunked_backward_memory_is_sublinear_in_states():
   assert temp < 0.25 * all_states, f"temp {temp / 2**20:.1f} MiB vs states {all_states / 2**20} MiB"
 
 
-def _decline(*args, **kwargs):
-  raise NotImplementedError("test: declined")
+def _declining(reason):
+  """The table's "pallas_gpu" entry, made to support no call, for `reason`."""
+  entry = implementations.IMPLEMENTATIONS["pallas_gpu"]
+  return dataclasses.replace(entry, supports=lambda call: reason)
 
 
 def test_auto_falls_back_to_chunked(monkeypatch):
-  """Under "auto", a kernel that declines (NotImplementedError) or is missing -> "chunked"."""
+  """Under "auto", a kernel that does not support the call or is missing -> "chunked"."""
   x = _f32(_small_inputs(7))
   args = [x[n] for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
   want = palimpsa(*args, implementation="chunked").out
-  monkeypatch.setattr(api, "auto_implementation", lambda: "pallas_gpu")
-  monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", _decline)
+  monkeypatch.setattr(dispatch, "platform", lambda: "cuda")
+  assert api.auto_implementation() == "pallas_gpu"
+  monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", _declining("test"))
   chex.assert_trees_all_equal(palimpsa(*args).out, want)
-  missing = implementations.unavailable("pallas_gpu", ImportError("test: no module"))
+  missing = dispatch.unavailable(ImportError("test: no module"))
   monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", missing)
   chex.assert_trees_all_equal(palimpsa(*args).out, want)
 
 
 def test_named_kernel_never_falls_back(monkeypatch):
-  """A kernel named explicitly: a decline is a ValueError with its reason, a missing module an
-  ImportError; the compiled kernels decline on CPU."""
+  """A kernel named explicitly that cannot run the call (it says why, or its module is
+  missing) is a ValueError naming it and the reason; the compiled kernels refuse on CPU."""
   x = _f32(_small_inputs(7))
   args = [x[n] for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
   if jax.default_backend() == "cpu":
     for kernel, reason in (("pallas_gpu", "NVIDIA GPU"), ("pallas_tpu", "needs a TPU")):
       with pytest.raises(ValueError, match=f"implementation='{kernel}' cannot run.*{reason}"):
         palimpsa(*args, implementation=kernel)
-  monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", _decline)
+  monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", _declining("test"))
   with pytest.raises(ValueError, match="implementation='pallas_gpu' cannot run this call: test"):
     palimpsa(*args, implementation="pallas_gpu")
-  missing = implementations.unavailable("pallas_gpu", ImportError("test: no module"))
+  missing = dispatch.unavailable(ImportError("test: no module"))
   monkeypatch.setitem(implementations.IMPLEMENTATIONS, "pallas_gpu", missing)
-  with pytest.raises(ImportError, match="test: no module"):
+  with pytest.raises(ValueError, match="'pallas_gpu' cannot run.*cannot be imported: test"):
     palimpsa(*args, implementation="pallas_gpu")
 
 
@@ -217,7 +222,7 @@ def test_gpu_backend_is_chosen_at_the_api(monkeypatch, implementation, kernel):
   out = palimpsa(*(jnp.asarray(x[n], jnp.float32) for n in names),
                  implementation=implementation, chunk_size=16, interpret=True).out
   (cfg,) = seen
-  assert (cfg.boundary_fwd, cfg.walk_fwd, cfg.walk_bwd, cfg.carries_bwd) == (kernel,) * 4
+  assert cfg.backends == (kernel,) * 4
   with jax.enable_x64(True):
     want = np.asarray(reference_palimpsa(*(jnp.asarray(x[n]) for n in names)).out)
   assert_close_to_reference(out, want, FLOAT32_TOL)
@@ -228,7 +233,7 @@ def test_gpu_backend_that_cannot_run_a_stage_names_it():
   walk's K is at most 128) is a ValueError naming the stage, not a silent Triton run."""
   x = _f32(_small_inputs(3, shape=(1, 16, 1, 144, 16)))
   args = [x[n] for n in ("q", "k", "v", "beta", "log_alpha", "prior_precision")]
-  with pytest.raises(ValueError, match="Mosaic GPU kernel of the forward walk cannot run"):
+  with pytest.raises(ValueError, match="mosaic kernel of the forward walk cannot run"):
     palimpsa(*args, implementation="pallas_gpu_mosaic", chunk_size=16, interpret=True)
 
 
@@ -236,14 +241,15 @@ _NO_GPU_KERNEL = """
 import sys
 sys.modules["pallas_kernels.palimpsa_gpu"] = None  # Its import now raises ImportError.
 import jax.numpy as jnp
-from palimpsa_jax.ops.palimpsa import api, palimpsa
+from palimpsa_jax.ops import dispatch
+from palimpsa_jax.ops.palimpsa import palimpsa
 x = jnp.ones((1, 4, 1, 2)) / 2
 args = (x, x, x, x, jnp.full((1, 4, 1), -0.1), jnp.ones((1,)))
-api.auto_implementation = lambda: "pallas_gpu"
+dispatch.platform = lambda: "cuda"
 assert (palimpsa(*args).out == palimpsa(*args, implementation="chunked").out).all()
 try:
   palimpsa(*args, implementation="pallas_gpu")
-except ImportError as error:
+except ValueError as error:
   print("raised:", error)
 """
 
@@ -252,4 +258,5 @@ def test_a_kernel_module_that_cannot_import_is_left_to_auto(run_on_cpu_devices):
   """The table keeps a kernel whose import fails: "auto" runs "chunked", naming it raises."""
   result = run_on_cpu_devices(_NO_GPU_KERNEL, 1)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "raised: implementation='pallas_gpu' cannot be imported" in result.stdout
+  assert "raised: implementation='pallas_gpu' cannot run this call: its module cannot be " \
+         "imported" in result.stdout

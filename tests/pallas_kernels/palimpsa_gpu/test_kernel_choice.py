@@ -7,13 +7,20 @@ change to where the choice is made cannot change what is chosen. CPU only: the d
 stood in for (compute capability, device count).
 """
 
+import dataclasses
+import types
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from palimpsa_jax.ops.palimpsa.implementations import GPU_BACKENDS
+from pallas_kernels.palimpsa_gpu import (boundary_mosaic, boundary_triton, carries_mosaic,
+                                         carries_triton, make_config, stages,
+                                         walk_backward_mosaic, walk_backward_triton,
+                                         walk_forward_mosaic, walk_forward_triton)
 from pallas_kernels.palimpsa_gpu import config as gpu_config
-from pallas_kernels.palimpsa_gpu import make_config, stages
 
 bf16, f32 = jnp.bfloat16, jnp.float32
 # name: ((B, T, H, K, V), dtype of q, k, v, beta, return_variance, chunk_size).
@@ -45,41 +52,62 @@ AUTO = {
     "odd": ("MMMM", "TTTT", "MMMM", "TMMM", "TTTT"),
     "wide_f32": ("MTMM", "TTTT", "TTTM", "TTTM", "TTTT"),
 }
-STAGE_NAMES = {"boundary_fwd": "boundary states", "walk_fwd": "forward walk",
-               "walk_bwd": "backward walk", "carries_bwd": "adjoint carries"}
 # Backward-walk calls (temp-memory pieces) per device, where not 1.
 PIECES = {("d760", "interpreted"): 4, ("d760", "interpreted on 4 devices"): 8,
           ("d760", "sm_80"): 8}
-# "pallas_gpu_triton" on sm_90: every tile field.
+# "pallas_gpu_triton" on sm_90: every stage's tiles.
 TILES = {
-    "mqar": dict(block_v=32, block_v_bwd=32, block_v_boundary=32, k_part=8, k_part_boundary=16,
-                 k_part_bwd=8, unroll=2, sub=4, groups_bwd=1, num_warps=1, num_warps_bwd=1,
-                 num_warps_boundary=1, k_split_bwd=1, prefetch_bwd=False),
-    "d170": dict(block_v=16, block_v_bwd=16, block_v_boundary=16, k_part=16, k_part_boundary=16,
-                 k_part_bwd=16, unroll=2, sub=4, groups_bwd=3, num_warps=1, num_warps_bwd=1,
-                 num_warps_boundary=1, k_split_bwd=3, prefetch_bwd=True),
-    "d760": dict(block_v=16, block_v_bwd=16, block_v_boundary=64, k_part=32, k_part_boundary=32,
-                 k_part_bwd=16, unroll=2, sub=4, groups_bwd=12, num_warps=2, num_warps_bwd=1,
-                 num_warps_boundary=4, k_split_bwd=6, prefetch_bwd=True),
-    "k144": dict(block_v=16, block_v_bwd=16, block_v_boundary=16, k_part=16, k_part_boundary=16,
-                 k_part_bwd=16, unroll=2, sub=4, groups_bwd=1, num_warps=1, num_warps_bwd=1,
-                 num_warps_boundary=1, k_split_bwd=9, prefetch_bwd=True),
-    "f32_chunk128": dict(block_v=16, block_v_bwd=16, block_v_boundary=64, k_part=32,
-                         k_part_boundary=32, k_part_bwd=16, unroll=2, sub=4, groups_bwd=4,
-                         num_warps=2, num_warps_bwd=1, num_warps_boundary=4, k_split_bwd=2,
-                         prefetch_bwd=True),
-    "odd": dict(block_v=32, block_v_bwd=32, block_v_boundary=32, k_part=8, k_part_boundary=16,
-                k_part_bwd=8, unroll=2, sub=4, groups_bwd=1, num_warps=1, num_warps_bwd=1,
-                num_warps_boundary=1, k_split_bwd=1, prefetch_bwd=False),
-    "wide_f32": dict(block_v=16, block_v_bwd=16, block_v_boundary=64, k_part=32,
-                     k_part_boundary=32, k_part_bwd=16, unroll=2, sub=4, groups_bwd=16,
-                     num_warps=2, num_warps_bwd=1, num_warps_boundary=4, k_split_bwd=16,
-                     prefetch_bwd=True),
+    "mqar": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=16, block_v=32, num_warps=1),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=8, block_v=32, num_warps=1,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=8, k_split=1, block_v=32, groups=1, sub=4, num_warps=1, prefetch=False)),
+    "d170": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=16, block_v=16, num_warps=1),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=16, block_v=16, num_warps=1,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=16, k_split=3, block_v=16, groups=3, sub=4, num_warps=1, prefetch=True)),
+    "d760": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=32, block_v=64, num_warps=4),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=32, block_v=16, num_warps=2,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=16, k_split=6, block_v=16, groups=12, sub=4, num_warps=1, prefetch=True)),
+    "k144": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=16, block_v=16, num_warps=1),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=16, block_v=16, num_warps=1,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=16, k_split=9, block_v=16, groups=1, sub=4, num_warps=1, prefetch=True)),
+    "f32_chunk128": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=32, block_v=64, num_warps=4),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=32, block_v=16, num_warps=2,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=16, k_split=2, block_v=16, groups=4, sub=4, num_warps=1, prefetch=True)),
+    "odd": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=16, block_v=32, num_warps=1),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=8, block_v=32, num_warps=1,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=8, k_split=1, block_v=32, groups=1, sub=4, num_warps=1, prefetch=False)),
+    "wide_f32": dict(
+        boundary_fwd=boundary_triton.BoundaryTritonTiles(k_part=32, block_v=64, num_warps=4),
+        walk_fwd=walk_forward_triton.WalkForwardTritonTiles(k_part=32, block_v=16, num_warps=2,
+                                                            unroll=2),
+        walk_bwd=walk_backward_triton.WalkBackwardTritonTiles(
+            k_part=16, k_split=16, block_v=16, groups=16, sub=4, num_warps=1, prefetch=True)),
 }
-# "pallas_gpu" on sm_90 takes the same tiles, but where it runs the boundary states on Mosaic
-# GPU, that kernel's K-part (and the Triton boundary kernel's warps go unused).
+# "pallas_gpu" on sm_90: the Mosaic boundary kernel's K-part where it runs the boundary states
+# (every call here but wide_f32).
 MOSAIC_K_PART_BOUNDARY = {"mqar": 16, "d170": 48, "d760": 96, "k144": 48, "f32_chunk128": 32,
                           "odd": 16}
+# The tiles of the Mosaic kernels with no K-part (fixed tiles; the backward walk's sub-chunks).
+MOSAIC_TILES = dict(walk_fwd=walk_forward_mosaic.WalkForwardMosaicTiles(),
+                    walk_bwd=walk_backward_mosaic.WalkBackwardMosaicTiles(sub=4),
+                    carries_bwd=carries_mosaic.CarriesMosaicTiles())
 
 
 def _config(monkeypatch, call: str, device: str, implementation: str):
@@ -96,7 +124,7 @@ def _config(monkeypatch, call: str, device: str, implementation: str):
 
 
 def _kernels(cfg) -> str:
-  return "".join(getattr(cfg, stage)[0].upper() for stage in STAGE_NAMES)
+  return "".join(backend[0].upper() for backend in cfg.backends)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -109,8 +137,8 @@ def test_each_implementation_picks_the_pinned_kernels(monkeypatch, call, device)
   if want == "MMMM":
     assert _config(monkeypatch, call, device, "pallas_gpu_mosaic") == auto
   else:  # The first stage left to Triton is named.
-    stage = list(STAGE_NAMES.values())[want.index("T")]
-    with pytest.raises(NotImplementedError, match=f"Mosaic GPU kernel of the {stage} cannot"):
+    stage = list(gpu_config.STAGES.values())[want.index("T")]
+    with pytest.raises(NotImplementedError, match=f"mosaic kernel of the {stage} cannot"):
       _config(monkeypatch, call, device, "pallas_gpu_mosaic")
   assert auto.accumulate_bwd == (not DEVICES[device][0])
   assert stages.walk_pieces(auto) == PIECES.get((call, device), 1)
@@ -118,12 +146,44 @@ def test_each_implementation_picks_the_pinned_kernels(monkeypatch, call, device)
 
 @pytest.mark.parametrize("call", CALLS)
 def test_tiles_are_pinned(monkeypatch, call):
-  tiles = lambda cfg, names: {name: getattr(cfg, name) for name in names}
+  """Each stage's tiles on sm_90: the Triton kernels' under "pallas_gpu_triton"; under
+  "pallas_gpu", each stage's chosen kernel's (Mosaic's where AUTO pins M)."""
   triton = _config(monkeypatch, call, "sm_90", "pallas_gpu_triton")
-  assert tiles(triton, TILES[call]) == TILES[call]
+  want = {**TILES[call], "carries_bwd": carries_triton.CarriesTritonTiles()}
+  assert {stage: getattr(triton, stage) for stage in gpu_config.STAGES} == want
   auto = _config(monkeypatch, call, "sm_90", "pallas_gpu")
-  want = dict(TILES[call])
-  if call in MOSAIC_K_PART_BOUNDARY:
-    want["k_part_boundary"] = MOSAIC_K_PART_BOUNDARY[call]
-    del want["num_warps_boundary"]
-  assert tiles(auto, want) == want
+  on_mosaic = AUTO[call][list(DEVICES).index("sm_90")]
+  for stage, kernel in zip(gpu_config.STAGES, on_mosaic):
+    if kernel == "T":
+      assert getattr(auto, stage) == want[stage], stage
+    elif stage == "boundary_fwd":
+      assert auto.boundary_fwd == boundary_mosaic.BoundaryMosaicTiles(
+          k_part=MOSAIC_K_PART_BOUNDARY[call])
+    else:
+      assert getattr(auto, stage) == MOSAIC_TILES[stage], stage
+
+
+@dataclasses.dataclass(frozen=True)
+class _ThirdTiles:
+  backend: ClassVar[str] = "third"
+  kp: int
+
+
+def test_a_third_kernel_for_one_stage_is_one_entry_of_its_row(monkeypatch):
+  """A new kernel for a stage is its module and one entry in the stage's row of KERNELS: "auto"
+  takes it where it comes first and supports the call (else the next), stages.run launches it
+  with its tiles, and the other stages and the named backends do not change."""
+  launched = []
+  third = types.SimpleNamespace(
+      supports=lambda call: None if call.kp <= 32 else "it takes K up to 32",
+      tiles=lambda call: _ThirdTiles(call.kp),
+      launch=lambda cfg, *arrays: launched.append((cfg.walk_fwd, arrays)))
+  monkeypatch.setitem(stages.KERNELS, "walk_fwd", {"third": third, **stages.KERNELS["walk_fwd"]})
+  cfg = _config(monkeypatch, "mqar", "sm_90", "pallas_gpu")
+  assert cfg.backends == ("mosaic", "third", "mosaic", "mosaic")
+  assert cfg.walk_fwd == _ThirdTiles(kp=16)
+  stages.run("walk_fwd", cfg, "rows")
+  assert launched == [(_ThirdTiles(kp=16), ("rows",))]
+  assert _config(monkeypatch, "d170", "sm_90", "pallas_gpu").backends[1] == "mosaic"  # K=48.
+  assert _config(monkeypatch, "mqar", "sm_90", "pallas_gpu_triton").backends == ("triton",) * 4
+  assert _config(monkeypatch, "mqar", "sm_90", "pallas_gpu_mosaic").backends == ("mosaic",) * 4

@@ -95,25 +95,25 @@ def test_tile_variants_agree(k_dim):
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
                      chunk_size=16, interpret=True)
-  assert base.boundary_fwd == base.walk_fwd == base.walk_bwd == base.carries_bwd == "mosaic"
+  assert base.backends == ("mosaic",) * 4
   assert not base.accumulate_bwd
-  # The Triton boundary kernel walks K in power-of-two parts.
-  triton = dataclasses.replace(base, boundary_fwd="triton", k_part_boundary=16,
-                               walk_fwd="triton", walk_bwd="triton", carries_bwd="triton")
-  variant = dataclasses.replace(triton, block_v=16, unroll=1, block_v_bwd=16, sub=8,
-                                groups_bwd=3, k_part=8, k_part_boundary=16, k_part_bwd=16,
-                                k_split_bwd=1)
+  triton = make_config(args[0], args[2], args[4], args[5], return_variance=True,
+                       chunk_size=16, interpret=True, backend="triton")
+  fwd, bwd = triton.walk_fwd, triton.walk_bwd
+  variant = dataclasses.replace(
+      triton, walk_fwd=dataclasses.replace(fwd, block_v=16, unroll=1, k_part=8),
+      walk_bwd=dataclasses.replace(bwd, block_v=16, sub=8, groups=3, k_part=16, k_split=1))
   assert (variant.k_boundary, variant.k_bwd) == (k_dim, k_dim)
-  sliced = dataclasses.replace(triton, k_part_bwd=4, k_split_bwd=k_dim // 8, groups_bwd=3,
-                               block_v_bwd=16)
+  sliced = dataclasses.replace(triton, walk_bwd=dataclasses.replace(
+      bwd, k_part=4, k_split=k_dim // 8, groups=3, block_v=16))
   assert sliced.k_bwd == k_dim
   variants = [triton, variant, sliced]
   if k_dim == 48:
-    assert (base.k_part, base.k_boundary, base.k_bwd) == (16, 48, 48)
-    assert (base.k_part_bwd, base.k_split_bwd, base.block_v_bwd, base.groups_bwd,
-            base.prefetch_bwd) == (16, 3, 16, 3, True)
-    padded = dataclasses.replace(triton, k_part_bwd=64, k_split_bwd=1, groups_bwd=1, sub=2,
-                                 prefetch_bwd=False)
+    assert (fwd.k_part, base.k_boundary, base.k_bwd) == (16, 48, 48)
+    assert (bwd.k_part, bwd.k_split, bwd.block_v, bwd.groups, bwd.prefetch) == (
+        16, 3, 16, 3, True)
+    padded = dataclasses.replace(triton, walk_bwd=dataclasses.replace(
+        bwd, k_part=64, k_split=1, groups=1, sub=2, prefetch=False))
     assert padded.k_bwd == 64
     variants.append(padded)
 
@@ -387,21 +387,28 @@ def test_kernel_choice(monkeypatch):
   assert walk_forward_mosaic.smem_bytes(96, [bf16] * 4, bf16, False) <= (
       limit // 2)  # Two CTAs per SM at D760's heads.
   assert not walk_forward_mosaic.supported(64, 144, [bf16] * 4, bf16, False, interpret=True)
-  auto = lambda *args, **kwargs: gpu_config.stage_backend("stage", "auto", *args, **kwargs)
-  assert auto(True, interpret=True) == "mosaic"
-  assert auto(False, interpret=True) == "triton"
-  hopper = gpu_config.compute_capability() >= (9, 0)
-  assert auto(True, interpret=False) == ("mosaic" if hopper else "triton")
-  assert auto(False, interpret=False) == "triton"
-  sm90 = gpu_config.compute_capability()[0] == 9
-  assert auto(True, interpret=False, hopper_only=True) == ("mosaic" if sm90 else "triton")
-  assert auto(True, interpret=True, hopper_only=True) == "mosaic"
+  capability = gpu_config.compute_capability()
+
+  def runs(supported, interpret, hopper_only=False, devices=1):  # No reason to refuse.
+    call = gpu_config.StageCall(64, 16, 16, f32, f32, f32, f32, False, interpret, capability,
+                                devices)
+    return gpu_config.mosaic_refusal(supported, call, hopper_only) is None
+
+  assert runs(True, interpret=True)
+  assert not runs(False, interpret=True)
+  assert runs(True, interpret=False) == (capability >= (9, 0))
+  assert not runs(False, interpret=False)
+  assert runs(True, interpret=False, hopper_only=True) == (capability[0] == 9)
+  assert runs(True, interpret=True, hopper_only=True)
+  assert not runs(True, interpret=True, devices=4)
   args = _random_op_args(0, (1, 64, 1, 144, 16))
   cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=False,
                     chunk_size=64, interpret=True)
-  assert (cfg.walk_fwd, cfg.walk_bwd) == ("triton", "mosaic")
+  assert cfg.backends[1:3] == ("triton", "mosaic")
   monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-  assert auto(True, interpret=True) == "triton"
+  cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=False,
+                    chunk_size=64, interpret=True)
+  assert cfg.backends == ("triton",) * 4
 
 
 @pytest.mark.parametrize("interpret, chunk, k_dim, v_dim, k_state, with_var", [
@@ -455,7 +462,7 @@ def test_hopper_path_lowers_to_mosaic_gpu_only(monkeypatch, shape, with_var, dty
       sds((b, t, h), f32), sds((h,), f32)] + [sds((b, h, vd, kd), f32)] * 2
   cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=with_var,
                     chunk_size=64, interpret=False)
-  assert (cfg.boundary_fwd, cfg.walk_fwd, cfg.walk_bwd, cfg.carries_bwd) == ("mosaic",) * 4
+  assert cfg.backends == ("mosaic",) * 4
 
   def loss(*a):
     out, var, mu, prec = op_module._palimpsa(cfg, *a, None)

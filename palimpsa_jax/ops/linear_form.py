@@ -1,9 +1,11 @@
-"""Shared pieces of the linear form M = mu * I, Ibar = I - Ip (docs/math.md).
+"""Shared pieces of the linear form M = mu * I, Ibar = I - Ip (docs/math.md), used by the XLA
+forms of `palimpsa` and `fast_palimpsa`.
 
-Every XLA implementation takes float32 inputs in the op's layout, a gate a_t = alpha_t [B,T,H]
-that is already 0 where a segment restarts (restarting from the prior is M = 0, Ibar = 0) and
-the state (M_0, Ibar_0) [B,H,V,K], and returns (out [B,T,H,V] f32, variance [B,T,H,V] f32 or
-None, M_T [B,H,V,K], Ibar_T [B,H,V,K]); implementations.py puts them behind the op's contract.
+Every XLA implementation of Palimpsa takes float32 inputs in the op's layout, a gate
+a_t = alpha_t [B,T,H] that is already 0 where a segment restarts (restarting from the prior is
+M = 0, Ibar = 0) and the state (M_0, Ibar_0) [B,H,V,K], and returns (out [B,T,H,V] f32,
+variance [B,T,H,V] f32 or None, M_T [B,H,V,K], Ibar_T [B,H,V,K]);
+ops/palimpsa/implementations.py puts them behind the op's contract.
 """
 
 import jax

@@ -1,15 +1,6 @@
-"""How the op's Pallas kernels are launched: the Triton compiler parameters, and the one
-Mosaic GPU kernel form every Mosaic kernel of the op shares."""
+"""How the op's Mosaic GPU kernels are launched: the one kernel form they all share."""
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import triton as plgpu_triton
-
-
-def triton_params(num_warps: int, interpret: bool, num_stages: int = 1):
-  """A Triton kernel's compiler parameters; None in interpret mode (they do not apply)."""
-  if interpret:
-    return None
-  return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def mosaic_kernel(body, *, name: str, out_type, scratch_types, grid: tuple[int, ...],
