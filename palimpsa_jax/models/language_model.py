@@ -47,6 +47,13 @@ REMAT_SAVES = {
         _kernel_outputs_saveable),
 }
 
+# XLA options for a compiled train step of these models. A scan over layers (and any loop
+# that stacks its outputs) writes every slot of each stacked array; XLA (jax 0.11.2) still
+# fills the array with zeros first unless asked to drop that dead fill, which otherwise
+# wrote every stacked residual once more (docs/gpu_performance.md, "The layer around the
+# op"). Other backends ignore it.
+TRAIN_STEP_COMPILER_OPTIONS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
+
 
 def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
   """Sorted indices of the layers whose mixer is metaplastic under `config`.
