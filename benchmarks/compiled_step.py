@@ -9,9 +9,11 @@ default), builds the train step as it does and compiles it with XLA's GPU compil
 --target GPU described in benchmarks/gpu_targets/ (no GPU is used: only abstract shapes), then
 prints the compiled step's memory analysis (what the GPU would allocate: the figures the GPU
 records' "temp GiB" and "peak GiB" columns hold) and the bytes its non-GEMM fusions and copies
-move, by source line (benchmarks/hlo_traffic.py). Needs the CUDA plugin of jax's GPU install
-(`pip install jax[cuda13]`, or only its `jax-cuda13-pjrt` package) on the host; run it with
-JAX_PLATFORMS=cpu on a host without a GPU. The Palimpsa ops' GPU kernels are compiled for the
+move, by source line (benchmarks/hlo_traffic.py). Needs jax's CUDA plugin importable, not a
+GPU: the `jax-cuda12-pjrt` and `jax-cuda12-plugin` wheels of the installed jax version (checked
+with 0.11.2), e.g. `pip install --target /tmp/cuda_plugin jax-cuda12-pjrt==0.11.2
+jax-cuda12-plugin==0.11.2` and `PYTHONPATH=/tmp/cuda_plugin`, which leaves the environment
+as it is; run it with JAX_PLATFORMS=cpu. The Palimpsa ops' GPU kernels are compiled for the
 target too (their runtime check for an NVIDIA GPU is skipped while tracing).
 """
 
@@ -43,8 +45,8 @@ def target_devices(target: str) -> list:
         target, "cuda", target_config=(TARGET_DIR / f"{target}.txtpb").read_text(),
         topology="1x1x1")
   except Exception as error:  # jax raises several kinds when the plugin is missing.
-    raise SystemExit(f"compiled_step: no CUDA compiler on this host ({error}); install "
-                     "jax's CUDA plugin (jax-cuda13-pjrt) beside jax") from None
+    raise SystemExit(f"compiled_step: no CUDA compiler on this host ({error}); put jax's "
+                     "CUDA plugin on the path (see this module's docstring)") from None
   return list(description.devices)
 
 
