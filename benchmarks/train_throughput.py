@@ -232,10 +232,18 @@ def placement(args: argparse.Namespace,
   return context
 
 
-def build_train_step(model: str, implementation: str, scan_layers: bool | None,
-                     args: argparse.Namespace, where: sharding_lib.MeshContext,
-                     label: str) -> BuiltStep:
-  """Builds the model's state and batch and compiles its train step (configs/lm.py).
+class StepParts(NamedTuple):
+  """A train step before its state exists: config, state spec, jitted step, microbatches."""
+
+  config: ml_collections.ConfigDict
+  spec: Any
+  train_step: Any
+  grad_accum_steps: int
+
+
+def train_step_parts(model: str, implementation: str, scan_layers: bool | None,
+                     args: argparse.Namespace, where: sharding_lib.MeshContext) -> StepParts:
+  """The model's config (configs/lm.py), state spec and jitted train step.
 
   scan_layers None (--as_shipped): scan_layers, remat and remat_saves as configs/lm.py ships
   the size; else those of the arguments.
@@ -258,6 +266,16 @@ def build_train_step(model: str, implementation: str, scan_layers: bool | None,
   train_step = steps_lib.make_train_step(
       spec.parts.graphdef, spec.tx, schedule, objective_lib.Objective.for_run(config),
       spec.shardings, sharding_lib.replicated(mesh), accum, where.kernel_context)
+  return StepParts(config, spec, train_step, accum)
+
+
+def build_train_step(model: str, implementation: str, scan_layers: bool | None,
+                     args: argparse.Namespace, where: sharding_lib.MeshContext,
+                     label: str) -> BuiltStep:
+  """Builds the model's state and batch and compiles its train step (train_step_parts)."""
+  config, spec, train_step, accum = train_step_parts(model, implementation, scan_layers,
+                                                     args, where)
+  mesh = where.mesh
   num_params = int(sum(x.size for x in jax.tree.leaves(spec.abstract["params"])))
 
   start = time.perf_counter()

@@ -30,7 +30,15 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, T, d] -> [B, T, d] in the compute dtype."""
+    return self.output(*self.project(x))
+
+  def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The hidden projections (gate, up) [B, T, hidden] of x [B, T, d]."""
+    return self.gate_proj(x), self.up_proj(x)
+
+  def output(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """down(silu(gate) * up) [B, T, d] from the hidden projections."""
     # The backward keeps the two matmul outputs and recomputes silu(gate) * up from them
     # (down_proj's weight gradient needs it; its forward matmul is not run again).
     down = jax.checkpoint(lambda gate, up: self.down_proj(jax.nn.silu(gate) * up))
-    return down(self.gate_proj(x), self.up_proj(x))
+    return down(gate, up)

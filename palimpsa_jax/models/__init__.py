@@ -2,9 +2,9 @@
 
 from palimpsa_jax.models.config import model_config, mqar_model_config
 from palimpsa_jax.models.decoding import generate
-from palimpsa_jax.models.language_model import (Block, LanguageModel,
-                                                build_model, metaplastic_layers,
-                                                take_positions)
+from palimpsa_jax.models.language_model import (TRAIN_STEP_COMPILER_OPTIONS, Block,
+                                                LanguageModel, build_model,
+                                                metaplastic_layers, take_positions)
 from palimpsa_jax.models.new_parameters import (NEW_PARAMETER_NAMES, is_new_parameter,
                                                 new_parameter_mask)
 from palimpsa_jax.models.parts import (ModelFn, ModelParts, abstract_model,
@@ -17,6 +17,7 @@ from palimpsa_jax.models.summary import (abstract_parameter_count,
 from palimpsa_jax.models.weight_decay import weight_decay_mask
 
 __all__ = [
+    "TRAIN_STEP_COMPILER_OPTIONS",
     "Block",
     "LanguageModel",
     "ModelFn",

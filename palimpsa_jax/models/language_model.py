@@ -47,6 +47,13 @@ REMAT_SAVES = {
         _kernel_outputs_saveable),
 }
 
+# XLA options for a compiled train step of these models. A scan over layers (and any loop
+# that stacks its outputs) writes every slot of each stacked array; XLA (jax 0.11.2) still
+# fills the array with zeros first unless asked to drop that dead fill, which otherwise
+# wrote every stacked residual once more (docs/gpu_performance.md, "The layer around the
+# op"). Other backends ignore it.
+TRAIN_STEP_COMPILER_OPTIONS = {"xla_gpu_enable_dus_accumulator_zero_init_elimination": True}
+
 
 def metaplastic_layers(config: ml_collections.ConfigDict) -> tuple[int, ...]:
   """Sorted indices of the layers whose mixer is metaplastic under `config`.
@@ -97,18 +104,26 @@ class Block(nnx.Module):
     out = self.mixer(self.mixer_norm(h), segment_ids=segment_ids,
                      return_diagnostics=return_diagnostics)
     out, diagnostics = out if return_diagnostics else (out, None)
-    return self._mlp(h + out.astype(h.dtype)), diagnostics
+    return self._mlp(h, out), diagnostics
 
   def prefill(self, h: jax.Array, cache: Any, single_step: bool = False):
     """Runs h [B, T, d] from the mixer's cache -> (h, new cache)."""
     mixer_call = self.mixer.step if single_step else self.mixer.prefill
     out, cache = mixer_call(self.mixer_norm(h), cache)
-    return self._mlp(h + out.astype(h.dtype)), cache
+    return self._mlp(h, out), cache
 
-  def _mlp(self, h):
+  def _mlp(self, h, out):
+    """h + out, then its SwiGLU branch added: h [B, T, d] the block's input, out the
+    mixer's output in the compute dtype."""
+    mid = h + out.astype(h.dtype)
     if self.mlp is None:
-      return h
-    return h + self.mlp(self.mlp_norm(h)).astype(h.dtype)
+      return mid
+    # The backward keeps h (kept anyway for the mixer's norm) and out, and recomputes their
+    # sum and its norm: neither the sum (float32 with residual_in_fp32) nor the norm's
+    # output is kept; gate_proj and up_proj do not run again.
+    project = lambda h, out: self.mlp.project(self.mlp_norm(h + out.astype(h.dtype)))
+    gate, up = jax.checkpoint(project)(h, out)
+    return mid + self.mlp.output(gate, up).astype(h.dtype)
 
 
 class LanguageModel(nnx.Module):

@@ -122,7 +122,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation,
   """
   step = train_step_fn(graphdef, tx, schedule, objective, grad_accum_steps)
   return jax.jit(_traced_within(kernel_context, step), donate_argnums=0,
-                 out_shardings=(state_shardings, metric_sharding))
+                 out_shardings=(state_shardings, metric_sharding),
+                 compiler_options=models.TRAIN_STEP_COMPILER_OPTIONS)
 
 
 def eval_sums(graphdef: Any, params: dict, model_state: dict, batch: Batch

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from palimpsa_jax.layers import Attention
-from palimpsa_jax.models import build_model, generate, model_config
+from palimpsa_jax.models import activation_memory, build_model, generate, model_config
 from palimpsa_jax.models.config import MODELS
 from palimpsa_jax.models.language_model import LanguageModel
 from tests.ops.numerics import assert_close_to_reference
@@ -50,6 +50,24 @@ def test_mamba_blocks_have_no_mlp_and_remat_keeps_the_gradients():
   rematerialised = nnx.to_pure_dict(grad(lm, tokens))
   chex.assert_trees_all_close(rematerialised, plain, rtol=1e-5, atol=1e-8)
   assert np.any(plain["blocks"][0]["mixer"]["in_proj"]["kernel"] != 0)
+
+
+def test_residual_stream_in_the_compute_dtype():
+  """residual_in_fp32=False keeps the residual stream in bfloat16: each block keeps its input
+  at half the bytes, and the step's loss and gradients stay close to the float32 stream's."""
+  configs = {flag: model_config("palimpsa_d", "tiny", dtype="bfloat16", chunk_size=4,
+                                residual_in_fp32=flag) for flag in (True, False)}
+  kept = {flag: activation_memory.kept_bytes(activation_memory.gpu_program(c), 2, 64)
+          for flag, c in configs.items()}
+  d_model = configs[True].d_model
+  assert kept[True]["per_token"] - kept[False]["per_token"] == 2 * d_model
+  tokens = jax.random.randint(jax.random.key(1), (BATCH, LENGTH), 0, configs[True].vocab_size)
+  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
+  results = {flag: nnx.jit(nnx.value_and_grad(loss))(build_model(c, nnx.Rngs(0)))
+             for flag, c in configs.items()}
+  (value32, grads32), (value16, grads16) = results[True], results[False]
+  chex.assert_trees_all_close(value16, value32, rtol=2e-2)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads16))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from palimpsa_jax.models import build_model, model_config
+from palimpsa_jax.models import TRAIN_STEP_COMPILER_OPTIONS, build_model, model_config
 from palimpsa_jax.models.language_model import REMAT_SAVES
 from palimpsa_jax.training import sharding as sharding_lib
 from tests.ops.numerics import assert_close_to_reference
@@ -153,3 +153,27 @@ def test_scan_layers_rejects_mixed_layers():
                         scan_layers=True, metaplastic_layers=(1,))
   with pytest.raises(ValueError, match="scan_layers=True needs every layer"):
     build_model(config, nnx.Rngs(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("remat", [False, True])
+def test_train_step_compiler_options_keep_the_gradients(remat):
+  """TRAIN_STEP_COMPILER_OPTIONS drops the zero fill of the scan's stacked residuals: the
+  compiled GPU step must give bit for bit the gradients of a compile without it (and its
+  HLO must have dropped a fill, else the option no longer does anything)."""
+  if jax.default_backend() != "gpu":
+    pytest.skip("needs a GPU")
+  config = model_config("palimpsa_d", "tiny", dtype="bfloat16", num_layers=NUM_LAYERS,
+                        scan_layers=True, remat=remat, implementation="pallas_gpu")
+  model = build_model(config, nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  tokens = jax.random.randint(jax.random.key(1), (2, 256), 0, config.vocab_size)
+
+  def grads(params):
+    loss = lambda p: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, p)(tokens))[..., 1])
+    return jax.grad(loss)(params)
+
+  plain = jax.jit(grads).lower(params).compile()
+  lean = jax.jit(grads, compiler_options=TRAIN_STEP_COMPILER_OPTIONS).lower(params).compile()
+  assert "AllocateBuffer" in lean.as_text() and "AllocateBuffer" not in plain.as_text()
+  chex.assert_trees_all_equal(lean(params), plain(params))
