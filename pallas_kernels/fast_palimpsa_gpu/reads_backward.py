@@ -3,12 +3,12 @@
 The mirror of reads_forward.py, split along what each gradient needs so that no CTA holds
 more than a few accumulators (one kernel holding all of them spilled registers at the
 large heads): the V-side kernel (reads_backward_v.py) walks V in sub-tiles and writes dv,
-dbeta, dbv, dZ and dS; the K-side kernel (reads_backward_k.py) takes K in blocks and writes
-dq, dk, dbk and dN from them. Both recompute what they need of the forward (D, ibk, qk;
-the V-side also W, Av, ibv, own and the carried read Rc). No float32 intermediate of the
-reads goes through device memory: dZ and dS travel in bfloat16 (they are bfloat16 wgmma
-operands either way), and dN [V, K] per chunk is the one state-sized output (it becomes
-the state adjoints the carries kernel walks).
+dbeta, dbv and dZ; the K-side kernel (reads_backward_k.py) takes K in blocks and writes
+dq, dk, dbk and dN. Both recompute what they need of the forward (D, ibk, qk; the V-side
+also W, Av, ibv, own and the carried read Rc; the K-side dS from dZ and v). No float32
+intermediate of the reads goes through device memory: dZ travels in bfloat16 (a bfloat16
+wgmma operand either way), and dN [V, K] per chunk is the one state-sized output (it
+becomes the state adjoints the carries kernel walks).
 
 The gradients, by hand (forward as in reads_forward.py; Z = own + cs Rc, vs = ibs / ibv,
 out = Z vs, variance = sigma vs with sigma = sum_k q qk; sums over the true K and V):
@@ -19,22 +19,26 @@ out = Z vs, variance = sigma vs with sigma = sum_k q qk; sums over the true K an
     dibv = -dvs vs / ibv             (dAv = dibv)
     dcs = sum_v dZ Rc                df += sum_v dibv bv            dIp += sum_v dibv
     dbv = sum_t f dibv (per chunk)
-    dv = W^T @ dZ                    dW = dZ @ v^T                  (summed over sub-tiles)
-    dAv: dD += dAv @ Y^T,  dY = D^T @ dAv,  dbeta = dY mk,  dmk = sum_v dY beta
-    dS = dW D,  dD += dW S
+    dv = W^T @ dZ                    dY = D^T @ dAv,  dbeta = dY mk,  dmk = sum_v dY beta
     K-side, per K block:
+    dS = (dZ @ v^T) D                                              (dW = dZ @ v^T)
     dqk = dS @ k + cs (dZ @ N) + dsigma q                          (N of the row's chunk)
     dN = dZ^T @ (cs qk) (per chunk)
     dq = dqk / ibk + dsigma qk,  dibk = -dqk qk / ibk + dibs / K   (dAk = dibk)
     df += sum_k dibk bk,  dIp += sum_k dibk,  dbk = sum_t f dibk (per chunk)
     dk = dS^T @ qk + 2 k (dX mb + dmk / K),  dX = D^T @ dAk,  dmb = sum_k dX k^2
-    dD += dAk @ X^T
-    and of dD (both sides' parts): P = dD D:  dg_t = sum_s P[t, s] - sum_s P[s, t]
 
-(Y = beta mk, X = mb k^2, S = qk @ k^T, W = S D.) Each kernel writes dg's two halves of
-its part of dD as two rows (row sums, column sums) for XLA to combine. Every product runs
-on the tensor cores with bfloat16 operands read from shared memory (the transposes are
-views), float32 accumulators.
+(Y = beta mk, X = mb k^2, S = qk @ k^T, W = S D.) The decays' cotangent: with dD =
+dAv @ Y^T + dW S + dAk @ X^T and P = dD D, dg_t = sum_s P[t, s] - sum_s P[s, t]. No CTA
+forms dD: since Av = D @ Y, own = W @ v and Ak = D @ X, those sums are per-step sums
+
+    sum_s P[t, s] = sum_v (dAv Av + dZ own)[t] + sum_k (dAk Ak)[t]
+    sum_s P[s, t] = sum_v (Y dY + v dv)[t] + sum_k (X dX)[t]
+
+which each kernel writes for XLA to combine. The per-chunk sums over steps (dbv, dbk) are
+wgmmas too (`reads_backward_v.chunk_sums_selector`). Every product runs on the tensor
+cores with bfloat16 operands read from shared memory (the transposes are views), float32
+accumulators.
 """
 
 import jax.numpy as jnp
@@ -65,10 +69,10 @@ def chunk_reads_backward(q, k, v, beta, rows, bk, bv, n_c, dout, dvar, *, heads:
   dbv [BH, NC, span], dn [BH, NC, Vp, Kp] (float32).
   """
   common = dict(heads=heads, chunk=chunk, k_true=k_true, tiles=tiles, interpret=interpret)
-  dv, dbeta, dz, ds, vrows, dbv = reads_backward_v.backward_v(
+  dv, dbeta, dz, vrows, dbv = reads_backward_v.backward_v(
       q, k, v, beta, rows, bk, bv, n_c, dout, dvar, **common)
   dq, dk, krows, dbk, dn = reads_backward_k.backward_k(
-      q, k, rows, bk, dz, ds, vrows, n_c, with_var=dvar is not None, **common)
+      q, k, v, rows, bk, dz, vrows, n_c, with_var=dvar is not None, **common)
   krows = jnp.sum(krows, axis=2)
   vr, kr = (lambda i: vrows[:, :, i]), (lambda i: krows[:, :, i])
   by_index = {ROW_G: vr(VROW_G_ROWS) + kr(KROW_G_ROWS) - vr(VROW_G_COLS) - kr(KROW_G_COLS),
