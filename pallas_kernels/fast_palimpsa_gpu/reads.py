@@ -15,10 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fast_palimpsa_gpu import reads_backward, reads_forward
-from pallas_kernels.fast_palimpsa_gpu.reads_backward import (DROW_CS, DROW_F, DROW_G_COLS,
-                                                             DROW_G_ROWS, DROW_IP, DROW_MB)
 from pallas_kernels.common import round_up
+from pallas_kernels.fast_palimpsa_gpu import reads_backward, reads_forward
 from pallas_kernels.fast_palimpsa_gpu.tiles import (ROW_CS, ROW_F, ROW_G, ROW_ID, ROW_IP,
                                                     ROW_MB, NUM_ROWS, BackwardTiles,
                                                     ForwardTiles, padded_width)
@@ -133,14 +131,10 @@ def _fused_reads_bwd(call, residuals, cotangents):
   dout, dvar = cotangents
   kp, vp = bk.shape[-1], bv.shape[-1]
   n_c, n_vjp = jax.vjp(weighted_mean, m_c, b_c, bk, bv, ip)
-  dq, dk, dv, dbeta, drows, dbk, dbv, dn = reads_backward.chunk_reads_backward(
+  dq, dk, dv, dbeta, d_rows, dbk, dbv, dn = reads_backward.chunk_reads_backward(
       q, k, v, beta, rows, padded(bk), padded(bv, call.backward.v_span(vp)), n_c.astype(bf16),
       dout.astype(v.dtype), dvar if call.with_var else None, heads=call.heads,
       chunk=call.chunk, k_true=call.k_true, tiles=call.backward, interpret=call.interpret)
-  d = lambda i: drows[:, :, i]
-  by_index = {ROW_G: d(DROW_G_ROWS) - d(DROW_G_COLS), ROW_ID: jnp.zeros_like(d(0)),
-              ROW_F: d(DROW_F), ROW_CS: d(DROW_CS), ROW_IP: d(DROW_IP), ROW_MB: d(DROW_MB)}
-  d_rows = jnp.stack([by_index[i] for i in range(NUM_ROWS)], axis=2)
   dm, db, dbk_n, dbv_n, dip = n_vjp(dn)
   return (dq, dk, dv, dbeta, d_rows, dbk[..., :kp] + dbk_n, dbv[..., :vp] + dbv_n, dm, db,
           dip)
@@ -149,37 +143,55 @@ def _fused_reads_bwd(call, residuals, cotangents):
 fused_reads.defvjp(_fused_reads_fwd, _fused_reads_bwd)
 
 
-# Tiles by (chunk, Kp, Vp): (forward sub, forward num_sub, backward sub, backward slots),
-# from the latest tuning record (benchmarks/fast_palimpsa_tuning.py, one H100:
+# The forward kernel's tiles by (chunk, Kp, Vp): (sub, num_sub), from the latest tuning
+# record (benchmarks/fast_palimpsa_tuning.py, one H100:
 # benchmarks/records/fast_palimpsa_tuning_2026-12-06T0550.json, without the variance). A
 # head it has not tuned, or whose tuned tiles do not fit with the variance, takes the
-# provisional rule of `default_tiles`.
-TUNED: dict[tuple[int, int, int], tuple[int, int, int, int]] = {
-    (64, 96, 192): (64, 3, 64, 1),
-    (64, 48, 48): (48, 1, 64, 2),
-    (64, 128, 128): (64, 2, 64, 1),
-    (64, 16, 32): (32, 1, 64, 1),
-    (32, 96, 192): (64, 1, 64, 1),
-    (32, 48, 48): (48, 1, 64, 1),
+# provisional rule of `default_tiles`, as does the backward (two kernels since that record:
+# its tiles are not measured yet).
+TUNED: dict[tuple[int, int, int], tuple[int, int]] = {
+    (64, 96, 192): (64, 3),
+    (64, 48, 48): (48, 1),
+    (64, 128, 128): (64, 2),
+    (64, 16, 32): (32, 1),
+    (32, 96, 192): (64, 1),
+    (32, 48, 48): (48, 1),
 }
 
 
+def default_k_sub(kp: int) -> int:
+  """The K-side backward kernel's K-block: all of Kp up to 64, else the widest power of two
+  up to 64 dividing it (the operands' swizzle is the widest dividing every width)."""
+  return kp if kp <= 64 else max(w for w in (16, 32, 64) if kp % w == 0)
+
+
+def default_v_sub(vp: int) -> int:
+  """The V-side backward kernel's sub-tile: all of Vp up to 64, else the widest of 64, 48,
+  32 and 16 that divides it."""
+  return vp if vp <= 64 else max(w for w in (16, 32, 48, 64) if vp % w == 0)
+
+
+def fits(tiles, kp: int, vp: int, with_var: bool) -> bool:
+  """Whether both directions' CTAs fit in shared memory with these tiles."""
+  forward, backward = tiles
+  return (reads_forward.smem_bytes(forward, kp, vp, jnp.bfloat16, with_var) <= SMEM_LIMIT
+          and reads_backward.smem_bytes(backward, kp, vp, with_var) <= SMEM_LIMIT)
+
+
 def default_tiles(chunk: int, kp: int, vp: int, with_var: bool):
-  """(ForwardTiles, BackwardTiles) for a call: the tuned entry, else a provisional rule
-  (not measured yet): forward V-blocks of one sub-tile of up to 64 columns (more CTAs, and
-  [rows, 64] accumulators that leave registers for the rest), the backward's ring of two
-  slots where it fits in shared memory, else one."""
-  if (chunk, kp, vp) in TUNED:
-    sub, num_sub, sub_bwd, slots = TUNED[chunk, kp, vp]
-    forward, backward = ForwardTiles(chunk, sub, num_sub), BackwardTiles(chunk, sub_bwd, slots)
-    if (reads_forward.smem_bytes(forward, kp, vp, jnp.bfloat16, with_var) <= SMEM_LIMIT
-        and reads_backward.smem_bytes(backward, kp, vp, with_var) <= SMEM_LIMIT):
-      return forward, backward
-  forward = ForwardTiles(chunk, min(vp, 64))
-  backward = BackwardTiles(chunk, 64, 2)
+  """(ForwardTiles, BackwardTiles) for a call: the forward's tuned entry, else a
+  provisional rule (not measured yet): forward V-blocks of one sub-tile of up to 64 columns
+  (more CTAs, and [rows, 64] accumulators that leave registers for the rest); backward
+  V sub-tiles of `default_v_sub` through a ring of two slots where it fits in shared memory,
+  else one, and K-blocks of `default_k_sub`."""
+  backward = BackwardTiles(chunk, default_v_sub(vp), 2, default_k_sub(kp))
   if reads_backward.smem_bytes(backward, kp, vp, with_var) > SMEM_LIMIT:
-    backward = BackwardTiles(chunk, 64, 1)
-  return forward, backward
+    backward = dataclasses.replace(backward, slots=1)
+  if (chunk, kp, vp) in TUNED:
+    forward = ForwardTiles(chunk, *TUNED[chunk, kp, vp])
+    if reads_forward.smem_bytes(forward, kp, vp, jnp.bfloat16, with_var) <= SMEM_LIMIT:
+      return forward, backward
+  return ForwardTiles(chunk, min(vp, 64)), backward
 
 
 def reads_call(q, k, v, beta, *, chunk: int, with_var: bool, interpret,
@@ -205,8 +217,10 @@ def reads_call(q, k, v, beta, *, chunk: int, with_var: bool, interpret,
     raise NotImplementedError(f"the fused chunk-read kernels take K and V up to 256, not "
                               f"K={kd}, V={vd}")
   forward, backward = tiles or default_tiles(chunk, kp, vp, with_var)
-  if (forward.chunk, backward.chunk) != (chunk, chunk) or forward.sub % 16 or (
-      backward.sub % 64) or backward.slots < 1 or forward.v_span(vp) > 256:
+  if ((forward.chunk, backward.chunk) != (chunk, chunk) or forward.sub % 16
+      or backward.sub % 16 or backward.k_sub % 16 or backward.slots < 1
+      or (vp % backward.sub and backward.sub < vp)
+      or max(forward.v_span(vp), backward.v_span(vp)) > 256):
     raise NotImplementedError(f"tiles {forward}, {backward} do not fit chunk={chunk}, "
                               f"V={vd}")
   if not interpret:

@@ -51,13 +51,20 @@ class ForwardTiles:
 
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
-  """How the backward kernel cuts one batch*head's reads: a CTA takes `rows` steps (as
-  ForwardTiles) and all of V, in sub-tiles of `sub` columns (a multiple of 64: dN's
-  rows are a wgmma's M) that pass through a ring of `slots` slots."""
+  """How the backward's two kernels cut one batch*head's reads (reads_backward.py). Both
+  take `rows` steps a CTA (as ForwardTiles).
+
+  sub: V columns per sub-tile of the V-side kernel (a multiple of 16 that divides Vp, or
+    at least Vp), which takes all of V, its sub-tiles passing through a ring of `slots`
+    slots.
+  k_sub: K columns per CTA of the K-side kernel (a multiple of 16); its products over V
+    (dN) take V in pieces of 64 rows (a wgmma's M).
+  """
 
   chunk: int
   sub: int = 64
   slots: int = 2
+  k_sub: int = 32
 
   rows = ForwardTiles.rows
   groups = ForwardTiles.groups
@@ -66,8 +73,25 @@ class BackwardTiles:
     return -(-vp // self.sub)
 
   def v_span(self, vp: int) -> int:
-    """Columns of bv (and dbv) the kernel reads: Vp rounded up to whole sub-tiles."""
+    """Columns of bv (and dbv) the V-side kernel reads: Vp rounded up to whole sub-tiles."""
     return padded_width(self.num_sub(vp) * self.sub)
+
+  def k_blocks(self, kp: int) -> int:
+    """CTAs along K of the K-side kernel."""
+    return -(-kp // self.k_sub)
+
+
+V_PIECE = 64  # V rows of one dN product (a wgmma's M) in the K-side kernel.
+
+
+def v_pieces(vp: int) -> list[tuple[int, int]]:
+  """(start, overlap) of the K-side kernel's V pieces of 64 rows: whole pieces, the last one
+  ending at Vp (overlapping its predecessor by `overlap` rows, which it leaves to it); a V
+  under 64 is one piece whose rows past Vp read zeros."""
+  if vp <= V_PIECE:
+    return [(0, 0)]
+  starts = [min(p * V_PIECE, vp - V_PIECE) for p in range(-(-vp // V_PIECE))]
+  return [(start, p * V_PIECE - start) for p, start in enumerate(starts)]
 
 
 def padded_width(width: int) -> int:

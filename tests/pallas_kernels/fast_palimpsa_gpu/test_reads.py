@@ -110,22 +110,23 @@ def check_fused_reads(seed, shape, forward, backward, with_var, interpret):
 
 
 # (B, T, H, K, V), ForwardTiles, BackwardTiles, variance. The first: one 64-step chunk a
-# CTA, K and V padded (12 -> 16, 40 -> 48), T padded, three forward V-blocks, two backward
-# sub-tiles through a ring of 2 (the second past V), with the variance. Then (slow): two
-# chunks of 32 a CTA (block-diagonal D, per-chunk N) with three V sub-tiles in one forward
-# CTA and a ring of 1; four chunks of 16; one chunk of 128 (two wgmma row groups; the
-# backward's chunk of 128 fits shared memory only at K16/V32 without the variance).
+# CTA, K and V padded (20 -> 32, 40 -> 48), T padded, three forward V-blocks, three
+# backward V sub-tiles through a ring of 2, two K-blocks (the second past the true K), with
+# the variance. Then (slow): two chunks of 32 a CTA (block-diagonal D, per-chunk N) with three V sub-tiles in
+# one forward CTA, a ring of 1 and three backward K-blocks of 16; four chunks of 16; one
+# chunk of 128 (two wgmma row groups).
 _CASES = [
-    ((1, 100, 2, 12, 40), ForwardTiles(64, 16), BackwardTiles(64, 64, 2), True),
-    ((2, 70, 1, 48, 48), ForwardTiles(32, 16, 3), BackwardTiles(32, 64, 1), False),
-    ((1, 64, 1, 16, 32), ForwardTiles(16, 32), BackwardTiles(16, 64, 2), True),
-    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 64, 1), False),
+    ((1, 100, 2, 20, 40), ForwardTiles(64, 16), BackwardTiles(64, 16, 2, 16), True),
+    ((2, 70, 1, 48, 48), ForwardTiles(32, 16, 3), BackwardTiles(32, 64, 1, 16), False),
+    ((1, 64, 1, 16, 32), ForwardTiles(16, 32), BackwardTiles(16, 64, 2, 16), True),
+    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 64, 1, 16), False),
 ]
-# The compiled cases add Palimpsa-D 760M's and K128 heads (the variance's backward fits one
-# ring slot at K96/V192).
+# The compiled cases add Palimpsa-D 760M's and K128 heads: V in three sub-tiles, K in
+# three blocks (a block of 32 past K at K = 80) and in one.
 _COMPILED_CASES = _CASES + [
-    ((2, 512, 3, 96, 192), ForwardTiles(64, 64, 3), BackwardTiles(64, 64, 1), True),
-    ((2, 512, 2, 128, 128), ForwardTiles(64, 128), BackwardTiles(64, 64, 1), False),
+    ((2, 512, 3, 96, 192), ForwardTiles(64, 64, 3), BackwardTiles(64, 64, 1, 32), True),
+    ((2, 512, 3, 80, 192), ForwardTiles(64, 64), BackwardTiles(64, 64, 2, 32), False),
+    ((2, 512, 2, 128, 128), ForwardTiles(64, 128), BackwardTiles(64, 64, 2, 64), False),
 ]
 
 
@@ -167,11 +168,9 @@ def test_declines_what_it_cannot_run():
 @pytest.mark.parametrize("chunk, kp, vp", sorted(reads.TUNED))
 @pytest.mark.parametrize("with_var", [False, True])
 def test_default_tiles_fit_with_and_without_the_variance(chunk, kp, vp, with_var):
-  """The tuned tiles (measured without the variance) are kept only where they fit."""
+  """The tuned forward tiles (measured without the variance) are kept only where they fit;
+  the backward's provisional tiles fit."""
   forward, backward = reads.default_tiles(chunk, kp, vp, with_var)
-  assert reads_forward.smem_bytes(forward, kp, vp, bf16, with_var) <= SMEM_LIMIT
-  assert reads_backward.smem_bytes(backward, kp, vp, with_var) <= SMEM_LIMIT
+  assert reads.fits((forward, backward), kp, vp, with_var)
   if not with_var:
-    sub, num_sub, sub_bwd, slots = reads.TUNED[chunk, kp, vp]
-    assert (forward, backward) == (ForwardTiles(chunk, sub, num_sub),
-                                   BackwardTiles(chunk, sub_bwd, slots))
+    assert forward == ForwardTiles(chunk, *reads.TUNED[chunk, kp, vp])
