@@ -31,6 +31,7 @@ from benchmarks import hlo_traffic
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
 from palimpsa_jax import models
+from palimpsa_jax.models import registry
 from pallas_kernels.palimpsa_gpu import config as gpu_config
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--hlo_out", default="", help="file for the compiled program's text")
   own, rest = parser.parse_known_args(argv)
   if "--models" not in rest:
-    rest = ["--models", "palimpsa_d", *rest]
+    rest = ["--models", registry.DEFAULT, *rest]
   args = train_throughput.parse_args(rest)
   if "," in args.models:
     raise SystemExit("compiled_step: --models takes one model")

@@ -29,8 +29,9 @@ from flax import nnx
 from benchmarks import results as results_lib
 from palimpsa_jax import models
 from palimpsa_jax.models import decoding
+from palimpsa_jax.models import registry
 
-MODELS = ("palimpsa_d", "transformer")
+MODELS = (registry.DEFAULT, registry.ATTENTION)
 
 
 def log(message: str) -> None:

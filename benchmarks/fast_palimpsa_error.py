@@ -27,6 +27,7 @@ import numpy as np
 from benchmarks import results as results_lib
 from palimpsa_jax.data import mqar
 from palimpsa_jax.layers import recurrent
+from palimpsa_jax.models import registry
 from palimpsa_jax.ops import fast_palimpsa, palimpsa
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 
@@ -87,8 +88,9 @@ def capture_layer_inputs(workdir: str, batch: int, seed: int) -> list[dict[str, 
   layers compute is unchanged).
   """
   model, config, _ = checkpoint_lib.load_model(workdir)
-  if config.model.mixer != "palimpsa_d":
-    raise ValueError(f"--checkpoint must hold a palimpsa_d model, {workdir} holds "
+  palimpsa_d = registry.MIXERS[registry.DEFAULT].kind
+  if config.model.mixer != palimpsa_d:
+    raise ValueError(f"--checkpoint must hold a {palimpsa_d} model, {workdir} holds "
                      f"{config.model.mixer!r}")
   model.eval()
   captured = []

@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 from benchmarks import results as results_lib
+from palimpsa_jax.models import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OP_SHAPES = ("D760", "D170", "K128", "MQAR")
@@ -110,7 +111,7 @@ def plan(args: argparse.Namespace, out: pathlib.Path, traces: pathlib.Path) -> l
   for precision in ("exact", "rank1"):
     dump = out / f"xla_{precision}"
     parts.append(Part(
-        f"step760 {precision}", ("-m", "benchmarks.train_throughput", "--models", "palimpsa_d",
+        f"step760 {precision}", ("-m", "benchmarks.train_throughput", "--models", registry.DEFAULT,
                                  *size, "--as_shipped", "--precision", precision, *steps,
                                  *records), 70, 45,
         (("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "

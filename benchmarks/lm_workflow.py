@@ -37,6 +37,8 @@ import threading
 import time
 
 from benchmarks import results as results_lib
+from palimpsa_jax.models import config as model_config
+from palimpsa_jax.models import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -53,7 +55,8 @@ def parse_args(argv):
   parser.add_argument("--output_dir", required=True, help="lm_workflow.json and logs go here")
   parser.add_argument("--work_dir", default="/tmp/lm_workflow",
                       help="corpus, shards, train workdir and compilation cache (emptied first)")
-  parser.add_argument("--model", default="palimpsa_d")
+  parser.add_argument("--models", dest="model", default=registry.DEFAULT,
+                      help="the model (one name of the registry)")
   parser.add_argument("--size", default="170m")
   parser.add_argument("--seq_len", type=int, default=4096)
   parser.add_argument("--batch", type=int, default=8, help="global batch in sequences")
@@ -69,7 +72,10 @@ def parse_args(argv):
   results_lib.add_record_flags(parser)  # this run's record and the benchmark's
   parser.add_argument("--extra_config", default="",
                       help="more train.py flags, e.g. '--config.model.scan_layers=True'")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.model not in registry.MIXERS:
+    parser.error(f"--models takes one model, one of {tuple(registry.MIXERS)}, got {args.model!r}")
+  return args
 
 
 def build_corpus(directory: pathlib.Path, max_bytes: float) -> dict:
@@ -212,7 +218,6 @@ def main(argv=None) -> dict:
   result["corpus"] = build_corpus(work / "corpus", args.corpus_mb * 1e6)
   save("corpus")
 
-  from palimpsa_jax.models import config as model_config  # pylint: disable=g-import-not-at-top
   vocab = model_config.model_config(args.model, args.size).vocab_size
   prepare = [sys.executable, "-m", "palimpsa_jax.data.prepare"]
   data_log = out / "data.log"

@@ -31,6 +31,7 @@ import time
 
 from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
+from palimpsa_jax.models import registry
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -88,7 +89,7 @@ def measure(mode: str, mixer: str, runs: int, impl: str, xla_flag: str,
             args: argparse.Namespace, timeout_s: float) -> dict:
   """Runs one child; its result, or the error (last lines of its output)."""
   command = [sys.executable, "-m", "benchmarks.mqar_batched_throughput", "--child",
-             f"--mode={mode}", f"--mixer={mixer}", f"--runs={runs}", f"--impl={impl}",
+             f"--mode={mode}", f"--model={mixer}", f"--runs={runs}", f"--impl={impl}",
              f"--setting={args.setting}", f"--steps={args.steps}",
              f"--single_steps={args.single_steps}"]
   env = dict(os.environ)
@@ -144,7 +145,8 @@ def write_record(records: list[dict], summary: dict, args: argparse.Namespace,
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--output", type=pathlib.Path, default=None)
-  parser.add_argument("--mixers", default="mamba2,palimpsa_d")
+  parser.add_argument("--models", dest="mixers", default=f"{registry.BASELINE},{registry.DEFAULT}",
+                      help="comma-separated mixers")
   parser.add_argument("--runs", type=int, default=12, help="runs in the batched group.")
   parser.add_argument("--setting", default="512:128", help="seq_len:kv.")
   parser.add_argument("--steps", type=int, default=150, help="steps of the batched group.")
@@ -155,7 +157,7 @@ def main(argv=None) -> None:
   results_lib.add_record_flags(parser)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--mode", choices=("batched", "single"), help=argparse.SUPPRESS)
-  parser.add_argument("--mixer", help=argparse.SUPPRESS)
+  parser.add_argument("--model", dest="mixer", help=argparse.SUPPRESS)
   parser.add_argument("--impl", default="auto", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:

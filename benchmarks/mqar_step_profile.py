@@ -37,6 +37,7 @@ from benchmarks import results as results_lib
 from benchmarks import step_profile
 from benchmarks.train_throughput import positive_int
 from palimpsa_jax.data import tasks as tasks_lib
+from palimpsa_jax.models import registry
 from palimpsa_jax.training import batched
 
 
@@ -74,7 +75,7 @@ def per_step_ms(fn, steps: int) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default="model=palimpsa_d",
+  parser.add_argument("--config", default=f"model={registry.DEFAULT}",
                       help="configs/mqar.py arguments (preset=paper unless given)")
   parser.add_argument("--runs", type=positive_int, default=1, help="runs in the group")
   parser.add_argument("--steps", type=positive_int, default=30, help="timed steps per measure")

@@ -1,8 +1,7 @@
 """The paper's MQAR sweep: train the grid in batched groups, resume, report, plot.
 
 Grid (the paper's MQAR setting, configs/mqar.py:preset=paper): 5 mixers (registry.PAPER_MQAR)
-(Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2, Gated DeltaNet; --with_transformer
-adds Transformer++) x (seq_len, kv) in {(512, 128), (1024, 256)} x lr in
+(Palimpsa-D, NotPalimpsa, MetaMamba2, Mamba2, Gated DeltaNet; --models chooses others) x (seq_len, kv) in {(512, 128), (1024, 256)} x lr in
 {1e-3, 2.15e-3, 4.64e-3, 1e-2} x 3 seeds, early stop at 99% test accuracy.
 Each run has its workdir ROOT/<run name> with the files of a train.py run.
 
@@ -438,8 +437,8 @@ def main(argv=None) -> None:
                            "repeat an id to run several workers on that GPU.")
   parser.add_argument("--mps", action="store_true",
                       help="with --gpus: run the workers under NVIDIA MPS (as root).")
-  parser.add_argument("--mixers", default=",".join(MIXERS))
-  parser.add_argument("--with_transformer", action="store_true")
+  parser.add_argument("--models", dest="mixers", default=",".join(MIXERS),
+                      help="comma-separated mixers")
   parser.add_argument("--settings", default="512:128,1024:256")
   parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LEARNING_RATES))
   parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
@@ -465,8 +464,6 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
 
   mixers = [m for m in args.mixers.split(",") if m]
-  if args.with_transformer:
-    mixers.append("transformer")
   settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
   runs = grid(mixers, settings, [float(x) for x in args.lrs.split(",")],
               [int(x) for x in args.seeds.split(",")])
@@ -500,7 +497,7 @@ def main(argv=None) -> None:
         workers = []
         for i, gpu in enumerate(gpus):
           command = [sys.executable, "-m", "benchmarks.mqar_sweep", "run", f"--root={root}",
-                     f"--mixers={','.join(mixers)}", f"--settings={args.settings}",
+                     f"--models={','.join(mixers)}", f"--settings={args.settings}",
                      f"--lrs={args.lrs}", f"--seeds={args.seeds}",
                      f"--shard={i}/{len(gpus)}"]
           command += [f"--{k}={v}" for k, v in extra.items()]

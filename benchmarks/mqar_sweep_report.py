@@ -10,12 +10,14 @@ import json
 import pathlib
 
 from benchmarks import results as results_lib
+from palimpsa_jax.models import registry
 from palimpsa_jax.run_config import config_args
 from palimpsa_jax.training import metrics as metrics_lib
 
-LABELS = {"palimpsa_d": "Palimpsa-D", "not_palimpsa": "NotPalimpsa",
-          "meta_mamba2": "MetaMamba2", "mamba2": "Mamba2",
-          "gated_deltanet": "Gated DeltaNet", "transformer": "Transformer++"}
+
+def _color(mixer: str) -> str | None:
+  """The mixer's colour in plots (None, matplotlib's next, for a name the registry lacks)."""
+  return registry.MIXERS[mixer].color if mixer in registry.MIXERS else None
 
 
 def read_run_metrics(workdir: pathlib.Path) -> list[dict[str, object]]:
@@ -126,7 +128,7 @@ def plot(rows: list[dict[str, object]], path: pathlib.Path) -> None:
                     if r["mixer"] == mixer)
     xs, means, stds = zip(*points)
     ax.errorbar(xs, [100 * m for m in means], yerr=[100 * s for s in stds],
-                marker="o", capsize=3, label=LABELS.get(mixer, mixer))
+                marker="o", capsize=3, label=registry.label(mixer), color=_color(mixer))
   ax.set_xscale("log", base=2)
   ax.set_xticks(sorted({r["seq_len"] for r in rows}))
   ax.set_xticklabels([f"{r['seq_len']}\n({r['kv']} kv)" for r in
@@ -149,7 +151,6 @@ def plot_curves(root: pathlib.Path, records: list[dict[str, object]],
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   settings = sorted({(r["seq_len"], r["kv"]) for r in records})
   fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4), squeeze=False)
-  colors = {}
   for ax, (seq_len, kv) in zip(axes[0], settings):
     for r in records:
       if (r["seq_len"], r["kv"]) != (seq_len, kv):
@@ -159,11 +160,10 @@ def plot_curves(root: pathlib.Path, records: list[dict[str, object]],
       if not points:
         continue
       steps, accuracies = zip(*points)
-      color = colors.setdefault(r["mixer"], f"C{len(colors)}")
       lrs = sorted({x["lr"] for x in records if x["mixer"] == r["mixer"]})
       style = ["-", "--", ":", "-."][lrs.index(r["lr"]) % 4]
-      ax.plot(steps, [100 * a for a in accuracies], style, color=color,
-              label=f"{LABELS.get(r['mixer'], r['mixer'])} lr {r['lr']:g} s{r['seed']}")
+      ax.plot(steps, [100 * a for a in accuracies], style, color=_color(r["mixer"]),
+              label=f"{registry.label(r['mixer'])} lr {r['lr']:g} s{r['seed']}")
     ax.set_title(f"L={seq_len}, {kv} kv pairs")
     ax.set_xlabel("training step")
     ax.set_ylabel("MQAR test accuracy (%)")
@@ -180,7 +180,7 @@ def format_table(rows: list[dict[str, object]]) -> str:
            "|---|---|---|---|---|---|"]
   for r in rows:
     lrs = ", ".join(f"{lr:g}" for lr in r["best_lrs"].values())
-    lines.append(f"| {LABELS.get(r['mixer'], r['mixer'])} | {r['seq_len']} | {r['kv']} | "
+    lines.append(f"| {registry.label(r['mixer'])} | {r['seq_len']} | {r['kv']} | "
                  f"{100 * r['mean']:.2f} +- {100 * r['std']:.2f} | {r['seeds']} | {lrs} |")
   return "\n".join(lines)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from benchmarks import results as results_lib
-from benchmarks.mqar_sweep_report import LABELS
+from palimpsa_jax.models import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- records:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /records -->)",
@@ -201,7 +201,7 @@ def mqar_paper(records: list[Record]) -> str:
   cells: dict[tuple, list[tuple[Record, Row]]] = {}
   for key, found in chosen.items():
     cells.setdefault(key[:3], []).append(found)
-  rank = {mixer: index for index, mixer in enumerate(LABELS)}  # the sweep's order, then others
+  rank = {mixer: index for index, mixer in enumerate(registry.MIXERS)}  # registry's, then others
   out = []
   for (mixer, seq_len, kv), found in sorted(cells.items(), key=lambda item: (
       item[0][1], rank.get(item[0][0], len(rank)), item[0][0], item[0][2])):
@@ -222,7 +222,7 @@ def mqar_paper(records: list[Record]) -> str:
                            f" ({len(rows)} seeds)" if len(rows) > 1 else ""))
     steps = dict.fromkeys(f"{int(row['steps done']):,}" for lr in lrs for row in by_lr.get(lr, []))
     finished = sum(row["finished"] != "no" for _, row in found)
-    out.append([LABELS.get(mixer, mixer), f"{seq_len}, {kv}", *texts, " / ".join(steps),
+    out.append([registry.label(mixer), f"{seq_len}, {kv}", *texts, " / ".join(steps),
                 f"{finished} of {len(found)}",
                 ", ".join(sorted({day(record) for record, _ in found}))])
   return markdown(["mixer", "L, kv pairs", *(f"lr {_lr(str(lr))}" for lr in lrs), "steps done",

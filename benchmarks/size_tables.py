@@ -25,22 +25,24 @@ import sys
 import time
 
 from benchmarks import results as results_lib
+from palimpsa_jax.models import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-FIVE = "mamba2,palimpsa_d,not_palimpsa,gated_deltanet"
+# The paper's five mixers: the baseline first, then the ones train_throughput times by default.
+FIVE = ",".join(dict.fromkeys((registry.BASELINE, *registry.THROUGHPUT, *registry.PAPER_MQAR)))
 
 # (name, train_throughput flags, seconds: the least worth starting with, the most it may take).
 STAGES = (
-    ("760m", ["--size", "760m", "--models", FIVE, "--meta_mamba2", "--scan_layers", "on",
+    ("760m", ["--size", "760m", "--models", FIVE, "--scan_layers", "on",
               "--remat", "--batch_size", "8", "--device_batch", "8"], 120, 300),
-    ("2.7b", ["--size", "2.7b", "--models", "palimpsa_d", "--scan_layers", "on", "--remat",
+    ("2.7b", ["--size", "2.7b", "--models", registry.DEFAULT, "--scan_layers", "on", "--remat",
               "--batch_size", "4", "--device_batch", "4"], 60, 150),
-    ("170m_scan", ["--size", "170m", "--models", "palimpsa_d", "--scan_layers", "on",
+    ("170m_scan", ["--size", "170m", "--models", registry.DEFAULT, "--scan_layers", "on",
                    "--batch_size", "4"], 40, 90),
-    ("170m_loop", ["--size", "170m", "--models", "palimpsa_d", "--scan_layers", "off",
+    ("170m_loop", ["--size", "170m", "--models", registry.DEFAULT, "--scan_layers", "off",
                    "--batch_size", "4"], 120, 240),
-    ("760m_loop", ["--size", "760m", "--models", "palimpsa_d", "--scan_layers", "off",
+    ("760m_loop", ["--size", "760m", "--models", registry.DEFAULT, "--scan_layers", "off",
                    "--remat", "--batch_size", "8", "--device_batch", "8"], 150, 300),
 )
 COMMON = ["--seq_len", "4096", "--steps", "5", "--warmup_steps", "2"]

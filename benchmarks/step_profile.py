@@ -1,7 +1,7 @@
 """Where a training step's device time goes: per-kernel times from a profiler trace.
 
     python -m benchmarks.step_profile                          # Palimpsa-D 170m, 4 x 4096 tokens
-    python -m benchmarks.step_profile --model mamba2 --top 30 --output mamba2_profile.json
+    python -m benchmarks.step_profile --models mamba2 --top 30 --output mamba2_profile.json
 
 Builds and compiles the train step of benchmarks/train_throughput.py (same flags), runs
 --warmup_steps steps, then traces --steps steps with jax.profiler (a perfetto trace under
@@ -31,6 +31,7 @@ import jax
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
 from benchmarks.train_throughput import non_negative_int, positive_int
+from palimpsa_jax.models import registry
 
 CATEGORIES = ("Pallas kernel", "GEMM", "XLA fusion", "copy / memset", "other")
 _CONTROL_FLOW = ("while", "conditional", "call")
@@ -53,7 +54,8 @@ class KernelTime:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--model", default="palimpsa_d")
+  parser.add_argument("--models", dest="model", default=registry.DEFAULT,
+                      help="the model (one name of the registry)")
   parser.add_argument("--size", default="170m", choices=train_throughput.models.config.SIZES)
   parser.add_argument("--seq_len", type=positive_int, default=4096)
   parser.add_argument("--batch_size", type=positive_int, default=4,
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   results_lib.add_record_flags(parser)
   args = parser.parse_args(argv)
   if args.model not in train_throughput.models.config.MODELS:
-    parser.error(f"--model must be one of {train_throughput.models.config.MODELS}, "
+    parser.error(f"--models takes one model, one of {train_throughput.models.config.MODELS}, "
                  f"got {args.model!r}")
   if args.implementation not in train_throughput.palimpsa_validation.IMPLEMENTATIONS:
     parser.error(f"--implementation must be one of "

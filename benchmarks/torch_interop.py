@@ -43,7 +43,6 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from benchmarks import results as results_lib
 
 THRESHOLDS = {"float32": 1e-4, "bfloat16": 1e-2}
-MODELS = {"palimpsa": "Palimpsa-D 170M", "meta_mamba2": "MetaMamba2 170M"}
 DIRECTIONS = {"ours_to_theirs": "ours -> theirs", "theirs_to_ours": "theirs -> ours"}
 
 
@@ -102,13 +101,26 @@ def authors_classes(model_type: str):
   return MetaMamba2Config, MetaMamba2ForCausalLM
 
 
+def model_labels() -> dict[str, str]:
+  """The authors' model types (conversion/torch_layouts.py) -> our 170M model's label."""
+  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax.conversion import torch_layouts
+  from palimpsa_jax.models import registry
+  # pylint: enable=g-import-not-at-top
+  return {model_type: f"{registry.label(torch_layouts.our_mixer(model_type, True))} 170M"
+          for model_type in torch_layouts.MODEL_TYPES}
+
+
 def our_170m(model_type: str):
   """Our 170M model config in the authors' architecture (no beta bias, one norm group)."""
-  from palimpsa_jax import models  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from palimpsa_jax import models
+  from palimpsa_jax.conversion import torch_layouts
+  # pylint: enable=g-import-not-at-top
+  mixer = torch_layouts.our_mixer(model_type, True)
   if model_type == "palimpsa":
-    return models.model_config("palimpsa_d", "170m", beta_bias=False, dtype="float32")
-  return models.model_config("meta_mamba2", "170m", beta_bias=False, norm_groups=1,
-                             dtype="float32")
+    return models.model_config(mixer, "170m", beta_bias=False, dtype="float32")
+  return models.model_config(mixer, "170m", beta_bias=False, norm_groups=1, dtype="float32")
 
 
 def their_logits(model, tokens: np.ndarray, dtype: str) -> np.ndarray:
@@ -218,7 +230,7 @@ def error_table(result: dict) -> str:
   """Markdown: per model and direction, the logits' relative errors (models that finished)."""
   lines = ["| model | direction | float32 rel (threshold 1e-4) | bfloat16 rel (threshold 1e-2) "
            "| bfloat16 vs float32: ours / theirs |", "|---|---|---|---|---|"]
-  for model, label in MODELS.items():
+  for model, label in model_labels().items():
     for direction, arrow in DIRECTIONS.items():
       if f"{direction}_bfloat16_vs_float32" not in result.get(model, {}):
         continue
@@ -239,7 +251,7 @@ def write_record(result: dict, args: argparse.Namespace, log) -> None:
     return
   notes = [f"{label}: failed ({result[model]['error'].strip().splitlines()[-1]})"
            if "error" in result[model] else f"{label}: {result[model]['num_params']:,} parameters"
-           for model, label in MODELS.items()]
+           for model, label in model_labels().items()]
   notes.append(f"aliased for the authors' code: {', '.join(result['compat']) or 'nothing'}")
   record = results_lib.make_record(
       "torch_interop", "torch_interop (the authors' PyTorch models against ours)",
@@ -285,19 +297,19 @@ def main():
     raise
   tokens = np.random.default_rng(0).integers(0, 32000, (args.batch, args.seq_len)).astype(np.int32)
   with tempfile.TemporaryDirectory() as workdir:
-    for model_type in ("palimpsa", "meta_mamba2"):
+    for model_type in model_labels():
       try:
         record[model_type] = run_model_type(model_type, tokens, workdir, log)
       except Exception:  # pylint: disable=broad-except
         record[model_type] = {"error": traceback.format_exc()}
         log(record[model_type]["error"])
       save()
-  checks = [v["ok"] for m in ("palimpsa", "meta_mamba2") for k, v in record[m].items()
+  checks = [v["ok"] for m in model_labels() for k, v in record[m].items()
             if isinstance(v, dict) and "ok" in v]
   record["all_ok"] = bool(checks) and all(checks) and len(checks) == 8
   save()
   errors = {m: {k: v["rel_err"] for k, v in record[m].items()
-                if isinstance(v, dict) and "rel_err" in v} for m in ("palimpsa", "meta_mamba2")}
+                if isinstance(v, dict) and "rel_err" in v} for m in model_labels()}
   log(json.dumps(errors))
   log(f"all_ok: {record['all_ok']}")
   if not args.no_record:

@@ -45,6 +45,7 @@ import numpy as np
 
 from benchmarks import results as results_lib
 from palimpsa_jax import models
+from palimpsa_jax.models import registry
 from palimpsa_jax.ops.gated_delta_rule import validation as gated_delta_validation
 from palimpsa_jax.ops.palimpsa import validation as palimpsa_validation
 from palimpsa_jax.training import compile_cache
@@ -58,8 +59,6 @@ from palimpsa_jax.training import trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LM_CONFIG = ROOT / "configs" / "lm.py"
-DEFAULT_MODELS = ("palimpsa_d", "not_palimpsa", "mamba2", "gated_deltanet")
-BASELINE = "mamba2"
 PAPER_TOKENS = 15e9  # The paper's 170M pretraining run (docs/models.md, sizes and recipe).
 MESHES = {"data": dict(data=-1, fsdp=1, tensor=1),
           "fsdp": dict(data=1, fsdp=-1, tensor=1),
@@ -92,10 +91,8 @@ def non_negative_int(text: str) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+  parser.add_argument("--models", default=",".join(registry.THROUGHPUT),
                       help=f"comma-separated names from {models.config.MODELS}")
-  parser.add_argument("--meta_mamba2", action="store_true",
-                      help="also time meta_mamba2 (Palimpsa-M)")
   parser.add_argument("--size", default="170m", choices=models.config.SIZES)
   parser.add_argument("--seq_len", type=positive_int, default=4096)
   parser.add_argument("--batch_size", type=positive_int, default=4,
@@ -118,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       choices=sorted(models.language_model.REMAT_SAVES),
                       help="what a rematerialised block keeps (model.remat_saves)")
   parser.add_argument("--precision", default="exact", choices=("exact", "rank1"),
-                      help="palimpsa_d / meta_mamba2: the exact op or Fast Palimpsa "
+                      help="the metaplastic mixers: the exact op or Fast Palimpsa "
                            "(docs/fast_palimpsa.md, chunk = the model's chunk_size)")
   parser.add_argument("--scan_layers", default="off", choices=("on", "off", "both"),
                       help="model.scan_layers: unrolled layers (off; configs/lm.py scans from "
@@ -153,8 +150,6 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, str, bool | None]]:
   """(model, implementation, scan_layers) triples in run order; scan_layers None: as
   configs/lm.py ships the size (--as_shipped)."""
   names = [m.strip() for m in args.models.split(",") if m.strip()]
-  if args.meta_mamba2 and "meta_mamba2" not in names:
-    names.append("meta_mamba2")
   compare = [i.strip() for i in args.compare_implementations.split(",") if i.strip()]
   for impl in compare + [args.implementation]:
     if impl not in palimpsa_validation.IMPLEMENTATIONS:
@@ -164,12 +159,12 @@ def run_plan(args: argparse.Namespace) -> list[tuple[str, str, bool | None]]:
   for name in names:
     if name not in models.config.MODELS:
       raise ValueError(f"--models: {name!r} is not one of {models.config.MODELS}")
-    if name == "palimpsa_d" and compare:
+    if name == registry.DEFAULT and compare:
       plan += [(name, impl) for impl in compare]
     else:
       plan.append((name, args.implementation))
-  if compare and "palimpsa_d" not in names:
-    plan += [("palimpsa_d", impl) for impl in compare]
+  if compare and registry.DEFAULT not in names:
+    plan += [(registry.DEFAULT, impl) for impl in compare]
   scans = ((None,) if args.as_shipped
            else {"on": (True,), "off": (False,), "both": (True, False)}[args.scan_layers])
   return [(name, impl, scan) for name, impl in plan for scan in scans]
@@ -186,10 +181,13 @@ def load_lm_config(model: str, args: argparse.Namespace) -> ml_collections.Confi
 
 
 def model_implementation(model: str, requested: str) -> str:
-  """The implementation set in the model config; ops without it keep "auto"."""
-  if model == "transformer":
+  """The implementation set in the model config: the requested one where the model's op has
+  it, else "auto" (attention has no op implementation; the other recurrent ops have the
+  gated delta rule's XLA implementations, not the Palimpsa kernels)."""
+  family = registry.KINDS[registry.mixer(model).kind]
+  if "implementation" not in family.model_fields:
     return "auto"
-  if model == "gated_deltanet" and requested not in gated_delta_validation.IMPLEMENTATIONS:
+  if not family.metaplastic and requested not in gated_delta_validation.IMPLEMENTATIONS:
     return "auto"
   return requested
 
@@ -403,7 +401,7 @@ def add_baseline_ratios(rows: list[dict[str, Any]]) -> None:
   for row in rows:
     if "error" in row:
       continue
-    baseline = next((r for r in rows if r["model"] == BASELINE and "error" not in r
+    baseline = next((r for r in rows if r["model"] == registry.BASELINE and "error" not in r
                      and r["scan_layers"] == row["scan_layers"]), None)
     row["x_mamba2"] = (row["step_ms"] / baseline["step_ms"]
                        if baseline else None)
@@ -440,7 +438,7 @@ def projection_lines(rows: list[dict[str, Any]], num_devices: int) -> list[str]:
           f"({'scanned' if r['scan_layers'] else 'unrolled'}) "
           f"{r['tokens_per_s']:,.0f} tokens/s: {r['paper_run_hours']:.1f} h "
           f"({r['paper_run_hours'] / 24:.2f} days) on {num_devices} device(s)"
-          for r in rows if r["model"] == "palimpsa_d" and "error" not in r]
+          for r in rows if r["model"] == registry.DEFAULT and "error" not in r]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

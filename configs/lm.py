@@ -41,13 +41,14 @@ from ml_collections import config_dict
 from palimpsa_jax import models
 from palimpsa_jax.models import activation_memory
 from palimpsa_jax.models import config as model_fields
+from palimpsa_jax.models import registry
 from palimpsa_jax.run_config import base
 from palimpsa_jax.run_config import config_args
 from palimpsa_jax.run_config import values
 
 DEFAULTS = dict(
     preset="",  # "cpu": PRESETS["cpu"] under the explicitly given arguments.
-    model="palimpsa_d",
+    model=registry.DEFAULT,
     size="170m",
     seq_len=4096,
     batch_size=128,

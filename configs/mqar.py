@@ -34,7 +34,7 @@ from palimpsa_jax.run_config import values
 
 DEFAULTS = dict(
     preset="cpu",
-    model="palimpsa_d",
+    model=registry.DEFAULT,
     seq_len=32,
     num_kv_pairs=4,
     vocab_size=64,

@@ -8,9 +8,9 @@ import ml_collections
 
 from palimpsa_jax import models
 from palimpsa_jax.conversion import hf_mamba2
+from palimpsa_jax.models import registry
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 
-CONVERTIBLE_MIXERS = ("meta_mamba2", "palimpsa_d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +59,11 @@ def load_source(path: str, *, num_groups: int | None = None,
     return Source(params, config, layout, path)
   model, run_config, step = checkpoint_lib.load_model(path)
   config = run_config.model
-  if config.mixer not in CONVERTIBLE_MIXERS:
+  # Conversion gives layers metaplasticity, which only the metaplastic kinds have.
+  if config.mixer not in registry.METAPLASTIC_KINDS:
     raise ValueError(
         f"source {path!r} has mixer {config.mixer!r}; conversion needs one of "
-        f"{CONVERTIBLE_MIXERS} (Mamba2 or NotPalimpsa models)")
+        f"{registry.METAPLASTIC_KINDS} (Mamba2 or NotPalimpsa models)")
   if dtype is not None:
     config.dtype = dtype
   _, params, _ = models.split_model(model)

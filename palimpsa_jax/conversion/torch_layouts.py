@@ -75,6 +75,12 @@ _OUR_MODELS = {("palimpsa", True): "palimpsa_d", ("palimpsa", False): "not_palim
 _MODEL_TYPE_OF_MIXER = {"palimpsa_d": "palimpsa", "meta_mamba2": "meta_mamba2"}
 
 
+def our_mixer(model_type: str, metaplasticity: bool) -> str:
+  """Our mixer name (models/registry.py) for the authors' model_type with or without
+  metaplasticity."""
+  return _OUR_MODELS[model_type, metaplasticity]
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
   """One tensor of the authors' checkpoint.

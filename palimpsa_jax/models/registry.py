@@ -5,9 +5,10 @@ metaplastic. A kind (config.model.mixer, e.g. "meta_mamba2") is a KINDS entry: i
 class, its own model-config fields (each one the layer argument of that name), the model-wide
 fields the layer also takes, its sizes and its MQAR layout. models/config.py builds model
 configs from these tables, make_mixer builds the layers, and configs/mqar.py, configs/lm.py
-and benchmarks/mqar_sweep.py read the names. A new mixer is a layer module under
-palimpsa_jax/layers/ (with its tests) and an entry here: a MIXERS entry, and a KINDS entry
-when its layer is new.
+and the benchmarks read the names, labels and defaults from here: no other product file
+spells a mixer's name (tests/test_mixer_names.py), except the conversions, which map outside
+formats' names to ours. A new mixer is a layer module under palimpsa_jax/layers/ (with its
+tests) and an entry here: a MIXERS entry, and a KINDS entry when its layer is new.
 """
 
 from collections.abc import Callable
@@ -62,11 +63,17 @@ class Mixer:
   Attributes:
     kind: its KINDS entry.
     metaplasticity: config.metaplasticity (every layer metaplastic) of its models.
+    label: its name in tables and plots.
+    color: its matplotlib colour in plots.
     paper_mqar: whether the paper's MQAR comparison trains it (benchmarks/mqar_sweep.py).
+    throughput: whether benchmarks/train_throughput.py times it by default.
   """
   kind: str
   metaplasticity: bool
+  label: str
+  color: str
   paper_mqar: bool
+  throughput: bool = False
 
 
 def _gates(a_init: str, a_range: tuple[float, float]) -> dict[str, Field]:
@@ -186,16 +193,38 @@ KINDS = {
 }
 
 MIXERS = {
-    "palimpsa_d": Mixer("palimpsa_d", metaplasticity=True, paper_mqar=True),
-    "not_palimpsa": Mixer("palimpsa_d", metaplasticity=False, paper_mqar=True),
-    "meta_mamba2": Mixer("meta_mamba2", metaplasticity=True, paper_mqar=True),
-    "mamba2": Mixer("meta_mamba2", metaplasticity=False, paper_mqar=True),
-    "gated_deltanet": Mixer("gated_deltanet", metaplasticity=False, paper_mqar=True),
-    "mesanet": Mixer("mesanet", metaplasticity=False, paper_mqar=False),
-    "transformer": Mixer("attention", metaplasticity=False, paper_mqar=False),
+    "palimpsa_d": Mixer("palimpsa_d", metaplasticity=True, label="Palimpsa-D", color="C0",
+                        paper_mqar=True, throughput=True),
+    "not_palimpsa": Mixer("palimpsa_d", metaplasticity=False, label="NotPalimpsa", color="C1",
+                          paper_mqar=True, throughput=True),
+    "meta_mamba2": Mixer("meta_mamba2", metaplasticity=True, label="MetaMamba2", color="C2",
+                         paper_mqar=True),
+    "mamba2": Mixer("meta_mamba2", metaplasticity=False, label="Mamba2", color="C3",
+                    paper_mqar=True, throughput=True),
+    "gated_deltanet": Mixer("gated_deltanet", metaplasticity=False, label="Gated DeltaNet",
+                            color="C4", paper_mqar=True, throughput=True),
+    "mesanet": Mixer("mesanet", metaplasticity=False, label="MesaNet", color="C5",
+                     paper_mqar=False),
+    "transformer": Mixer("attention", metaplasticity=False, label="Transformer++", color="C6",
+                         paper_mqar=False),
 }
+# The project's own mixer: the configs' default model, and the benchmarks' where they time one.
+DEFAULT = "palimpsa_d"
+# Throughput ratios are step times over this mixer's (benchmarks/train_throughput.py).
+BASELINE = "mamba2"
+# The softmax-attention baseline (benchmarks/decode_bench.py compares decoding with it).
+ATTENTION = "transformer"
 # The mixers of the paper's MQAR comparison, in MIXERS' order.
 PAPER_MQAR = tuple(name for name, mixer in MIXERS.items() if mixer.paper_mqar)
+# The mixers benchmarks/train_throughput.py times by default, in MIXERS' order.
+THROUGHPUT = tuple(name for name, mixer in MIXERS.items() if mixer.throughput)
+# The kinds with metaplasticity (the Palimpsa op's mixers).
+METAPLASTIC_KINDS = tuple(name for name, family in KINDS.items() if family.metaplastic)
+
+
+def label(name: str) -> str:
+  """How tables and plots name a mixer; an unknown name (an older run's) as it is."""
+  return MIXERS[name].label if name in MIXERS else name
 
 
 def mixer(name: str) -> Mixer:
@@ -223,7 +252,7 @@ def make_mixer(config: ml_collections.ConfigDict, rngs: nnx.Rngs,
   if config.precision != "exact" and not family.metaplastic:
     raise ValueError(
         f"precision={config.precision!r} needs a Palimpsa mixer "
-        f"({', '.join(k for k, f in KINDS.items() if f.metaplastic)}); config.mixer is "
+        f"({', '.join(METAPLASTIC_KINDS)}); config.mixer is "
         f"{config.mixer!r}, whose only precision is 'exact'")
   arguments = {name: config[name] for name in family.model_fields}
   for name in family.fields:

@@ -139,7 +139,7 @@ def test_status_counts_runs_steps_and_gpu_time_left(tmp_path, capsys):
   assert (palimpsa["left"], palimpsa["steps_planned"]) == (2, 200)
   assert not palimpsa["rate_measured"]  # borrowed from mamba2 at the same setting
   assert palimpsa["gpu_hours_left"] == pytest.approx(100 / 0.02 / 3600)
-  sweep.main(["status", "--root", str(tmp_path), "--mixers", "palimpsa_d,mamba2",
+  sweep.main(["status", "--root", str(tmp_path), "--models", "palimpsa_d,mamba2",
               "--settings", "512:128", "--lrs", "1e-3,1e-2", "--seeds", "0",
               "--examples", "1280", "--epochs", "10"])
   assert "runs: 1 finished, 1 running, 2 left; steps 75 of 340" in capsys.readouterr().out
@@ -159,7 +159,7 @@ def test_run_trains_both_stages_resumes_and_skips(tmp_path, monkeypatch, capsys)
         "optimizer.learning_rate": run.lr, "seed": run.seed, "args.learning_rate": run.lr,
         "args.seed": run.seed, "args.model": run.mixer})
   monkeypatch.setattr(sweep, "run_config", tiny_config)
-  args = ["--root", str(tmp_path), "--mixers", "mamba2", "--settings", "512:128",
+  args = ["--root", str(tmp_path), "--models", "mamba2", "--settings", "512:128",
           "--lrs", "1e-2,3e-2", "--seeds", "0,1", "--two_stage"]
   polls = []
   monkeypatch.setattr(bookkeeping.StopSignals, "__call__", lambda self: len(polls) > 4
@@ -227,7 +227,7 @@ def _tiny_sweep(monkeypatch):
   monkeypatch.setattr(sweep, "run_config", lambda run, extra: tiny_lm.resumable_mqar_config(
       16, **{"optimizer.learning_rate": run.lr, "seed": run.seed,
              "args.learning_rate": run.lr, "args.seed": run.seed, "args.model": run.mixer}))
-  return ["--mixers", "mamba2", "--settings", "512:128", "--lrs", "1e-2", "--seeds", "0"]
+  return ["--models", "mamba2", "--settings", "512:128", "--lrs", "1e-2", "--seeds", "0"]
 
 
 def _run_records(root):

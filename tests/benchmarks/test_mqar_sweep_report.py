@@ -51,7 +51,7 @@ def test_collect_records_every_run_and_the_view_takes_the_newest(tmp_path):
                              "**90.00%** (step 120) | 100 / 120 | 0 of 2 |")
   assert lines[3].startswith("| Mamba2 | 512, 128 | **50.00%** (2 seeds) | - | 200 / 220 "
                              "| 1 of 2 |")
-  assert lines[4].startswith("| mesanet | 512, 128 |")  # a mixer the sweep does not list: last
+  assert lines[4].startswith("| MesaNet | 512, 128 |")  # in the registry's order: last here
   # A later collect of one run replaces that run only.
   _collect(tmp_path, "later", [("b", "palimpsa_d", 1e-2, 0, 0.25, 300)])
   table = render_records.mqar_paper(results_lib.load_records(tmp_path / "records"))

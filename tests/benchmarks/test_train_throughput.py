@@ -9,7 +9,7 @@ from benchmarks import train_throughput
 
 def test_run_plan_compares_palimpsa_d_implementations():
   args = train_throughput.parse_args(
-      ["--models", "palimpsa_d,mamba2", "--meta_mamba2",
+      ["--models", "palimpsa_d,mamba2,meta_mamba2",
        "--compare_implementations", "pallas_gpu,chunked"])
   assert train_throughput.run_plan(args) == [
       ("palimpsa_d", "pallas_gpu", False), ("palimpsa_d", "chunked", False),
@@ -18,6 +18,12 @@ def test_run_plan_compares_palimpsa_d_implementations():
   assert train_throughput.run_plan(both) == [("mamba2", "auto", True),
                                              ("mamba2", "auto", False)]
   assert train_throughput.model_implementation("gated_deltanet", "pallas_gpu") == "auto"
+  assert train_throughput.model_implementation("gated_deltanet", "chunked") == "chunked"
+  assert train_throughput.model_implementation("mamba2", "pallas_gpu") == "pallas_gpu"
+  assert train_throughput.model_implementation("transformer", "chunked") == "auto"
+  default = train_throughput.parse_args([])
+  assert [name for name, _, _ in train_throughput.run_plan(default)] == [
+      "palimpsa_d", "not_palimpsa", "mamba2", "gated_deltanet"]
 
 
 @pytest.mark.parametrize("flags, message", [
