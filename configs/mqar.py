@@ -116,10 +116,6 @@ def parse_args(arg: str | None) -> ml_collections.ConfigDict:
         args[key] = value
     if "batch_size" not in given and args.seq_len >= 1024:
       args.batch_size = 64
-  if args.matmul_precision not in models.language_model.MATMUL_PRECISIONS:
-    raise ValueError(f"matmul_precision must be one of "
-                     f"{sorted(models.language_model.MATMUL_PRECISIONS)}, "
-                     f"got {args.matmul_precision!r}.")
   mqar_data.check_setting(args.seq_len, args.num_kv_pairs, args.vocab_size)
   return args
 

@@ -24,6 +24,11 @@ from palimpsa_jax.run_config.values import REQUIRED, Field, flag, one_of, positi
 
 MODELS = tuple(registry.MIXERS)
 SIZES = ("tiny", "170m", "760m", "2.7b")
+# config.matmul_precision -> the dot algorithm of the model's matmuls that name none
+# (jax.default_matmul_precision); "default" leaves XLA's choice, which on recent
+# NVIDIA GPUs runs float32 matmuls as TF32 (docs/gpu_performance.md).
+MATMUL_PRECISIONS = {"default": None, "float32": "F32_F32_F32",
+                     "tensorfloat32": "TF32_TF32_F32", "bfloat16": "BF16_BF16_F32"}
 # Nominal parameter count of each size name (tiny has none).
 NOMINAL_PARAMS = {"170m": 170e6, "760m": 760e6, "2.7b": 2.7e9}
 
@@ -56,7 +61,7 @@ FIELDS = {
     "scan_layers": flag(False),
     "implementation": _name("auto", "an op implementation name or 'auto'"),
     "chunk_size": positive(64),
-    "matmul_precision": _name("default", "a language_model.MATMUL_PRECISIONS name"),
+    "matmul_precision": one_of("default", tuple(MATMUL_PRECISIONS)),
     # "exact": the Palimpsa op; "rank1": Fast Palimpsa inside chunks of chunk_size
     # (docs/fast_palimpsa.md); metaplastic kinds only.
     "precision": one_of("exact", ("exact", "rank1")),

@@ -16,11 +16,6 @@ from palimpsa_jax.ops.token_loss import TokenLoss, head_logits, token_loss
 
 # Logical name of the stacked layer axis of config.scan_layers models.
 LAYERS_AXIS = "layers"
-# config.matmul_precision -> the dot algorithm of the model's matmuls that name none
-# (jax.default_matmul_precision); "default" leaves XLA's choice, which on recent
-# NVIDIA GPUs runs float32 matmuls as TF32 (docs/gpu_performance.md).
-MATMUL_PRECISIONS = {"default": None, "float32": "F32_F32_F32",
-                     "tensorfloat32": "TF32_TF32_F32", "bfloat16": "BF16_BF16_F32"}
 # config.remat_saves -> what a rematerialised block keeps from its forward pass; the
 # rest is recomputed in the backward. "nothing": only the block's input. "matmuls":
 # also every matmul's output (its dots without batch dimensions). "matmuls_and_readouts":
@@ -174,11 +169,7 @@ class LanguageModel(nnx.Module):
       raise ValueError(f"config.remat_saves must be one of {sorted(REMAT_SAVES)}, "
                        f"got {saves!r}")
     self.remat_policy = REMAT_SAVES[saves]
-    precision = config.matmul_precision
-    if precision not in MATMUL_PRECISIONS:
-      raise ValueError(f"config.matmul_precision must be one of {sorted(MATMUL_PRECISIONS)}, "
-                       f"got {precision!r}")
-    self.matmul_algorithm = MATMUL_PRECISIONS[precision]
+    self.matmul_algorithm = config_lib.MATMUL_PRECISIONS[config.matmul_precision]
 
   def _matmul_precision(self):
     """The context the forward pass is traced in: config.matmul_precision's algorithm
