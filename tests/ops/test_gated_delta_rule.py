@@ -1,22 +1,12 @@
 """gated_delta_rule (sequential and WY-chunked) against a float64 matrix-form recurrence."""
 
-import functools
-
-from absl.testing import parameterized
-import chex
-import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from palimpsa_jax.ops.gated_delta_rule import GatedDeltaRuleResult, gated_delta_rule
-from tests.ops.numerics import (BFLOAT16_TOL, FLOAT32_TOL, GRAD_TOL, assert_close_to_reference,
-                                to_float64)
-
-B, T, H, K, V = 2, 13, 2, 4, 3
-CHUNK = 4
-IMPLEMENTATIONS = ("sequential", "chunked")
+from tests.ops.recurrent_op_suite import B, CHUNK, H, K, T, V, OpInputs, RecurrentOpSuite
 
 
 def _inputs(seed, time=T, dtype=jnp.float32):
@@ -52,107 +42,19 @@ def _recurrence(q, k, v, beta, log_alpha, s0, seg):
   return jnp.moveaxis(out, 0, 1), state
 
 
-def _reference(*inputs):
-  """float64 (out, state) as numpy arrays."""
-  with jax.enable_x64(True):
-    return tuple(np.asarray(x) for x in _recurrence(*to_float64(inputs)))
+class TestGatedDeltaRule(RecurrentOpSuite):
+  OP = staticmethod(gated_delta_rule)
 
+  def inputs(self, seed, time=T, dtype=jnp.float32):
+    *sequences, s0, seg = _inputs(seed, time, dtype)
+    return OpInputs(tuple(sequences), (), s0, seg)
 
-def _run_fn(q, k, v, beta, log_alpha, s0, seg, implementation, chunk_size=CHUNK):
-  return gated_delta_rule(q, k, v, beta, log_alpha, initial_state=s0, segment_ids=seg,
-                          implementation=implementation, chunk_size=chunk_size)
+  def reference(self, sequences, constants, state, segment_ids):
+    return _recurrence(*sequences, *constants, state, segment_ids)
 
-
-_STATIC = ("implementation", "chunk_size")
-_run = jax.jit(_run_fn, static_argnames=_STATIC)
-
-
-def _loss(fn, weights):
-  def loss(*inputs):
-    out, state = fn(*inputs)
-    return jnp.sum(out * weights[0]) + jnp.sum(state * weights[1])
-  return loss
-
-
-class TestJittedAndEager(chex.TestCase):
-  """The forward against float64, each implementation jitted and run eagerly (op by op)."""
-
-  @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters(*IMPLEMENTATIONS)
-  def test_forward_matches_float64_reference(self, implementation):
-    inputs = _inputs(0)
-    run = self.variant(_run_fn, static_argnames=_STATIC)
-    out, state = run(*inputs, implementation=implementation)
-    ref_out, ref_state = _reference(*inputs)
-    chex.assert_type([out, state], jnp.float32)
-    chex.assert_shape([out, state], [(B, T, H, V), (B, H, V, K)])
-    assert_close_to_reference(dict(out=out, state=state), dict(out=ref_out, state=ref_state),
-                              FLOAT32_TOL)
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_gradients_match_float64_reference(implementation):
-  inputs = _inputs(2)
-  rng = np.random.default_rng(3)
-  weights = (rng.standard_normal((B, T, H, V)), rng.standard_normal((B, H, V, K)))
-  argnums = (0, 1, 2, 3, 4, 5)
-  grads = jax.grad(
-      _loss(functools.partial(_run, implementation=implementation), weights), argnums)(*inputs)
-  with jax.enable_x64(True):
-    ref_grads = jax.grad(_loss(_recurrence, weights), argnums)(*to_float64(inputs))
-    ref_grads = [np.asarray(g) for g in ref_grads]
-  names = ("dq", "dk", "dv", "dbeta", "dlog_alpha", "dinitial_state")
-  assert_close_to_reference(dict(zip(names, grads)), dict(zip(names, ref_grads)), GRAD_TOL)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 5, 64])
-def test_chunk_sizes_agree(chunk_size):
-  inputs = _inputs(1)
-  out, state = _run(*inputs, implementation="chunked", chunk_size=chunk_size)
-  ref_out, ref_state = _reference(*inputs)
-  assert_close_to_reference(dict(out=out, state=state), dict(out=ref_out, state=ref_state),
-                            FLOAT32_TOL)
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_bfloat16_inputs(implementation):
-  inputs = _inputs(4, dtype=jnp.bfloat16)
-  out, state = _run(*inputs, implementation=implementation)
-  ref_out, ref_state = _reference(*inputs)
-  chex.assert_type([out, state], [jnp.bfloat16, jnp.float32])
-  assert_close_to_reference(dict(out=out, state=state), dict(out=ref_out, state=ref_state),
-                            BFLOAT16_TOL)
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_continuation_from_final_state(implementation):
-  q, k, v, beta, log_alpha, s0, seg = _inputs(5)
-  split = 6
-  full = _run(q, k, v, beta, log_alpha, s0, jnp.zeros_like(seg), implementation=implementation)
-  run = functools.partial(gated_delta_rule, implementation=implementation, chunk_size=CHUNK)
-  first = run(q[:, :split], k[:, :split], v[:, :split], beta[:, :split], log_alpha[:, :split],
-              initial_state=s0)
-  second = run(q[:, split:], k[:, split:], v[:, split:], beta[:, split:], log_alpha[:, split:],
-               initial_state=first.state)
-  chex.assert_trees_all_close(
-      jnp.concatenate([first.out, second.out], 1), full.out, rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(second.state, full.state, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_segments_restart_from_zero(implementation):
-  q, k, v, beta, log_alpha, s0, _ = _inputs(6)
-  split = 5  # inside the second chunk
-  seg = jnp.asarray(np.repeat([[3] * split + [7] * (T - split)], B, axis=0), jnp.int32)
-  packed = _run(q, k, v, beta, log_alpha, s0, seg, implementation=implementation)
-  run = functools.partial(gated_delta_rule, implementation=implementation, chunk_size=CHUNK)
-  head = run(q[:, :split], k[:, :split], v[:, :split], beta[:, :split], log_alpha[:, :split],
-             initial_state=s0)
-  tail = run(q[:, split:], k[:, split:], v[:, split:], beta[:, split:], log_alpha[:, split:])
-  assert isinstance(tail, GatedDeltaRuleResult)
-  chex.assert_trees_all_close(packed.out[:, :split], head.out, rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(packed.out[:, split:], tail.out, rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(packed.state, tail.state, rtol=1e-5, atol=1e-5)
+  def test_result_type(self):
+    x = self.inputs(7)
+    assert isinstance(gated_delta_rule(*x.sequences, chunk_size=CHUNK), GatedDeltaRuleResult)
 
 
 def test_validation_errors():

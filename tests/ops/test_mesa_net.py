@@ -11,10 +11,7 @@ from palimpsa_jax.ops.mesa_net import MesaNetResult, MesaState, mesa_net
 from palimpsa_jax.ops.mesa_net.chunked import mesa_chunked
 from palimpsa_jax.ops.mesa_net.sequential import mesa_sequential
 from tests.ops.numerics import rel_error, to_float64
-
-B, T, H, K, V = 2, 13, 2, 4, 3
-CHUNK = 4
-IMPLEMENTATIONS = ("sequential", "chunked")
+from tests.ops.recurrent_op_suite import B, CHUNK, H, K, T, V, OpInputs, RecurrentOpSuite
 
 
 def _inputs(seed, time=T, dtype=jnp.float32):
@@ -75,34 +72,31 @@ def _exact64(q, k, v, beta, log_gamma, lam, kk0, kv0, seg):
   return MesaNetResult(out, MesaState(kk, kv))
 
 
+class TestMesaNet(RecurrentOpSuite):
+  OP = staticmethod(mesa_net)
+  OPTIONS = dict(cg_steps=K)  # exact after K steps
+
+  def inputs(self, seed, time=T, dtype=jnp.float32):
+    q, k, v, beta, log_gamma, lam, kk0, kv0, seg = _inputs(seed, time, dtype)
+    return OpInputs((q, k, v, beta, log_gamma), (lam,), MesaState(kk0, kv0), seg)
+
+  def reference(self, sequences, constants, state, segment_ids):
+    result = _exact64(*sequences, *constants, *state, segment_ids)
+    return result.out, result.state
+
+  def comparable_gradients(self, gradients):
+    """kk0 is symmetric; CG (unlike a general solve) answers only symmetric perturbations of
+    it."""
+    sequences, constants, state = gradients
+    symmetric = (state.kk + np.swapaxes(state.kk, -1, -2)) / 2
+    return sequences, constants, state._replace(kk=symmetric)
+
+
 def test_float64_sequential_is_the_literal_least_squares_readout():
   inputs = _inputs(0)
   with jax.enable_x64(True):
     out = np.asarray(_exact64(*to_float64(inputs)).out)
   assert rel_error(out, _oracle(*inputs)) < 1e-12
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_forward_matches_float64_reference(implementation):
-  inputs = _inputs(1)
-  result = _run(*inputs, implementation=implementation)
-  with jax.enable_x64(True):
-    ref = _exact64(*to_float64(inputs))
-  assert result.out.dtype == jnp.float32 and result.out.shape == (B, T, H, V)
-  assert result.state.kk.shape == (B, H, K, K) and result.state.kv.shape == (B, H, V, K)
-  assert rel_error(result.out, ref.out) < 1e-5
-  assert rel_error(result.state.kk, ref.state.kk) < 1e-5
-  assert rel_error(result.state.kv, ref.state.kv) < 1e-5
-
-
-@pytest.mark.parametrize("chunk_size", [1, 5, 64])
-def test_chunk_sizes_agree(chunk_size):
-  inputs = _inputs(2)
-  result = _run(*inputs, implementation="chunked", chunk_size=chunk_size)
-  with jax.enable_x64(True):
-    ref = _exact64(*to_float64(inputs))
-  assert rel_error(result.out, ref.out) < 1e-5
-  assert rel_error(result.state.kv, ref.state.kv) < 1e-5
 
 
 def test_cg_error_falls_with_steps_and_is_exact_after_k_steps():
@@ -119,34 +113,6 @@ def test_cg_error_falls_with_steps_and_is_exact_after_k_steps():
   assert errors[K] < 1e-12 and errors[K + 1] < 1e-12
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_gradients_match_float64_reference(implementation):
-  inputs = _inputs(4)
-  rng = np.random.default_rng(5)
-  w_out, w_kk, w_kv = (rng.standard_normal(s) for s in ((B, T, H, V), (B, H, K, K), (B, H, V, K)))
-
-  def loss(fn):
-    def value(*args):
-      result = fn(*args)
-      return (jnp.sum(result.out * w_out) + jnp.sum(result.state.kk * w_kk)
-              + jnp.sum(result.state.kv * w_kv))
-    return value
-
-  argnums = tuple(range(8))
-  grads = jax.grad(loss(functools.partial(_run, implementation=implementation)),
-                   argnums)(*inputs)
-  with jax.enable_x64(True):
-    ref = jax.grad(loss(_exact64), argnums)(*to_float64(inputs))
-    ref = [np.asarray(g) for g in ref]
-  # kk0 is symmetric; CG (unlike a general solve) answers only symmetric perturbations of it.
-  symmetric = lambda g: (g + np.swapaxes(g, -1, -2)) / 2
-  grads = list(grads[:6]) + [symmetric(np.asarray(grads[6])), grads[7]]
-  ref = ref[:6] + [symmetric(ref[6]), ref[7]]
-  names = ("q", "k", "v", "beta", "log_gamma", "lam", "kk0", "kv0")
-  for name, g, r in zip(names, grads, ref):
-    assert rel_error(g, r) < 1e-4, name
-
-
 def test_gradients_stay_finite_long_after_cg_converges():
   """30 steps on K = 4 keys (converged after 4), zero queries included: no NaN, still exact."""
   q, *rest = _inputs(9)
@@ -160,38 +126,6 @@ def test_gradients_stay_finite_long_after_cg_converges():
   for name, g, r in zip(("q", "k", "v", "beta", "log_gamma", "lam"), grads, ref):
     assert np.all(np.isfinite(g)), name
     assert rel_error(g, r) < 1e-4, name
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_bfloat16_inputs(implementation):
-  inputs = _inputs(6, dtype=jnp.bfloat16)
-  result = _run(*inputs, implementation=implementation)
-  with jax.enable_x64(True):
-    ref = _exact64(*to_float64(inputs))
-  assert result.out.dtype == jnp.bfloat16 and result.state.kk.dtype == jnp.float32
-  assert rel_error(result.out, ref.out) < 2e-2
-
-
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_continuation_and_segment_restart(implementation):
-  q, k, v, beta, log_gamma, lam, kk0, kv0, _ = _inputs(7)
-  split = 6  # inside the second chunk
-  run = functools.partial(mesa_net, implementation=implementation, chunk_size=CHUNK,
-                          cg_steps=K)
-  full = run(q, k, v, beta, log_gamma, lam, initial_state=MesaState(kk0, kv0))
-  head = run(*(x[:, :split] for x in (q, k, v, beta, log_gamma)), lam,
-             initial_state=MesaState(kk0, kv0))
-  rest = run(*(x[:, split:] for x in (q, k, v, beta, log_gamma)), lam, initial_state=head.state)
-  np.testing.assert_allclose(jnp.concatenate([head.out, rest.out], 1), full.out,
-                             rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(rest.state.kv, full.state.kv, rtol=1e-5, atol=1e-5)
-  seg = jnp.asarray(np.repeat([[3] * split + [7] * (T - split)], B, axis=0), jnp.int32)
-  packed = run(q, k, v, beta, log_gamma, lam, initial_state=MesaState(kk0, kv0),
-               segment_ids=seg)
-  alone = run(*(x[:, split:] for x in (q, k, v, beta, log_gamma)), lam)
-  np.testing.assert_allclose(packed.out[:, :split], head.out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(packed.out[:, split:], alone.out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(packed.state.kk, alone.state.kk, rtol=1e-5, atol=1e-5)
 
 
 def test_validation_errors():

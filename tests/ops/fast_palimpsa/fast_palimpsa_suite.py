@@ -8,37 +8,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from palimpsa_jax.ops import PalimpsaState, fast_palimpsa
+from palimpsa_jax.ops import fast_palimpsa
 from palimpsa_jax.ops.fast_palimpsa import reference_fast_palimpsa
 from tests.ops.numerics import assert_close_to_reference
-from tests.ops.palimpsa.palimpsa_suite import DIFF_ARGS, make_inputs, random_cotangents
+from tests.ops.palimpsa.palimpsa_suite import (DIFF_ARGS, make_inputs, random_cotangents,
+                                               result_and_grads)
 
 RESULTS = ("out", "variance", "mu", "precision")
 GRADS = tuple(f"d{n}" for n in DIFF_ARGS)
-
-
-def _with_grads(fn, diff, seg, cotangents):
-  """(out, variance, mu, precision) and the grads of <result, cotangents> w.r.t. diff."""
-
-  def flat(q, k, v, beta, la, ip, mu0, p0):
-    r = fn(q, k, v, beta, la, ip, initial_state=PalimpsaState(mu0, p0), segment_ids=seg)
-    return r.out, r.variance, r.state.mu, r.state.precision
-
-  res, vjp = jax.vjp(flat, *diff)
-  return res, vjp(tuple(jnp.asarray(c, r.dtype) for c, r in zip(cotangents, res)))
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "chunk_size", "interpret"))
 def op_with_grads(diff, seg, cotangents, implementation, chunk_size, interpret=False):
   fn = functools.partial(fast_palimpsa, return_variance=True, implementation=implementation,
                          chunk_size=chunk_size, interpret=interpret)
-  return _with_grads(fn, diff, seg, cotangents)
+  return result_and_grads(fn, diff, seg, cotangents)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def _reference_with_grads(diff, seg, cotangents, chunk_size):
-  return _with_grads(functools.partial(reference_fast_palimpsa, chunk_size=chunk_size), diff,
-                     seg, cotangents)
+  return result_and_grads(functools.partial(reference_fast_palimpsa, chunk_size=chunk_size),
+                          diff, seg, cotangents)
 
 
 def reference(x, cotangents, chunk_size):

@@ -59,7 +59,7 @@ def _call(fn, x, dtype, **kwargs):
             **kwargs)
 
 
-def _result_and_grads(fn, diff, seg, cotangents):
+def result_and_grads(fn, diff, seg, cotangents):
   """(out, variance, mu, precision) and the grads of <result, cotangents> w.r.t. diff."""
 
   def flat(*args):
@@ -75,7 +75,7 @@ def _result_and_grads(fn, diff, seg, cotangents):
 def _op_with_grads_fn(diff, seg, cotangents, *, implementation, interpret, chunk_size):
   fn = functools.partial(palimpsa, return_variance=True, implementation=implementation,
                          chunk_size=chunk_size, interpret=interpret)
-  return _result_and_grads(fn, diff, seg, cotangents)
+  return result_and_grads(fn, diff, seg, cotangents)
 
 
 _STATIC = ("implementation", "interpret", "chunk_size")
@@ -84,7 +84,7 @@ _jitted_op_with_grads = jax.jit(_op_with_grads_fn, static_argnames=_STATIC)
 
 @jax.jit
 def _reference_with_grads(diff, seg, cotangents):
-  return _result_and_grads(reference_palimpsa, diff, seg, cotangents)
+  return result_and_grads(reference_palimpsa, diff, seg, cotangents)
 
 
 def reference_with_grads(x, cotangents):
