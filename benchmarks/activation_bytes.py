@@ -12,7 +12,7 @@ program is the one a GPU runs: the Palimpsa mixers call the op's Pallas GPU kern
 
 Columns: the bytes per token and layer without remat and under each policy; the float32
 share without remat; and what all the layers keep without remat at batch x seq_len, in GiB
-(docs/training.md, "Activation memory", adds parameters and optimizer state to that).
+(docs/activation_memory.md, adds parameters and optimizer state to that).
 """
 
 import argparse

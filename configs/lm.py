@@ -21,7 +21,7 @@ the repository's own documentation (docs/*.md, README.md held out), context 128,
 170m, 760m and 2.7b scan their layers (scan_layers); tiny unrolls them. Remat (remat,
 remat_saves) is chosen per model and size from the step's estimated memory: none where the
 device_batch x seq_len step fits STEP_BUDGET_GIB without it, else the policy that
-recomputes least and fits (docs/training.md, "Activation memory").
+recomputes least and fits (docs/activation_memory.md).
 Unless `total_steps` is given, it is ceil(tokens / (batch_size * seq_len)), so changing
 batch_size or seq_len keeps the token budget. The global batch is accumulated over as
 many microbatches as keep each device at `device_batch` sequences or fewer
@@ -79,7 +79,7 @@ SIZE_DEFAULTS = {
 # 80 GB GPU (79.1 GiB usable: 59.3 GiB), less room for what lives beside the step (the
 # input batch, allocator fragmentation). Remat follows from it per model and size
 # (models/activation_memory.py: the fastest remat_saves policy whose estimated step fits
-# device_batch x seq_len tokens; docs/training.md, "Activation memory"); tiny runs without.
+# device_batch x seq_len tokens; docs/activation_memory.md); tiny runs without.
 STEP_BUDGET_GIB = 58.0
 
 

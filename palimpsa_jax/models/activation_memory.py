@@ -6,8 +6,7 @@ saved-residuals machinery lists, per token: nothing is compiled or run, so any m
 size takes seconds on a CPU. The compiled step holds more than that sum (layout copies, the
 backward's temporaries, the scan's buffers): `estimated_step_gib` scales it by
 COMPILED_OVER_TRACED, the ratio the GPU records show, and adds the optimizer's state.
-`remat_choice` takes the fastest policy whose estimate fits a budget (docs/training.md,
-"Activation memory").
+`remat_choice` takes the fastest policy whose estimate fits a budget (docs/activation_memory.md).
 """
 
 from collections.abc import Callable

@@ -23,7 +23,7 @@ LAYERS_AXIS = "layers"
 # again, for its custom-VJP residuals. "matmuls_readouts_and_states": also what the
 # backward needs of any Pallas kernel's outputs (the Palimpsa op's final states), so no
 # forward kernel runs twice; only elementwise work and layout copies are recomputed
-# (docs/training.md, "Activation memory"). Names inside a custom VJP's forward rule are
+# (docs/activation_memory.md). Names inside a custom VJP's forward rule are
 # not seen by a policy (jax 0.11.2), so the kernels are told apart by their primitive.
 _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 _READOUTS = jax.checkpoint_policies.save_only_these_names(READOUT)

@@ -7,7 +7,7 @@ import pytest
 from benchmarks import activation_bytes
 
 # Bytes per token and layer that Palimpsa-D 760M's block may keep for its backward without
-# remat at 8 x 4096 tokens (docs/training.md, "Activation memory"): at 19 layers and 32,768
+# remat at 8 x 4096 tokens (docs/activation_memory.md): at 19 layers and 32,768
 # tokens a device, 100 KB is 58 GiB of the step's traced bytes (configs/lm.py picks remat
 # from them: tests/models/test_activation_memory.py).
 PALIMPSA_D_760M_LIMIT = 100_000
