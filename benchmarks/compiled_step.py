@@ -3,10 +3,13 @@
     python -m benchmarks.compiled_step --size 760m --batch_size 8 --as_shipped
     python -m benchmarks.compiled_step --size 760m --batch_size 4 --scan_layers on \\
         --hlo_out /tmp/step.hlo --top 30
+    python -m benchmarks.compiled_step --mqar model=palimpsa_d    # the MQAR paper step
 
 Takes benchmarks/train_throughput.py's model arguments (one model, --models palimpsa_d by
 default), builds the train step as it does and compiles it with XLA's GPU compiler for the
---target GPU described in benchmarks/gpu_targets/ (no GPU is used: only abstract shapes), then
+--target GPU described in benchmarks/gpu_targets/ (no GPU is used: only abstract shapes), or
+with --mqar the MQAR sweep's step of one run as benchmarks/mqar_step_profile.py builds it
+(--mqar takes its --config: configs/mqar.py arguments, preset=paper unless given), then
 prints the compiled step's memory analysis (what the GPU would allocate: the figures the GPU
 records' "temp GiB" and "peak GiB" columns hold) and the bytes its non-GEMM fusions and copies
 move, by source line (benchmarks/hlo_traffic.py). Needs jax's CUDA plugin importable, not a
@@ -28,10 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from benchmarks import hlo_traffic
+from benchmarks import mqar_step_profile
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
 from palimpsa_jax import models
 from palimpsa_jax.models import registry
+from palimpsa_jax.training import batched
 from pallas_kernels.palimpsa_gpu import config as gpu_config
 from pallas_kernels.palimpsa_gpu import op as gpu_op
 
@@ -51,6 +56,42 @@ def target_devices(target: str) -> list:
   return list(description.devices)
 
 
+def _compiled(step, *abstract_args, capability):
+  """step (a jitted function) compiled for abstract_args and the target's `capability`."""
+  # The kernels are built for the target's compute capability; the op's check for a local
+  # NVIDIA GPU guards runs, and nothing here runs.
+  with mock.patch.object(gpu_config, "compute_capability", lambda: capability), \
+       mock.patch.object(gpu_op, "_check_nvidia_gpu", lambda: None):
+    return step.lower(*abstract_args).compile()
+
+
+def compile_mqar_step(config_arg: str, target: str):
+  """The compiled MQAR step of one run of configs/mqar.py's `config_arg` (preset=paper unless
+  given; benchmarks/mqar_step_profile.py's group) for `target` and its settings row."""
+  name, capability, _ = TARGETS[target]
+  device = target_devices(target)[0]
+  (config,) = mqar_step_profile.group_configs(config_arg, 1)
+  if config.model.implementation == "auto" and models.registry.KINDS[
+      config.model.mixer].metaplastic:
+    config.model.implementation = "pallas_gpu"  # What "auto" takes on a GPU.
+  tasks, model = mqar_step_profile.group_model([config])
+  on_device = lambda a: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+  state = jax.eval_shape(jax.vmap(lambda seed: model._init_one(jax.random.key(seed))),
+                         jnp.zeros((1,), jnp.int32))
+  batch = batched.next_batch(tasks, [config.seed])
+  start = time.perf_counter()
+  compiled = _compiled(model.train_step, jax.tree.map(on_device, state),
+                       jax.tree.map(on_device, batch),
+                       on_device(jnp.zeros((1,), jnp.float32)),
+                       on_device(jnp.ones((1,), bool)), capability=capability)
+  model_config = config.model
+  row = {"model": model_config.mixer, "device": f"{name} (compiled on a CPU host)",
+         "precision": model_config.get("precision", "exact"), "remat": "off",
+         "scanned": bool(model_config.scan_layers), "compile_s": time.perf_counter() - start}
+  return compiled, row, config
+
+
 def compile_step(args: argparse.Namespace, target: str):
   """The compiled train step of args' model for `target` and its settings row."""
   name, capability, _ = TARGETS[target]
@@ -66,13 +107,8 @@ def compile_step(args: argparse.Namespace, target: str):
   batch_sharding = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
   batch = {key: jax.ShapeDtypeStruct((args.batch_size, args.seq_len), jnp.int32,
                                      sharding=batch_sharding) for key in ("tokens", "targets")}
-  # The kernels are built for the target's compute capability; the op's check for a local
-  # NVIDIA GPU guards runs, and nothing here runs.
-  with mock.patch.object(gpu_config, "compute_capability", lambda: capability), \
-       mock.patch.object(gpu_op, "_check_nvidia_gpu", lambda: None):
-    start = time.perf_counter()
-    lowered = parts.train_step.lower(state, batch)
-    compiled = lowered.compile()
+  start = time.perf_counter()
+  compiled = _compiled(parts.train_step, state, batch, capability=capability)
   model_config = parts.config.model
   row = {"model": model, "device": f"{name} (compiled on a CPU host)",
          "precision": model_config.get("precision", "exact"),
@@ -86,13 +122,19 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--target", default="h100", choices=sorted(TARGETS))
   parser.add_argument("--top", type=int, default=25, help="source lines listed")
   parser.add_argument("--hlo_out", default="", help="file for the compiled program's text")
+  parser.add_argument("--mqar", default="", help="compile the MQAR step of these configs/mqar.py "
+                      "arguments (preset=paper unless given) instead of a language model's")
   own, rest = parser.parse_known_args(argv)
   if "--models" not in rest:
     rest = ["--models", registry.DEFAULT, *rest]
   args = train_throughput.parse_args(rest)
   if "," in args.models:
     raise SystemExit("compiled_step: --models takes one model")
-  compiled, row = compile_step(args, own.target)
+  if own.mqar:
+    compiled, row, config = compile_mqar_step(own.mqar, own.target)
+    args.size, args.batch_size, args.seq_len = "mqar", config.batch_size, config.seq_len
+  else:
+    compiled, row = compile_step(args, own.target)
   text = compiled.as_text()
   if own.hlo_out:
     pathlib.Path(own.hlo_out).write_text(text)
@@ -120,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict:
         settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "model": row["model"], "precision": row["precision"],
                   "remat": row["remat"], "scanned": row["scanned"],
-                  "as_shipped": args.as_shipped, "target": own.target},
+                  "as_shipped": args.as_shipped, "target": own.target,
+                  **({"mqar_config": own.mqar} if own.mqar else {})},
         notes=[f"GB: operands read plus outputs written by XLA's non-GEMM fusions and copies "
                f"(benchmarks/hlo_traffic.py); ms at the target's {bandwidth} GB/s, a floor "
                "on their time, not a timing"])

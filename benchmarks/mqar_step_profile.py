@@ -51,6 +51,13 @@ def group_configs(config_arg: str, runs: int) -> list[Any]:
           for i in range(runs)]
 
 
+def group_model(configs: list[Any]) -> tuple[dict[int, tasks_lib.MqarTask],
+                                             batched.GroupModel]:
+  """The group's tasks by seed and its model (batched.GroupModel: the sweep's step)."""
+  tasks = {c.seed: tasks_lib.MqarTask(c) for c in configs}
+  return tasks, batched.GroupModel(configs[0], next(iter(tasks.values())).total_steps)
+
+
 def ms_by_source_file(rows: list[step_profile.KernelTime]) -> dict[str, float]:
   """Milliseconds per step of the kernels launched from each project file, most first."""
   by_file = collections.Counter()
@@ -91,9 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   seeds = [c.seed for c in configs]
   device = jax.local_devices()[0]
   start = time.perf_counter()
-  tasks = {c.seed: tasks_lib.MqarTask(c) for c in configs}
+  tasks, model = group_model(configs)
   data_s = time.perf_counter() - start
-  model = batched.GroupModel(config, next(iter(tasks.values())).total_steps)
   state = model.init(seeds, device)
   lrs = jnp.asarray([c.optimizer.learning_rate for c in configs], jnp.float32)
   active = jnp.ones((len(configs),), bool)
