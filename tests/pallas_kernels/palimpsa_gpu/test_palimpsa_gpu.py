@@ -148,44 +148,33 @@ def test_backward_walk_in_pieces_agrees():
     chex.assert_trees_all_close(a, b_, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b_))))
 
 
-def test_saved_boundary_states_fit_the_residual_budget():
-  """The memory budget: saved states <= (T/64) * V * K * 2 floats per batch-head, padding dropped."""
-  b, t, h, kd, vd = 1, 128, 2, 40, 40  # K and V padded to 48 inside the kernel.
-  q = jnp.ones((b, t, h, kd)) / 8
-  v = jnp.ones((b, t, h, vd))
-  log_alpha = jnp.full((b, t, h), -0.1)
-  ip = jnp.ones((h,))
-  cfg = make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
-                    interpret=True)
-  assert (cfg.k_pad, cfg.v_pad) == (8, 8)
-  _, residuals = forward.forward(
-      cfg, q, q, v, v, log_alpha, ip, jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)),
-      None)
-  m_starts, b_starts = residuals[6], residuals[7]
-  assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
-  padded = forward.pad_state(cfg, m_starts, 64)
-  assert padded.shape == (b * h, t // 64, vd + 8, 64)
-  chex.assert_trees_all_equal(padded[..., :vd, :kd], m_starts)
-  # That the dropped padding held zeros is what the interpreted suite's gradients check
-  # (its K=8 and V=20 are padded to 16 and 32).
+@pytest.mark.parametrize("with_var", [False, True])
+def test_the_vjp_keeps_only_its_arguments(with_var):
+  """The op's residuals are its own arguments (and the variance it returns): no head-major
+  copy [BH, Tp, D], no gates, no boundary or final states; the backward recomputes them.
+  Per token that is at most the bytes of the arguments (q, k, v, beta, log_alpha, and the
+  prior and initial state spread over T) and of the variance."""
+  b, t, h, kd, vd = 1, 64, 2, 8, 20  # K and V padded to 16 and 32 inside the kernel.
+  args = _random_op_args(0, (b, t, h, kd, vd))
+  args = tuple(x.astype(jnp.bfloat16) if x.ndim == 4 and x.shape[1] == t else x
+               for x in args)
 
+  def outputs(*a):
+    out, var, _, _ = palimpsa_gpu(*a, None, return_variance=with_var, chunk_size=16,
+                                  interpret=True)
+    return (out, var) if with_var else out
 
-def test_the_vjp_keeps_no_chunk_start_states():
-  """The op's backward recomputes the chunk-start states: its saved residuals hold no
-  [BH, NC, V, K] array (the interpreted suite checks the gradients it gets that way)."""
-  b, t, h, kd, vd = 1, 64, 2, 16, 32
-  q = jnp.ones((b, t, h, kd)) / 8
-  v = jnp.ones((b, t, h, vd))
-  log_alpha = jnp.full((b, t, h), -0.1)
-
-  def out(q, k, v, beta, log_alpha):
-    return palimpsa_gpu(q, k, v, beta, log_alpha, jnp.ones((h,)), jnp.zeros((b, h, vd, kd)),
-                        jnp.ones((b, h, vd, kd)), None, return_variance=False, chunk_size=16,
-                        interpret=True)[0]
-
-  shapes = [aval.shape for aval, _ in saved_residuals(out, q, q, v, v, log_alpha)]
-  assert (b * h, t // 16, vd, kd) not in shapes, shapes
-  assert (b * h, vd, kd) in shapes  # the final states are kept
+  saved = saved_residuals(outputs, *args)
+  computed = [(aval, source) for aval, source in saved
+              if not source.startswith("from the argument")]
+  if with_var:  # The variance, as the walk returned it.
+    assert [aval.shape for aval, _ in computed] == [(b, t, h, vd)], computed
+  else:
+    assert not computed, computed
+  nbytes = lambda x: x.size * x.dtype.itemsize
+  per_token = sum(nbytes(aval) for aval, _ in saved) / (b * t)
+  arguments = sum(nbytes(x) for x in args) / (b * t)
+  assert per_token <= arguments + (4 * h * vd if with_var else 0)
 
 
 def test_bf16_chunk_writes_match_float32_products():
