@@ -31,13 +31,14 @@ def walk_starts(cfg: GpuKernelConfig, states: jax.Array) -> jax.Array:
 
 
 def walk_rows(cfg: GpuKernelConfig, q, k, v, beta, d_out, d_var):
-  """The rows the backward walk reads, head-major: q, k [BH, Tp, k_bwd]; v, beta, dO
-  [BH, Tp, Vp]; the variance's cotangent [BH, Tp, Vp] f32 (None without it)."""
-  qh, kh = (layout.to_head_major(x, cfg.t_pad, cfg.k_bwd - cfg.k) for x in (q, k))
-  vh, betah, doh = (layout.to_head_major(x, cfg.t_pad, cfg.v_pad) for x in (v, beta, d_out))
-  dvarh = (layout.to_head_major(d_var, cfg.t_pad, cfg.v_pad, jnp.float32)
+  """The rows the backward walk reads, in the caller's layout padded (no copy without
+  padding): q, k [B, Tp, H, k_bwd]; v, beta, dO [B, Tp, H, Vp]; the variance's cotangent
+  [B, Tp, H, Vp] f32 (None without it)."""
+  qw, kw = (layout.pad_rows(x, cfg.t_pad, cfg.k_bwd - cfg.k) for x in (q, k))
+  vw, betaw, dow = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta, d_out))
+  dvarw = (layout.pad_rows(d_var.astype(jnp.float32), cfg.t_pad, cfg.v_pad)
            if cfg.return_variance else None)
-  return qh, kh, vh, betah, doh, dvarh
+  return qw, kw, vw, betaw, dow, dvarw
 
 
 def segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
@@ -77,17 +78,16 @@ def backward(cfg: GpuKernelConfig, saved, cotangents):
   kw = cfg.k_bwd
   m_starts, ibar_starts = walk_starts(cfg, bp.m_starts), walk_starts(cfg, bp.ibar_starts)
   m_final, ibar_final = fit_width(bp.m_final, kw), fit_width(bp.ibar_final, kw)
-  qh, kh, vh, betah, doh, dvarh = walk_rows(cfg, q, k, v, beta, d_out, d_var)
+  rows = walk_rows(cfg, q, k, v, beta, d_out, d_var)
   f32 = jnp.float32
-  bh, tp, kp = qh.shape
-  vp = vh.shape[-1]
+  bh, tp, kp, vp = cfg.b * cfg.h, cfg.t + cfg.t_pad, kw, cfg.v + cfg.v_pad
   nc = tp // cfg.chunk
   walk_outs = []
   ip_cols = layout.ip_row(ip, kw)
   size = bh // stages.walk_pieces(cfg)
   for first in range(0, bh, size):
-    outs = stages.run("walk_bwd", cfg, qh, kh, vh, betah, gates.step, ip_cols, doh, dvarh,
-                      m_starts, ibar_starts, bh_range=(first, size))
+    outs = stages.run("walk_bwd", cfg, *rows[:4], gates.step, ip_cols, *rows[4:], m_starts,
+                      ibar_starts, bh_range=(first, size))
     dq, dk, dv, dbeta, s, adj_m, adj_ibar = outs
     walk_outs.append((jnp.sum(dq, axis=0), jnp.sum(dk, axis=0), jnp.sum(dv, axis=0),
                       jnp.sum(dbeta, axis=0), jnp.sum(s, axis=(0, 1)), adj_m, adj_ibar))
@@ -107,7 +107,9 @@ def backward(cfg: GpuKernelConfig, saved, cotangents):
   carry_m, carry_ibar, dm0, dibar0 = stages.run("carries_bwd", cfg, dm_end, dibar_end,
                                                  gates.chunk, adj_m, adj_ibar)
 
-  # Carries are constant inside a chunk: their contributions are matmuls.
+  # Carries are constant inside a chunk: their contributions are matmuls, per batch*head
+  # and chunk on head-major rows.
+  kh, vh, betah = (layout.to_head_major(x, 0, 0) for x in rows[1:4])
   c = cfg.chunk
   kf = kh.astype(f32).reshape(bh, nc, c, kp)
   vf = vh.astype(f32).reshape(bh, nc, c, vp)

@@ -268,26 +268,26 @@ def test_forward_walk_rejects_an_unroll_longer_than_the_chunk():
 _WALK_ARGS = ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts", "b_starts")
 
 
-def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
+def _walk_inputs(seed, b, h, t, k_dim, v_dim, chunk, dtype):
   """Backward-walk inputs by name (`_WALK_ARGS` is the walks' argument order): rows
-  [BH, T, D] in dtype, gates in (0.6, 1), positive precisions, random chunk-start
-  states [BH, T/chunk, V, K]."""
+  [B, T, H, D] in dtype (the caller's layout), gates in (0.6, 1), positive precisions,
+  random chunk-start states [B*H, T/chunk, V, K]."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 10)
-  nc = t // chunk
-  rows = lambda key, d, scale=1.0: (jax.random.normal(key, (bh, t, d)) * scale).astype(dtype)
+  nc, bh = t // chunk, b * h
+  rows = lambda key, d, scale=1.0: (jax.random.normal(key, (b, t, h, d)) * scale).astype(dtype)
   return dict(
       q=rows(keys[0], k_dim), k=rows(keys[1], k_dim, k_dim ** -0.5), v=rows(keys[2], v_dim),
-      beta=jax.random.uniform(keys[3], (bh, t, v_dim), minval=0.1).astype(dtype),
+      beta=jax.random.uniform(keys[3], (b, t, h, v_dim), minval=0.1).astype(dtype),
       a=jax.random.uniform(keys[4], (bh, t), minval=0.6),
       ip_row=jax.random.uniform(keys[5], (bh, k_dim), minval=0.5, maxval=2.0),
-      do=rows(keys[6], v_dim), dvar=jax.random.normal(keys[7], (bh, t, v_dim)),
+      do=rows(keys[6], v_dim), dvar=jax.random.normal(keys[7], (b, t, h, v_dim)),
       m_starts=jax.random.normal(keys[8], (bh, nc, v_dim, k_dim)),
       b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
 # (with_var, T, bh_range, every, K)
 _VAR_192 = (True, 192, None, None, 32)  # with the variance; 3 chunks, not a multiple of 4
-_PIECES_256 = (False, 256, (1, 2), 4, 32)  # a range of batch-heads; checkpoints every 4
+_PIECES_256 = (False, 256, (1, 2), 4, 32)  # batch-heads 1, 2 (across batches); checkpoints 4
 _TWO_128 = (False, 128, None, None, 32)  # 2 chunks; float32 rows: ring slots of 8 steps
 _K16_128 = (False, 128, None, None, 16)  # one K-slice: dv, dbeta stored, not added
 
@@ -303,7 +303,8 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
                                                   bh_range, every, k_dim, dtype):
   """walk_backward_mosaic.walk_backward gives walk_backward_triton.walk_backward's partial sums
   (or, with `accumulate`, their totals) and adjoints: with and without the variance's
-  cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range,
+  cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range
+  (rows of two batches and heads, read in the caller's layout),
   checkpoints every 8 (default) or 4 steps, ring slots of a quarter chunk (16-bit rows, or
   checkpoints every 4) or of 8 steps (float32 rows), and one K-slice (K=16: with
   `accumulate`, dv and dbeta are stored by one tile each instead of added)."""
@@ -312,19 +313,19 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
   every_or_default = every or walk_backward_mosaic.checkpoint_every(chunk)
   quarter = walk_backward_mosaic.slot_steps(chunk, 4, rows, every_or_default) == chunk // 4
   assert quarter == (dtype == jnp.bfloat16 or every == 4)
-  x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, dtype)
+  x = _walk_inputs(0, 2, 2, t, k_dim, v_dim, chunk, dtype)
   if not with_var:
     x["dvar"] = None
   args = [x[n] for n in _WALK_ARGS]
   triton = walk_backward_triton.walk_backward(
-      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16,
+      *args, heads=2, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16,
       k_split=k_dim // 16, num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
     triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
-  mosaic = walk_backward_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
-                                              bh_range=bh_range, accumulate=accumulate,
-                                              every=every)
+  mosaic = walk_backward_mosaic.walk_backward(*args, heads=2, chunk=chunk, sub=4,
+                                              interpret=interpret, bh_range=bh_range,
+                                              accumulate=accumulate, every=every)
   names = ("dq", "dk", "dv", "dbeta", "s", "adj_m", "adj_b")
   for name, got, want in zip(names, mosaic, triton):
     chex.assert_equal_shape([got, want], custom_message=name)
@@ -333,10 +334,11 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
 
 
 def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():
-  x = _walk_inputs(0, 1, 64, 16, 16, 64, jnp.float32)
+  x = _walk_inputs(0, 1, 1, 64, 16, 16, 64, jnp.float32)
   args = [x[n] for n in _WALK_ARGS]
   with pytest.raises(ValueError, match="accumulate"):
-    walk_backward_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
+    walk_backward_mosaic.walk_backward(*args, heads=1, chunk=64, sub=4, interpret=True,
+                                       accumulate=True)
 
 
 @pytest.mark.parametrize("flags, deterministic", [
@@ -405,9 +407,8 @@ def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim,
   dtype = jnp.float32 if interpret else jnp.bfloat16
   b, h, nc = 2, 2, 3 if k_dim == 16 else 4
   t = nc * chunk
-  x = _walk_inputs(1, b * h, t, k_dim, v_dim, chunk, dtype)
-  caller = lambda y: jnp.transpose(y.reshape(b, h, t, -1), (0, 2, 1, 3))  # [B, T, H, D]
-  q, k, v, beta = (caller(x[n]) for n in ("q", "k", "v", "beta"))
+  x = _walk_inputs(1, b, h, t, k_dim, v_dim, chunk, dtype)
+  q, k, v, beta = (x[n] for n in ("q", "k", "v", "beta"))
   pad = lambda s: jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, k_state - k_dim)))
   m_starts, b_starts = pad(x["m_starts"]), pad(x["b_starts"])
   ip = x["ip_row"][:, 0]
