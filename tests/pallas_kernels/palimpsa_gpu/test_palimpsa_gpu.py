@@ -1,6 +1,7 @@
 """The op suite for implementation="pallas_gpu": interpreted on CPU, compiled on a GPU."""
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -457,3 +458,22 @@ def test_hopper_path_lowers_to_mosaic_gpu_only(monkeypatch, shape, with_var, dty
   # Five kernels: the forward's boundary and walk; the backward's boundary again (its
   # chunk-start states are recomputed, not kept), walk and carries.
   assert text.count("custom_call @mosaic_gpu") == 5 and "triton" not in text.lower()
+
+
+def test_forward_makes_no_layout_copies(monkeypatch):
+  """The forward's kernels read q, k, v and beta where they lie and it keeps no copy for the
+  backward: lowered for Hopper on the CPU (T not a multiple of the chunk, with the
+  variance), the forward of a vjp, residuals included, transposes only log_alpha's
+  [B, T, H] into the per-head gates."""
+  monkeypatch.setattr(gpu_config, "compute_capability", lambda: (9, 0))
+  b, t, h, kd, vd = 2, 300, 3, 48, 96
+  sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+  args = [sds((b, t, h, kd), bf16)] * 2 + [sds((b, t, h, vd), bf16)] * 2 + [
+      sds((b, t, h), f32), sds((h,), f32)] + [sds((b, h, vd, kd), f32)] * 2
+  cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=True,
+                    chunk_size=64, interpret=False)
+  op = lambda *a: op_module._palimpsa(cfg, *a, None)
+  forward = jax.jit(lambda *a: jax.vjp(op, *a))  # The outputs and the residuals.
+  text = forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  transposes = re.findall(r"stablehlo.transpose .*: \((tensor<[^>]*>)\)", text)
+  assert transposes == [f"tensor<{b}x{t}x{h}xf32>"], transposes
