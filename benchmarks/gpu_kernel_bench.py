@@ -70,8 +70,8 @@ def _stage_args(cfg, args):
   bnd = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
   ms, bs, _, _ = _stage_fn("boundary", cfg)(*bnd)
   fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step, ipv, ms, bs)
-  qw, kw, vw, betaw, dow, _ = backward.walk_rows(cfg, q, k, v, beta, jnp.ones_like(v), None)
-  bwd = (qw, kw, vw, betaw, gates.step, layout.ip_row(ipv, cfg.k_bwd), dow, None,
+  rows = backward.walk_rows(cfg, q, k, v, beta, jnp.ones_like(v), None)
+  bwd = (*rows[:4], gates.step, layout.ip_row(ipv, cfg.k_bwd), rows[4], None,
          backward.walk_starts(cfg, ms), backward.walk_starts(cfg, bs))
   return bnd, fwd, bwd
 

@@ -1,6 +1,7 @@
-"""The backward of palimpsa_gpu: the reverse chunk walks (Triton or Mosaic GPU), the
-adjoint carries across chunks, and the XLA parts that add the carries' contributions and
-turn the walks' sums into the input gradients (dlog_alpha by a scaling identity)."""
+"""The backward of palimpsa_gpu, from the op's arguments: the gates and boundary states
+again, the reverse chunk walks (Triton or Mosaic GPU), the adjoint carries across chunks,
+and the XLA parts that add the carries' contributions and turn the walks' sums into the
+input gradients (dlog_alpha by a scaling identity)."""
 
 import functools
 
@@ -34,11 +35,12 @@ def walk_rows(cfg: GpuKernelConfig, q, k, v, beta, d_out, d_var):
   """The rows the backward walk reads, in the caller's layout padded (no copy without
   padding): q, k [B, Tp, H, k_bwd]; v, beta, dO [B, Tp, H, Vp]; the variance's cotangent
   [B, Tp, H, Vp] f32 (None without it)."""
-  qw, kw = (layout.pad_rows(x, cfg.t_pad, cfg.k_bwd - cfg.k) for x in (q, k))
-  vw, betaw, dow = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta, d_out))
-  dvarw = (layout.pad_rows(d_var.astype(jnp.float32), cfg.t_pad, cfg.v_pad)
-           if cfg.return_variance else None)
-  return qw, kw, vw, betaw, dow, dvarw
+  q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_bwd - cfg.k) for x in (q, k))
+  v_rows, beta_rows, do_rows = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad)
+                                for x in (v, beta, d_out))
+  dvar_rows = (layout.pad_rows(d_var.astype(jnp.float32), cfg.t_pad, cfg.v_pad)
+               if cfg.return_variance else None)
+  return q_rows, k_rows, v_rows, beta_rows, do_rows, dvar_rows
 
 
 def segmented_reverse_cumsum(x: jax.Array, reset: jax.Array) -> jax.Array:
