@@ -132,7 +132,8 @@ def _fused_reads_bwd(call, residuals, cotangents):
   kp, vp = bk.shape[-1], bv.shape[-1]
   n_c, n_vjp = jax.vjp(weighted_mean, m_c, b_c, bk, bv, ip)
   dq, dk, dv, dbeta, d_rows, dbk, dbv, dn = reads_backward.chunk_reads_backward(
-      q, k, v, beta, rows, padded(bk), padded(bv, call.backward.v_span(vp)), n_c.astype(bf16),
+      q, k, v, beta, rows, padded(bk, call.backward.k_span(kp)),
+      padded(bv, call.backward.v_span(vp)), n_c.astype(bf16),
       dout.astype(v.dtype), dvar if call.with_var else None, heads=call.heads,
       chunk=call.chunk, k_true=call.k_true, tiles=call.backward, interpret=call.interpret)
   dm, db, dbk_n, dbv_n, dip = n_vjp(dn)

@@ -112,14 +112,14 @@ def check_fused_reads(seed, shape, forward, backward, with_var, interpret):
 # (B, T, H, K, V), ForwardTiles, BackwardTiles, variance. The first: one 64-step chunk a
 # CTA, K and V padded (20 -> 32, 40 -> 48), T padded, three forward V-blocks, three
 # backward V sub-tiles through a ring of 2, two K-blocks (the second past the true K), with
-# the variance. Then (slow): two chunks of 32 a CTA (block-diagonal D, per-chunk N) with three V sub-tiles in
-# one forward CTA, a ring of 1 and three backward K-blocks of 16; four chunks of 16; one
-# chunk of 128 (two wgmma row groups).
+# the variance. Then (slow): two chunks of 32 a CTA (block-diagonal D, per-chunk N) with
+# three V sub-tiles in one forward CTA, a ring of 1 and three backward K-blocks of 16; four
+# chunks of 16; one chunk of 128 (two wgmma row groups).
 _CASES = [
     ((1, 100, 2, 20, 40), ForwardTiles(64, 16), BackwardTiles(64, 16, 2, 16), True),
     ((2, 70, 1, 48, 48), ForwardTiles(32, 16, 3), BackwardTiles(32, 64, 1, 16), False),
     ((1, 64, 1, 16, 32), ForwardTiles(16, 32), BackwardTiles(16, 64, 2, 16), True),
-    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 64, 1, 16), False),
+    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 32, 1, 16), False),
 ]
 # The compiled cases add Palimpsa-D 760M's and K128 heads: V in three sub-tiles, K in
 # three blocks (a block of 32 past K at K = 80) and in one.
@@ -143,6 +143,24 @@ def test_interpreted_matches_the_jnp_reads(shape, forward, backward, with_var):
 @pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
 def test_compiled_matches_the_jnp_reads(shape, forward, backward, with_var):
   check_fused_reads(1, shape, forward, backward, with_var, False)
+
+
+@pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
+def test_compiled_cases_lower_for_sm_90(shape, forward, backward, with_var):
+  """The GPU cases' kernels, forward and backward, lower for sm_90 on a CPU host: Mosaic
+  GPU checks there what the GPU run would refuse (shared memory over the limit, a TMA copy
+  of a width it cannot tile or of a byte count that is no multiple of 128)."""
+  b, t, h, kd, vd = shape
+  args, _ = jax.eval_shape(lambda: _inputs(0, b, t, h, kd, vd, forward.rows, forward.chunk))
+  call = reads.ReadsCall(h, forward.chunk, kd, with_var, forward, backward, False)
+
+  def loss(*a):
+    out, var = reads.fused_reads(*a, call)
+    return jnp.sum(out.astype(f32)) + (jnp.sum(var) if with_var else 0.0)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(10))))
+  text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 3
 
 
 @pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
