@@ -186,9 +186,19 @@ def test_declines_what_it_cannot_run():
 @pytest.mark.parametrize("chunk, kp, vp", sorted(reads.TUNED))
 @pytest.mark.parametrize("with_var", [False, True])
 def test_default_tiles_fit_with_and_without_the_variance(chunk, kp, vp, with_var):
-  """The tuned forward tiles (measured without the variance) are kept only where they fit;
-  the backward's provisional tiles fit."""
+  """The tuned tiles (measured without the variance) are kept only where they fit, each
+  direction on its own; the provisional tiles fit."""
   forward, backward = reads.default_tiles(chunk, kp, vp, with_var)
   assert reads.fits((forward, backward), kp, vp, with_var)
-  if not with_var:
-    assert forward == ForwardTiles(chunk, *reads.TUNED[chunk, kp, vp])
+  tuned = reads.TUNED[chunk, kp, vp]
+  tuned_forward = ForwardTiles(chunk, *tuned[:2])
+  if reads_forward.smem_bytes(tuned_forward, kp, vp, bf16, with_var) <= SMEM_LIMIT:
+    assert forward == tuned_forward
+  if tuned[2:]:
+    tuned_backward = BackwardTiles(chunk, *tuned[2:], reads.default_k_sub(kp))
+    if reads_backward.smem_bytes(tuned_backward, kp, vp, with_var) <= SMEM_LIMIT:
+      assert backward == tuned_backward
+  if not with_var:  # The records' tiles fit without the variance.
+    assert forward == tuned_forward
+    assert not tuned[2:] or backward == tuned_backward
+
