@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.training import storage
 
 LOCK_FILE = "lock"
 # flock errors meaning "this filesystem has no locks", not "someone holds it".
@@ -104,8 +105,14 @@ class WorkdirLock:
     holder = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    try:
+      with storage.writing(self.path):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except storage.WriteFailed:
+      os.close(fd)
+      self._fd = None
+      raise
     return None
 
   def _make_dirs(self) -> None:
@@ -136,6 +143,8 @@ class WorkdirLock:
             break
       else:
         os.ftruncate(fd, 0)
+    except OSError:  # a folder made read-only: the holder's name stays, the lock goes
+      pass
     finally:
       os.close(fd)  # releases the flock
 
