@@ -295,13 +295,15 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
                  for i in todo_indices}
   todo: list[bookkeeping.RunBook] = []
   with loop.failed_writes_in_one_line(checkpoints), contextlib.ExitStack() as locks:
-    for i in todo_indices:  # one live run per workdir, as train.py's
-      locks.enter_context(workdir_lock.WorkdirLock(workdirs[i]))
+    held = [locks.enter_context(workdir_lock.WorkdirLock(workdirs[i]))  # as train.py's
+            for i in todo_indices]
     accepted = [bookkeeping.accept_resume(configs[i], workdirs[i]) for i in todo_indices]
     config = accepted[0][0]
     tasks = {run_config.seed: tasks_lib.MqarTask(run_config) for run_config, _ in accepted}
     total_steps = next(iter(tasks.values())).total_steps
     engine = GroupEngine(GroupModel(config, total_steps), tasks, jax.local_devices()[0])
+    for lock in held:
+      lock.accept()
     try:
       for i, (run_config, changes) in zip(todo_indices, accepted):
         todo.append(bookkeeping.RunBook(run_config, workdirs[i], changes,

@@ -5,8 +5,9 @@ A RunBook keeps one run's workdir: its checkpointer (training/checkpoint.py), me
 (training/metrics.py) and summary (training/run_summary.py), its best evaluation and early
 stop, and when to checkpoint. The entry points and the loop call its methods in this order:
 
-  with workdir_lock.WorkdirLock(workdir):  # one live run per workdir
+  with workdir_lock.WorkdirLock(workdir) as lock:  # one live run per workdir
     config, changes = accept_resume(config, workdir)  # refusals, before anything is written
+    lock.accept()
     book = RunBook(config, workdir, changes, data_iterator)  # opens the checkpointer
     book.save_config(config)                # a new run's config.json (a started run keeps its own)
     step, state = book.restore(abstract)

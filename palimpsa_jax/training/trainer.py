@@ -277,7 +277,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   validate_model(config)
   workdir = os.path.abspath(workdir)
   checkpoints = os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR)
-  with loop.failed_writes_in_one_line({workdir: checkpoints}), workdir_lock.WorkdirLock(workdir):
+  with (loop.failed_writes_in_one_line({workdir: checkpoints}),
+        workdir_lock.WorkdirLock(workdir) as lock):
     given = config
     config, changes = bookkeeping.accept_resume(config, workdir)
     placement = sharding_lib.mesh_context(config.mesh)
@@ -286,6 +287,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state_lib.run_model_fn(config), config.seed, make_tx_fn(config, task.total_steps),
         placement.mesh, placement.rules, init_on_host=config.init_on_host)
     engine = SingleRun(config, task, spec, placement)
+    lock.accept()  # every refusal is behind: from here on the run writes its files
     run = bookkeeping.RunBook(config, workdir, changes, task.train_iterator)
     try:
       run.save_config(given)

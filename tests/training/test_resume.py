@@ -295,6 +295,7 @@ def test_a_run_killed_before_its_first_checkpoint_is_resumed_only_as_itself(
                                should_stop=killed_after_step_three)
   assert not list((workdir / "checkpoints").iterdir())
   assert [r["step"] for r in metrics_lib.read_metrics(str(workdir))] == [1, 2]
+  (workdir / "lock").write_text('{"pid": 1, "host": "h", "started": "t"}')  # as kill -9 leaves it
   before = _tree_bytes(workdir)
   other = tiny_lm.resumable_mqar_config(150, seed=1)
   with pytest.raises(base.ConfigError) as refused:
