@@ -97,12 +97,9 @@ class RunSummary:
                "wall_time_s": sum(s["wall_time_s"] for s in segments),
                "segments": segments}
     if self._writer:
-      with storage.writing(path):
-        with open(path + ".partial", "w") as f:
-          # Sorted: the order of a value's keys must not depend on where it came from (a rerun
-          # reads last_eval back from metrics.jsonl), or a rerun would rewrite the file.
-          f.write(json.dumps(summary, indent=2, sort_keys=True))
-        os.replace(path + ".partial", path)
+      # Sorted: the order of a value's keys must not depend on where it came from (a rerun
+      # reads last_eval back from metrics.jsonl), or a rerun would rewrite the file.
+      storage.write_whole(path, json.dumps(summary, indent=2, sort_keys=True))
     return summary
 
 

@@ -30,9 +30,10 @@ _ORBAX_THREADS_WAIT_S = 10.0
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
-class WriteFailed(Exception):
-  """A write into the workdir failed: `path` is what was written, `reason` why (a few words),
-  `code` the errno when one is known."""
+class WriteFailed(user_errors.UserError):
+  """A write failed: `path` is what was written, `reason` why (a few words), `code` the errno
+  when one is known. Its message is one line; a command that writes outside a training run
+  (eval.py's results) lets it reach the entry point, which prints that line."""
 
   def __init__(self, path: str, reason: str, code: int | None = None):
     super().__init__(f"cannot write {path}: {reason}")
@@ -76,6 +77,22 @@ def writing(path: str) -> Iterator[None]:
     raise
   except Exception as error:  # pylint: disable=broad-exception-caught
     raise failure(path, error) from error
+
+
+def write_whole(path: str, text: str) -> None:
+  """Writes `text` into `path` whole or not at all (an earlier file stays as it was when the
+  write fails); raises WriteFailed naming `path`."""
+  partial = path + ".partial"
+  with writing(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+      with open(partial, "w") as f:
+        f.write(text)
+      os.replace(partial, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.remove(partial)
+      raise
 
 
 def latest_checkpoint(checkpoint_dir: str) -> str | None:

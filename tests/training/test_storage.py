@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.training import tiny_lm
+from palimpsa_jax import user_errors
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import storage
@@ -77,6 +78,38 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(
   _assert_resumes(tmp_path, capsys, uninterrupted, 4)
 
 
+@pytest.mark.parametrize("error, reason", [
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "No space left on device [ENOSPC]"),
+    (OSError(errno.EROFS, os.strerror(errno.EROFS), "/x/y"), "Read-only file system [EROFS]"),
+    (PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/x/y"),
+     "Permission denied [EACCES]"),
+    # TensorStore's words for an OS error, inside the error Orbax raises from it.
+    (ValueError("Error writing \"x\": [os_error_code=30]\nmore"),
+     "Read-only file system [EROFS]"),
+    (RuntimeError("Timeout waiting for key\nand more"), "RuntimeError: Timeout waiting for key"),
+])
+def test_a_failed_write_is_one_line_naming_its_path(tmp_path, capsys, error, reason):
+  path = str(tmp_path / "out.json")
+  with pytest.raises(storage.WriteFailed) as failed:
+    with storage.writing(path):
+      raise error
+  assert str(failed.value) == f"cannot write {path}: {reason}"
+  # At an entry point, outside a training run (eval.py's results): one line, and an earlier
+  # file stays as it was.
+  (tmp_path / "earlier.json").write_text("earlier")
+  def fail(*args, **kwargs):
+    raise error
+  with pytest.MonkeyPatch.context() as patch:
+    patch.delenv(user_errors.TRACEBACK_VARIABLE, raising=False)
+    patch.setattr(storage.os, "replace", fail)
+    with pytest.raises(SystemExit) as exited:
+      user_errors.one_line("eval.py", storage.write_whole)(str(tmp_path / "earlier.json"), "new")
+  assert exited.value.code == 1
+  assert capsys.readouterr().err == f"eval.py: cannot write {tmp_path}/earlier.json: {reason}\n"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]  # as it was
+  assert (tmp_path / "earlier.json").read_text() == "earlier"
+
+
 class _FullFile:
   """A file whose writes fail with ENOSPC once `marker` is written."""
 
@@ -100,18 +133,25 @@ def test_a_metric_write_that_fails_stops_the_run_in_one_line(
       file = open(path, mode, *args)  # pylint: disable=unspecified-encoding
       return _FullFile(file, '"step": 6') if mode == "a" else file
     monkeypatch.setattr(metrics_lib, "open", full_at_step_six, raising=False)
-  else:
+  else:  # a file system remounted read-only (after an error, say)
     scalars = tensorboard.EventFileWriter.scalars
-    def full_at_step_six(writer, step, values):
+    def read_only_at_step_six(writer, step, values):
       if step == 6:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
       scalars(writer, step, values)
-    monkeypatch.setattr(tensorboard.EventFileWriter, "scalars", full_at_step_six)
+    monkeypatch.setattr(tensorboard.EventFileWriter, "scalars", read_only_at_step_six)
   with pytest.raises(storage.StorageError) as stopped:
     trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(tmp_path))
-  (events,) = tensorboard.event_files(str(tmp_path / "tensorboard"))
-  path = f"{tmp_path}/metrics.jsonl" if target == "metrics.jsonl" else events
-  assert str(stopped.value) == _full_disk(path).format(step=6, last=f"{tmp_path}/checkpoints/4")
+  last = f"{tmp_path}/checkpoints/4"
+  if target == "metrics.jsonl":
+    assert str(stopped.value) == _full_disk(f"{tmp_path}/metrics.jsonl").format(step=6,
+                                                                                last=last)
+  else:
+    (events,) = tensorboard.event_files(str(tmp_path / "tensorboard"))
+    assert str(stopped.value) == (
+        f"cannot write {events}: Read-only file system [EROFS]; the run stopped at step 6. "
+        f"Make the folder writable, then rerun the same command to resume from the last good "
+        f"checkpoint, {last}.")
   monkeypatch.undo()
   tiny_lm.use_tiny_model(monkeypatch)
   _assert_resumes(tmp_path, capsys, uninterrupted, 4)
