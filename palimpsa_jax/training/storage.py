@@ -5,6 +5,8 @@ TensorBoard events, segments.jsonl, summary.json) runs inside `writing(path)`, w
 whatever the write raised into WriteFailed(path, reason, errno). The training loop
 (training/loop.py) stops at the first one and raises StorageError, one line naming the path,
 the step reached and the last good checkpoint, from which a rerun of the same command resumes.
+Outside a run (eval.py's results and plot, through `writing` and `write_whole`), WriteFailed is
+itself the one line the entry point prints.
 
 Orbax logs the failures of its background threads with their tracebacks before they reach
 the loop; `quiet_orbax_errors` keeps those records off the terminal (--verbose or
