@@ -21,6 +21,7 @@ from palimpsa_jax.evaluation.suites import SUITES
 from palimpsa_jax.run_config import values
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
+from palimpsa_jax.training import storage
 from palimpsa_jax import user_errors
 
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Evaluation suite.")
@@ -83,9 +84,8 @@ def main(argv):
       "mesh_sequence": _MESH_SEQUENCE.value,
   }
   results = SUITES[_SUITE.value](options)
-  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-  with open(output, "w") as f:
-    json.dump(results, f, indent=2)
+  # A disk that fills or turns read-only during the work: one line (storage.WriteFailed).
+  storage.write_whole(output, json.dumps(results, indent=2))
   print(f"{'replaced the earlier' if replaces else 'wrote'} {output}")
 
 

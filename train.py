@@ -11,8 +11,9 @@ A restarted command resumes from the latest checkpoint in --workdir. Ctrl-C (SIG
 SIGTERM checkpoints the current step, says where, and exits (130 or 143). Compiled steps are kept in
 JAX's persistent compilation cache (--compilation_cache_dir; empty turns it off). Multi-host:
 pass --coordinator_address, --num_processes and --process_id (or rely on the
-cluster's auto-detection with --distributed). A refused command (config, data, a workdir of
-another model) prints one line and writes nothing; --verbose shows its traceback.
+cluster's auto-detection with --distributed). A refused command (config, model, data, a workdir
+of another run) prints one line and writes nothing; a write that fails mid-run (a full disk)
+stops it with one line naming the last good checkpoint; --verbose shows their tracebacks.
 """
 
 import time

@@ -64,16 +64,18 @@ def pallas_fns(cfg):
 def _stage_args(cfg, args):
   """Each stage's inputs as the op passes them: (boundary, forward walk, backward walk)."""
   q, k, v, beta, la, ip, mu0, p0 = args
-  qh, kh, vh, betah, gates, ipv = jax.jit(
-      lambda *a: forward.prepare(cfg, *a, None))(q, k, v, beta, la, ip)
+  gates = layout.make_gates(la, None, cfg.h, cfg.t_pad, cfg.chunk)
+  ipv = jnp.tile(ip.astype(jnp.float32), cfg.b)
   m0, b0 = forward.initial_linear_state(cfg, mu0, p0, ipv, cfg.k_boundary)
-  q_rows, k_rows, v_rows, beta_rows, k_bound = forward.forward_rows(cfg, q, k, v, beta)
+  q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
+  v_rows, beta_rows = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta))
+  k_bound = layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k)
   bnd = (k_bound, v_rows, beta_rows, gates.to_end, gates.chunk, m0, b0)
   ms, bs, _, _ = _stage_fn("boundary", cfg)(*bnd)
   fwd = (q_rows, k_rows, v_rows, beta_rows, gates.step, ipv, ms, bs)
-  to_bwd = lambda x: backward.backward_starts(cfg, x[..., :cfg.v, :cfg.k])
-  bwd = (qh, kh, vh, betah, gates.step, layout.ip_row(ipv, cfg.k_bwd),
-         jnp.ones(vh.shape, vh.dtype), None, to_bwd(ms), to_bwd(bs))
+  rows = backward.walk_rows(cfg, q, k, v, beta, jnp.ones_like(v), None)
+  bwd = (*rows[:4], gates.step, layout.ip_row(ipv, cfg.k_bwd), rows[4], None,
+         backward.walk_starts(cfg, ms), backward.walk_starts(cfg, bs))
   return bnd, fwd, bwd
 
 

@@ -243,8 +243,10 @@ def headline(name: str, out: pathlib.Path, outcome: Outcome) -> str:
       return ""
     rows = _rows(found[-1])
     wrong = sum("WRONG" in r.get("rel. error", "") for r in rows)
+    failed = sum("FAILED" in r.get("rel. error", "") for r in rows)
     partial = [n for n in found[-1]["notes"] if n.startswith("partial")]
-    return f"{len(rows)} rows, {wrong} wrong" + (f"; {partial[0]}" if partial else "")
+    return (f"{len(rows)} rows, {wrong} wrong, {failed} failed"
+            + (f"; {partial[0]}" if partial else ""))
   if base == "step760":
     precision = name.split()[1]
     for record in reversed(_records(out, "train_throughput")):

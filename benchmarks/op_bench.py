@@ -272,49 +272,59 @@ def bench_shape(name, shape, impls, args, log):
         rows.append((name, shape, impl, mode, None, None, "skipped: stores all T states",
                      None))
         continue
-      fn = (fwd_fn(impl, args.chunk_size, args.variance, op) if mode == "fwd"
-            else fwd_bwd_fn(impl, args.chunk_size, op))
-      call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
-      poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
-      if not checked:
-        full = jax.tree.leaves(call(*arg_sets[0]))
-        ok = all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in full)
-        err = 0.0 if ok else float("inf")
-      elif mode == "fwd":
-        got = jax.tree.map(np.asarray, call(*arg_sets[0]))
-        prefix = lambda x: x[:, :fwd_t] if x.ndim == 4 and x.shape[1] == shape[1] else x
-        err = max(rel_error(prefix(g), w) for g, w in zip(got, ref_res))
-        ok = err < fwd_tol
-      else:
-        # The timed function itself, with the cotangent zero from ref_t on: outputs before
-        # ref_t depend on inputs before it alone, so the gradients there are the truncated
-        # problem's (and zero after it), with no second compile for a shorter T.
-        got = jax.tree.map(np.asarray, fn(arg_sets[0], cot.at[:, ref_t:].set(0.0))[1])
-        head = lambda x: x[:, :ref_t] if x.ndim >= 3 else x
-        err = max(rel_error(head(g), w) for g, w in zip(got, ref_grads))
-        tail = [np.asarray(g[:, ref_t:], np.float32) for g in got if g.ndim >= 3]
-        ok = err < grad_tol and all(not np.any(x) for x in tail)
-        if ref_t < shape[1]:  # the full-length gradients must at least be written and finite
-          poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
+      def measure():  # called at once: this iteration's impl and mode
+        fn = (fwd_fn(impl, args.chunk_size, args.variance, op) if mode == "fwd"
+              else fwd_bwd_fn(impl, args.chunk_size, op))
+        call = fn if mode == "fwd" else (lambda *a, fn=fn: fn(a, cot))
+        poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
+        if not checked:
           full = jax.tree.leaves(call(*arg_sets[0]))
-          ok = ok and all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in full)
-      t_checked = fwd_t if mode == "fwd" else ref_t
-      tag = ("unchecked, finite" if not checked
-             else "ref" if t_checked == shape[1] else f"ref, T={t_checked}")
-      if not ok:
-        what = "non-finite" if not checked else f"rel. error {err:.1e}"
-        rows.append((name, shape, impl, mode, None, None, f"WRONG: {what} ({tag})", None))
-        log(f"[{name}] {impl} {mode}: WRONG {what} ({tag})")
-        continue
-      mem = None
-      if args.memory:
-        mem = (temp_mib(fn, *arg_sets[0]) if mode == "fwd"
-               else temp_mib(fn, arg_sets[0], cot))
-      timed_sets = [tuple(s) for s in arg_sets]
-      ms = time_queued(call, timed_sets, args.warmup, args.iters)
-      ms_synced = time_fn(call, timed_sets, 0, args.iters)
-      log(f"[{name}] {impl} {mode}: {ms:.3f} ms ({ms_synced:.3f} synced; err {err:.1e}, {tag})")
-      rows.append((name, shape, impl, mode, ms, ms_synced, f"{err:.1e} ({tag})", mem))
+          ok = all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in full)
+          err = 0.0 if ok else float("inf")
+        elif mode == "fwd":
+          got = jax.tree.map(np.asarray, call(*arg_sets[0]))
+          prefix = lambda x: x[:, :fwd_t] if x.ndim == 4 and x.shape[1] == shape[1] else x
+          err = max(rel_error(prefix(g), w) for g, w in zip(got, ref_res))
+          ok = err < fwd_tol
+        else:
+          # The timed function itself, with the cotangent zero from ref_t on: outputs before
+          # ref_t depend on inputs before it alone, so the gradients there are the truncated
+          # problem's (and zero after it), with no second compile for a shorter T.
+          got = jax.tree.map(np.asarray, fn(arg_sets[0], cot.at[:, ref_t:].set(0.0))[1])
+          head = lambda x: x[:, :ref_t] if x.ndim >= 3 else x
+          err = max(rel_error(head(g), w) for g, w in zip(got, ref_grads))
+          tail = [np.asarray(g[:, ref_t:], np.float32) for g in got if g.ndim >= 3]
+          ok = err < grad_tol and all(not np.any(x) for x in tail)
+          if ref_t < shape[1]:  # the full-length gradients must at least be written and finite
+            poison(4 * shape[0] * shape[1] * shape[2] * shape[4])
+            full = jax.tree.leaves(call(*arg_sets[0]))
+            ok = ok and all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in full)
+        t_checked = fwd_t if mode == "fwd" else ref_t
+        tag = ("unchecked, finite" if not checked
+               else "ref" if t_checked == shape[1] else f"ref, T={t_checked}")
+        if not ok:
+          what = "non-finite" if not checked else f"rel. error {err:.1e}"
+          log(f"[{name}] {impl} {mode}: WRONG {what} ({tag})")
+          return (name, shape, impl, mode, None, None, f"WRONG: {what} ({tag})", None)
+        mem = None
+        if args.memory:
+          mem = (temp_mib(fn, *arg_sets[0]) if mode == "fwd"
+                 else temp_mib(fn, arg_sets[0], cot))
+        timed_sets = [tuple(s) for s in arg_sets]
+        ms = time_queued(call, timed_sets, args.warmup, args.iters)
+        ms_synced = time_fn(call, timed_sets, 0, args.iters)
+        log(f"[{name}] {impl} {mode}: {ms:.3f} ms ({ms_synced:.3f} synced; err {err:.1e}, "
+            f"{tag})")
+        return (name, shape, impl, mode, ms, ms_synced, f"{err:.1e} ({tag})", mem)
+
+      try:
+        rows.append(measure())
+      except Exception as error:  # pylint: disable=broad-except
+        # One implementation that fails to lower, compile or run at a shape is a row of the
+        # table; the other rows are still measured.
+        what = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
+        log(f"[{name}] {impl} {mode}: FAILED {what}")
+        rows.append((name, shape, impl, mode, None, None, f"FAILED: {what}", None))
   return rows
 
 
@@ -442,6 +452,9 @@ def main():
   print(format_table(rows, args.memory))
   if record_path is not None:
     log(f"wrote {record_path}")
+  failed = [f"{r[0]} {r[2]} {r[3]}" for r in rows if str(r[6]).startswith(("WRONG", "FAILED"))]
+  if failed:
+    sys.exit(f"op_bench: wrong or failed rows: {', '.join(failed)}")
 
 if __name__ == "__main__":
   main()

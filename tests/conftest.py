@@ -1,8 +1,10 @@
 """Fixtures shared by the whole test suite."""
 
+import gc
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +28,24 @@ def pytest_configure(config):
   """
   config.palimpsa_cache_home = tempfile.mkdtemp(prefix="palimpsa_test_cache_")
   os.environ["XDG_CACHE_HOME"] = config.palimpsa_cache_home
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
+def pytest_sessionfinish(session):
+  """In an xdist worker: the tests' last garbage is collected before the worker reports that
+  it finished, and the SIGINT that xdist may send afterwards is ignored.
+
+  Once every worker has reported, xdist (execnet) asks each to exit, and sends SIGINT to one
+  still busy 5 s later. Left to pytest's collection at unconfigure, the garbage of a whole
+  run (JAX's XLA buffers and executables, grain's thread pools) can take longer than that on a
+  busy machine, and the SIGINT then lands in one of their finalisers: an unraisable
+  KeyboardInterrupt printed after the results. What remains after the report is short, and
+  nothing in it is worth interrupting.
+  """
+  del session
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    gc.collect()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def pytest_unconfigure(config):

@@ -49,11 +49,18 @@ def test_bad_config_argument_fails_clearly():
       "model (e.g. model=<value>).")
 
 
-def test_refused_config_field_is_one_line(tmp_path):
-  result = _run("train.py", "--config=configs/mqar.py", "--config.optimizer.b2=1.5",
-                f"--workdir={tmp_path / 'run'}", "--compilation_cache_dir=", check=False)
-  assert result.returncode == 1 and result.stderr.strip() == (
-      "train.py: config.optimizer.b2 must be a number in [0, 1), got 1.5.")
+@pytest.mark.parametrize("args, expected", [
+    (("--config=configs/mqar.py", "--config.optimizer.b2=1.5"),
+     "train.py: config.optimizer.b2 must be a number in [0, 1), got 1.5."),
+    # Refused when the model is traced (the op checks its implementation name).
+    (("--config=configs/mqar.py:implementation=foo",),
+     "train.py: config.model cannot be built and run: implementation must be one of ("),
+])
+def test_refused_config_field_is_one_line(tmp_path, args, expected):
+  result = _run("train.py", *args, f"--workdir={tmp_path / 'run'}", "--compilation_cache_dir=",
+                check=False)
+  assert result.returncode == 1 and result.stderr.startswith(expected), result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not (tmp_path / "run").exists()  # Refused before anything is written.
 
 

@@ -109,12 +109,22 @@ def _entry_point(*argv, cwd=REPO):
                         env=env, timeout=300, check=False)
 
 
-def _corrupt_workdir(root: pathlib.Path) -> pathlib.Path:
-  """A workdir whose config.json was cut short (a full disk, an editor)."""
-  workdir = root / "run"
-  (workdir / "checkpoints").mkdir(parents=True)
+def _corrupt_workdir(root: pathlib.Path, name: str = "run", checkpoints: bool = True
+                     ) -> pathlib.Path:
+  """A workdir whose config.json was cut short (a full disk, an editor); without
+  `checkpoints`, a run killed before its first checkpoint."""
+  workdir = root / name
+  workdir.mkdir()
+  if checkpoints:
+    (workdir / "checkpoints").mkdir()
   (workdir / "config.json").write_text('{\n  "batch_size": 32,\n  "data": {\n    "num_kv')
   return workdir
+
+
+def _tree(directory: pathlib.Path) -> dict[str, bytes | None]:
+  """Every file's bytes and every folder (None) under `directory`."""
+  return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes()
+          for p in sorted(directory.rglob("*"))}
 
 
 # (argv, the line it prints after "program: "), a value error from each place a value comes
@@ -132,6 +142,10 @@ REFUSED_VALUES = [
      "--config=README.md: README.md is not a Python config file (line "),
     (["generate.py", "--checkpoint={corrupt}", "--prompt=a"],
      "{corrupt}/config.json is not valid JSON ("),
+    (["train.py", "--config=configs/mqar.py", "--workdir={corrupt}"],
+     "{corrupt}/config.json is not valid JSON ("),
+    (["train.py", "--config=configs/mqar.py", "--workdir={unsaved}"],
+     "{unsaved}/config.json is not valid JSON ("),
     (["generate.py", "--checkpoint=runs/x", "--prompt=a", "--max_new_tokens=0"],
      "--max_new_tokens=0: expected a positive int"),
     (["generate.py", "--checkpoint=runs/x", "--prompt=a", "--top_p=1.5"],
@@ -149,12 +163,14 @@ REFUSED_VALUES = [
                          if isinstance(v, list) else None)
 def test_entry_points_refuse_bad_values_in_one_line(argv, line, tmp_path):
   (tmp_path / "e.txt").write_text("")
-  names = {"tmp": str(tmp_path), "corrupt": str(_corrupt_workdir(tmp_path))}
+  names = {"tmp": str(tmp_path), "corrupt": str(_corrupt_workdir(tmp_path)),
+           "unsaved": str(_corrupt_workdir(tmp_path, "unsaved", checkpoints=False))}
+  before = _tree(tmp_path)
   done = _entry_point(*(arg.format(**names) for arg in argv))
   assert (done.returncode, done.stdout) == (1, "")
   assert done.stderr.startswith(f"{argv[0]}: {line.format(**names)}"), done.stderr
   assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["e.txt", "run"]  # nothing written
+  assert _tree(tmp_path) == before  # nothing written
 
 
 def test_verbose_shows_the_traceback_of_a_refused_value(tmp_path):

@@ -27,6 +27,7 @@ import ml_collections
 from palimpsa_jax import models
 from palimpsa_jax.run_config import base
 from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import storage
 
 CONVERSION_FILE = "conversion.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -46,11 +47,13 @@ def write_conversion(dest: str, model: nnx.Module, config: ml_collections.Config
   """Saves the model's parameters and `info` (+ the model config) into `dest`."""
   check_dest_free(dest)
   dest_path = epath.Path(os.path.abspath(dest))
-  dest_path.mkdir(parents=True, exist_ok=True)
   _, params, _ = models.split_model(model)
-  checkpoint_lib.save_params(dest, params)
+  with storage.writing(dest):
+    dest_path.mkdir(parents=True, exist_ok=True)
+    checkpoint_lib.save_params(dest, params)
   record = {"model": json.loads(config.to_json_best_effort()), **info}
-  (dest_path / CONVERSION_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+  storage.write_whole(str(dest_path / CONVERSION_FILE),
+                      json.dumps(record, indent=2, sort_keys=True))
 
 
 def read_conversion(dest: str) -> tuple[ml_collections.ConfigDict, dict[str, Any]]:

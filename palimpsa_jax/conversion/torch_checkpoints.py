@@ -29,6 +29,7 @@ from palimpsa_jax.conversion import torch_layouts as layouts
 from palimpsa_jax.conversion import windows as windows_lib
 from palimpsa_jax.data import tokenizer as tokenizer_lib
 from palimpsa_jax.training import checkpoint as train_checkpoint
+from palimpsa_jax.training import storage
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -235,14 +236,17 @@ def export_checkpoint(checkpoint: str, dest: str, *, verbose: bool = True) -> st
   params, config = load_ours(checkpoint)
   hf_config = layouts.authors_config(config)
   tensors = params_to_tensors(params, config)
-  os.makedirs(dest, exist_ok=True)
+  with storage.writing(dest):
+    os.makedirs(dest, exist_ok=True)
   weights = os.path.join(dest, WEIGHTS_FILE)
-  save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
-  os.replace(weights + ".tmp", weights)
-  with open(os.path.join(dest, CONFIG_FILE), "w") as f:
-    json.dump(hf_config, f, indent=2, sort_keys=True)
+  with storage.writing(weights):
+    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+    os.replace(weights + ".tmp", weights)
+  storage.write_whole(os.path.join(dest, CONFIG_FILE),
+                      json.dumps(hf_config, indent=2, sort_keys=True))
   if tokenizer:
-    shutil.copyfile(tokenizer, os.path.join(dest, TOKENIZER_FILE))
+    with storage.writing(os.path.join(dest, TOKENIZER_FILE)):
+      shutil.copyfile(tokenizer, os.path.join(dest, TOKENIZER_FILE))
   if verbose:
     print(f"exported our {config.model} model {checkpoint} as the authors' "
           f"{hf_config['model_type']} -> {dest}"

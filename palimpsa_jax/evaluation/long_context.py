@@ -19,6 +19,7 @@ import numpy as np
 from palimpsa_jax.data import text as text_lib
 from palimpsa_jax.evaluation import lm as lm_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import storage
 
 DEFAULT_BATCH_SIZE = 1
 
@@ -111,9 +112,12 @@ def plot_curves(curves: Mapping[str, Mapping[str, list]], path: str) -> None:
   ax.grid(True, alpha=0.3)
   ax.legend(fontsize="small")
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  try:
+    with storage.writing(path):  # a full or read-only disk: one line naming the plot
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      fig.savefig(path, dpi=120)
+  finally:
+    plt.close(fig)
 
 
 def _plot_path(options: Mapping[str, Any], checkpoints: Sequence[str]) -> str:

@@ -14,6 +14,7 @@ docs/models.md, conversion); () (the default): none beyond it. Only for metaplas
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
@@ -37,6 +38,13 @@ def _name(default: str, what: str) -> Field:
   return Field(default, (str,), bool, what)
 
 
+def _floating_dtype_name(name: str) -> bool:
+  try:
+    return jnp.issubdtype(jnp.dtype(name), jnp.floating)
+  except TypeError:
+    return False
+
+
 # The fields of every model config; the kind's own follow from registry.KINDS.
 FIELDS = {
     "model": one_of(REQUIRED, tuple(registry.MIXERS)),
@@ -52,7 +60,8 @@ FIELDS = {
                             "a positive int, or None (no MLP)"),
     "norm_eps": positive(1e-6, float),
     "init_std": positive(0.02, float),
-    "dtype": _name("bfloat16", "a dtype name (compute dtype)"),
+    "dtype": Field("bfloat16", (str,), _floating_dtype_name,
+                   "a floating dtype name (the compute dtype: bfloat16, float32, float16)"),
     "residual_in_fp32": flag(True),
     "remat": flag(False),
     # What a rematerialised block keeps (language_model.REMAT_SAVES).

@@ -27,10 +27,17 @@ LAYERS_AXIS = "layers"
 # not seen by a policy (jax 0.11.2), so the kernels are told apart by their primitive.
 _DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 _READOUTS = jax.checkpoint_policies.save_only_these_names(READOUT)
+# A Pallas kernel's primitive: pallas_call (pl.pallas_call, the Triton kernels) or mpmd_map
+# (plgpu.kernel, the Mosaic GPU kernels), which jax 0.11.2 binds inside a custom_vmap_call:
+# the policy sees that call, not the kernel in it.
+_KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
 
 
-def _kernel_outputs_saveable(primitive, *_, **__) -> bool:
-  return primitive.name == "pallas_call"
+def _kernel_outputs_saveable(primitive, *_, **params) -> bool:
+  if primitive.name in _KERNEL_PRIMITIVES:
+    return True
+  return primitive.name == "custom_vmap_call" and any(
+      eqn.primitive.name in _KERNEL_PRIMITIVES for eqn in params["call"].jaxpr.eqns)
 
 
 REMAT_SAVES = {

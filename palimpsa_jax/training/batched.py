@@ -5,10 +5,11 @@ are stacked along a leading run axis [R, ...] and one jitted step, the
 single-run trainer's step (training/steps.py) vmapped over that axis, advances
 all of them: per run its own parameters (initialised from its seed), optimizer
 state, learning-rate schedule and data order (its seed's MQAR train and test
-sets, data/tasks.py's MqarTask). A run that reaches the early-stop
-accuracy (or a non-finite loss) stops there: its updates are masked out, and
-once a quarter of the stacked runs have stopped they are dropped from the stack
-(one recompilation).
+sets, data/tasks.py's MqarTask). The group trains in the training loop of
+train.py (training/loop.py; GroupEngine is its engine): a run that reaches the
+early-stop accuracy (or a non-finite loss) stops there, its updates are masked
+out, and once a quarter of the stacked runs have stopped they are dropped from
+the stack (one recompilation).
 
 Each run keeps, in its own workdir, exactly the files of a single-run
 train.py run: config.json, metrics.jsonl, tensorboard/, checkpoints/<step>
@@ -19,7 +20,7 @@ runs could also be continued alone by train.py.
 Runs on one device (the first local one).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import contextlib
 import functools
 import json
@@ -37,8 +38,9 @@ import numpy as np
 from palimpsa_jax import models
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.training import bookkeeping
-from palimpsa_jax.training import cadence as cadence_lib
-from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import checkpoint as checkpoint_lib
+from palimpsa_jax.training import compile_cache
+from palimpsa_jax.training import loop
 from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import run_summary
@@ -49,8 +51,6 @@ from palimpsa_jax.training import workdir_lock
 
 # Fields in which the runs of a group may differ.
 RUN_FIELDS = ("seed", "optimizer.learning_rate", "args.learning_rate", "args.seed")
-# Stopped runs leave the stack once they are at least this fraction of it.
-_COMPACT_FRACTION = 0.25
 
 
 def _flat(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -91,8 +91,9 @@ def check_group(configs: list[ml_collections.ConfigDict]) -> None:
     raise ValueError(f"a group's (learning rate, seed) pairs must differ, got {pairs}.")
 
 
-def _label(run: bookkeeping.RunBook) -> str:
-  return f"lr {run.config.optimizer.learning_rate:g} seed {run.config.seed}"
+def _label(config: ml_collections.ConfigDict) -> str:
+  """The start of a run's lines: "lr 0.01 seed 0: "."""
+  return f"lr {config.optimizer.learning_rate:g} seed {config.seed}: "
 
 
 def _stack(trees: list[Any]) -> Any:
@@ -204,15 +205,57 @@ def _evaluate(model: GroupModel, state: dict, eval_batches: list[dict]
           for i, sums in enumerate(total)]
 
 
-def _finish(run: bookkeeping.RunBook, step: int, total_steps: int, num_params: int,
-            wall_time_s: float) -> None:
-  """Writes the run's summary.json (the single-run trainer's fields, summed over the
-  run's segments: training/run_summary.py) and prints it."""
-  run.close()  # the last checkpoint is written before the summary says the run ended
-  run.finish({"total_steps": total_steps, "num_params": int(num_params)}, step,
-             wall_time_s)
-  best, reason = run.outcome_text(step, total_steps)
-  print(f"{_label(run)}: final: best eval accuracy {best} ({reason})", flush=True)
+class GroupEngine:
+  """loop.Engine of a group: its runs' states stacked [R, ...] on one device, one vmapped step."""
+
+  def __init__(self, model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
+               device: jax.Device):
+    self._model, self._tasks, self._device = model, tasks, device
+    self._abstract = model.abstract_one(device)
+    self._compiled = {}  # by group size (the stack shrinks when runs end)
+    self._rows_of, self._rows = None, None  # (learning rates [R], active [R]) of a stack
+    self._eval_seeds, self._eval_batches = None, None
+    self.timing: compile_cache.CompileTiming | None = None
+    self.num_params = sum(x.size for x in jax.tree.leaves(self._abstract["params"]))
+    self.tokens_per_step = next(iter(tasks.values())).tokens_per_step
+    self.num_devices = 1
+
+  def abstract_state(self) -> dict:
+    return self._abstract
+
+  def initial_state(self, runs: Sequence[bookkeeping.RunBook]) -> dict:
+    return self._model.init([run.config.seed for run in runs], self._device)
+
+  def stack(self, states: Sequence[dict]) -> dict:
+    return _stack(list(states))
+
+  def take(self, state: dict, rows: int | np.ndarray) -> dict:
+    return _take(state, rows)
+
+  def step(self, state: dict, runs: Sequence[bookkeeping.RunBook], active: Sequence[bool]
+           ) -> tuple[dict, dict[str, jax.Array]]:
+    """The vmapped step on every run's next batch; an inactive run's state is kept."""
+    key = (tuple(map(id, runs)), tuple(active))
+    if key != self._rows_of:
+      self._rows_of = key
+      self._rows = (jnp.asarray([r.config.optimizer.learning_rate for r in runs], jnp.float32),
+                    jnp.asarray(active))
+    batch = next_batch(self._tasks, [run.config.seed for run in runs])
+    compiled = self._compiled.get(len(runs))
+    if compiled is None:
+      compiled, timing = compile_cache.compile_timed(self._model.train_step, state, batch,
+                                                     *self._rows)
+      self._compiled[len(runs)] = compiled
+      self.timing = self.timing or timing
+    return compiled(state, batch, *self._rows)
+
+  def evaluate(self, state: dict, runs: Sequence[bookkeeping.RunBook]
+               ) -> list[dict[str, float]]:
+    seeds = [run.config.seed for run in runs]
+    if seeds != self._eval_seeds:
+      self._eval_seeds = seeds
+      self._eval_batches = _stacked_eval_batches(self._tasks, seeds, self._device)
+    return _evaluate(self._model, state, self._eval_batches)
 
 
 def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
@@ -233,6 +276,9 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
 
   Returns:
     Per run its summary (as trainer.train_and_evaluate returns it).
+
+  Raises:
+    storage.StorageError: a write into a run's workdir failed; the group stopped.
   """
   start_time, started_at = time.perf_counter(), time.time()
   if len(configs) != len(workdirs):
@@ -240,152 +286,37 @@ def train_group(configs: list[ml_collections.ConfigDict], workdirs: list[str],
   for config in configs:
     trainer.validate_config(config)
   check_group(configs)
+  trainer.validate_model(configs[0])  # the runs share their model
   workdirs = [os.path.abspath(workdir) for workdir in workdirs]
   summaries = [json.loads(_summary_path(w).read_text()) if _summary_path(w).exists()
                else None for w in workdirs]
   todo_indices = [i for i, summary in enumerate(summaries) if summary is None]
   if not todo_indices:
     return summaries
-  with contextlib.ExitStack() as locks:
-    for i in todo_indices:  # one live run per workdir, as train.py's
-      locks.enter_context(workdir_lock.WorkdirLock(workdirs[i]))
+  checkpoints = {workdirs[i]: os.path.join(workdirs[i], checkpoint_lib.CHECKPOINT_DIR)
+                 for i in todo_indices}
+  todo: list[bookkeeping.RunBook] = []
+  with loop.failed_writes_in_one_line(checkpoints), contextlib.ExitStack() as locks:
+    held = [locks.enter_context(workdir_lock.WorkdirLock(workdirs[i]))  # as train.py's
+            for i in todo_indices]
     accepted = [bookkeeping.accept_resume(configs[i], workdirs[i]) for i in todo_indices]
     config = accepted[0][0]
-    device = jax.local_devices()[0]
     tasks = {run_config.seed: tasks_lib.MqarTask(run_config) for run_config, _ in accepted}
     total_steps = next(iter(tasks.values())).total_steps
-    model = GroupModel(config, total_steps)
-    todo: list[bookkeeping.RunBook] = []
+    engine = GroupEngine(GroupModel(config, total_steps), tasks, jax.local_devices()[0])
+    for lock in held:
+      lock.accept()
     try:
       for i, (run_config, changes) in zip(todo_indices, accepted):
-        todo.append(bookkeeping.RunBook(run_config, workdirs[i], changes))
-      _train(model, tasks, todo, [configs[i] for i in todo_indices], device,
-             (start_time, started_at), should_stop)
-    finally:
+        todo.append(bookkeeping.RunBook(run_config, workdirs[i], changes,
+                                        tasks[run_config.seed].train_iterator,
+                                        label=_label(run_config)))
+        todo[-1].save_config(configs[i])
+      loop.train(engine, todo, total_steps, config, (start_time, started_at), should_stop)
+    except BaseException:
       for run in todo:
-        run.close()
+        run.close(quiet=True)
+      raise
   for i, run in zip(todo_indices, todo):
     summaries[i] = run.summary
   return summaries
-
-
-def _train(model: GroupModel, tasks: dict[int, tasks_lib.MqarTask],
-           todo: list[bookkeeping.RunBook], given: list[ml_collections.ConfigDict],
-           device: jax.Device, start: tuple[float, float],
-           should_stop: Callable[[], bool]) -> None:
-  """train_group's loop, from the restore to every run's summary (runs closed by the caller).
-
-  given[i]: todo[i]'s config as given, saved as config.json by a run that starts afresh.
-  start: (time.perf_counter(), time.time()) when train_group was called.
-  """
-  start_time, started_at = start
-  config, total_steps = model.config, model.total_steps
-  abstract = model.abstract_one(device)
-  restored = [run.restore(abstract, tasks[run.config.seed].train_iterator) for run in todo]
-  for run, run_config in zip(todo, given):
-    run.save_config(run_config)
-  latest = {step for step, _ in restored}
-  if len(latest) != 1:
-    raise ValueError(
-        "the runs of a group must resume from the same step; their latest "
-        f"checkpoints are at {sorted(latest, key=str)} (None: none).")
-  start_step = latest.pop()
-  if start_step is None:
-    start_step = 0
-    state = model.init([run.config.seed for run in todo], device)
-  else:
-    state = _stack([run_state for _, run_state in restored])
-    print(f"resumed {len(todo)} runs from step {start_step}", flush=True)
-  num_params = sum(x.size for x in jax.tree.leaves(abstract["params"]))
-  peak_flops = metrics_lib.peak_flops_per_device()
-  tokens_per_step = next(iter(tasks.values())).tokens_per_step
-  for run in todo:
-    run.begin(start_step)
-
-  # The stack: stack[i] is row i of `state`; a stopped run stays until compaction.
-  stack = list(todo)
-  running = lambda: [r for r in stack if r.summary is None and not r.stopped_early]
-  for run in stack:  # resumed after their early stop, before their summary
-    if run.stopped_early:
-      _finish(run, start_step, total_steps, num_params, 0.0)
-  eval_batches = None
-  finite = jnp.ones((len(stack),), bool)
-  step = start_step
-  rows = None  # per stacked run: (learning rates [R], running [R])
-
-  def interrupt(at: int) -> str:  # the stack and its state as they are at the stop
-    for i, run in enumerate(stack):
-      if run.summary is None:
-        run.save(at, _take(state, i), tasks[run.config.seed].train_iterator,
-                 time.perf_counter() - start_time)
-        run.close()  # waits for the save
-    return (f"checkpoints/{at} of the {len(running())} running runs under "
-            f"{os.path.dirname(stack[0].workdir)}")
-
-  accuracies = [r.last_eval["eval/accuracy"] for r in stack if "eval/accuracy" in r.last_eval]
-  cadence = cadence_lib.Cadence(  # the line shows the best run's last accuracy
-      config, total_steps, start_step, started_at, should_stop, interrupt,
-      {"eval/accuracy": max(accuracies)} if accuracies else None)
-  while step < total_steps and running():
-    overdue = cadence.before_step(step, any(r.time_due() for r in running()))
-    if rows is None:  # the stack or its running runs changed
-      active = [r.summary is None for r in stack]
-      seeds = [r.config.seed for r in stack]
-      rows = (jnp.asarray([r.config.optimizer.learning_rate for r in stack],
-                          jnp.float32), jnp.asarray(active))
-    state, step_metrics = model.train_step(state, next_batch(tasks, seeds), *rows)
-    finite = finite & step_metrics["train/finite"]
-    step += 1
-    due = cadence.after_step(step, overdue)
-    if not (due.log or due.evaluate or due.save):
-      continue
-    values, finite_now = jax.device_get((step_metrics, finite))
-    records: dict[int, dict[str, float]] = {i: {} for i, a in enumerate(active) if a}
-    for i in records:
-      if not finite_now[i]:
-        stack[i].error = (f"non-finite loss or gradient at or before step {step}; "
-                          "run stopped")
-    if due.log:
-      rate = cadence.progress.rate(step)
-      for i in records:
-        records[i].update({k: float(v[i]) for k, v in values.items()
-                           if k != "train/finite"})
-        records[i].update(metrics_lib.throughput_metrics(
-            rate, tokens_per_step, num_params, peak_flops, 1))
-    if due.evaluate:
-      if eval_batches is None:
-        eval_batches = _stacked_eval_batches(tasks, seeds, device)
-      results = _evaluate(model, state, eval_batches)
-      for i in records:
-        if stack[i].error is None:
-          stack[i].add_eval(step, results[i])
-          records[i].update(results[i])
-      cadence.evaluated(step, {"eval/accuracy": max(
-          stack[i].last_eval.get("eval/accuracy", 0.0) for i in records)})
-      print(f"eval at step {step}: " + ", ".join(
-          f"{_label(stack[i])} {100 * stack[i].last_eval['eval/accuracy']:.2f}%"
-          for i in records if stack[i].last_eval), flush=True)
-    for i, record in records.items():
-      run = stack[i]
-      run.write(step, record)
-      if run.error is None and (due.save or run.stopped_early):
-        run.save(step, _take(state, i), tasks[run.config.seed].train_iterator,
-                 time.perf_counter() - start_time)
-      if run.error is not None or run.stopped_early:
-        _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)
-        rows = None
-    if due.log:
-      losses = [records[i]["train/loss"] for i in records if stack[i].summary is None]
-      if losses:
-        cadence.progress.show(step, rate, float(np.mean(losses)))
-    stopped = [i for i, r in enumerate(stack) if r.summary is not None]
-    if stopped and running() and len(stopped) >= _COMPACT_FRACTION * len(stack):
-      keep = [i for i, r in enumerate(stack) if r.summary is None]
-      state, finite = _take(state, np.asarray(keep)), finite[np.asarray(keep)]
-      stack = [stack[i] for i in keep]
-      rows = None
-      eval_batches = None
-      print(f"{len(stack)} runs left in the stack", flush=True)
-  for run in stack:
-    if run.summary is None:
-      _finish(run, step, total_steps, num_params, time.perf_counter() - start_time)

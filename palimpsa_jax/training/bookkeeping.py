@@ -1,19 +1,24 @@
-"""Per-run bookkeeping shared by the two training loops: trainer.py (one run), batched.py (a group).
+"""Per-run bookkeeping of the training loop (training/loop.py), for train.py's run and each
+run of the sweep's group (training/trainer.py, training/batched.py).
 
 A RunBook keeps one run's workdir: its checkpointer (training/checkpoint.py), metric writer
 (training/metrics.py) and summary (training/run_summary.py), its best evaluation and early
-stop, and when to checkpoint. Both loops call the same methods in the same order:
+stop, and when to checkpoint. The entry points and the loop call its methods in this order:
 
-  with workdir_lock.WorkdirLock(workdir):  # one live run per workdir
+  with workdir_lock.WorkdirLock(workdir) as lock:  # one live run per workdir
     config, changes = accept_resume(config, workdir)  # refusals, before anything is written
-    book = RunBook(config, workdir, changes)  # opens the checkpointer
-    step, state = book.restore(abstract, data_iterator)
-    book.save_config(config)                # a new run's config.json (a resume keeps its own)
+    lock.accept()
+    book = RunBook(config, workdir, changes, data_iterator)  # opens the checkpointer
+    book.save_config(config)                # a new run's config.json (a started run keeps its own)
+    step, state = book.restore(abstract)
     book.begin(start_step)                  # writer, summary, earlier evaluations
-    ... per step (when training/cadence.py says so): book.add_eval(step, results);
-        book.write(step, record); book.save(step, state, data_iterator, wall_time_s)
+    ... per step (when training/cadence.py says so): book.check_saves();
+        book.add_eval(step, results); book.write(step, record);
+        book.save(step, state, wall_time_s)
     book.close()                            # waits for the last asynchronous save
     book.finish(fields, step, wall_time_s)  # then summary.json says the run ended
+
+Every write raises storage.WriteFailed naming its file when it fails (training/storage.py).
 
 A run checkpoints every config.checkpoint_every_steps steps and, whatever that interval, at
 the first step after config.checkpoint_every_minutes of wall time since its last save, so a
@@ -21,9 +26,11 @@ hard kill loses at most about that much work. StopSignals turns SIGINT and SIGTE
 request that the loops poll before each step: they checkpoint the step they are at and stop
 with Interrupted, whose message says where a rerun of the same command resumes.
 
-A resume continues the saved run (run_config/resume.py): accept_resume refuses settings that
-would change what it computes, and the allowed changes (more steps, cadences) are recorded in
-the segment's record, while config.json keeps describing the run as it was started.
+A workdir that holds a run's config.json holds that run, from its first step: a start there
+continues it (run_config/resume.py), from its latest checkpoint or, killed before its first
+one, again from step 0. accept_resume refuses settings that would change what it computes,
+and the allowed changes (more steps, cadences) are recorded in the segment's record, while
+config.json keeps describing the run as it was started.
 """
 
 import json
@@ -48,6 +55,7 @@ from palimpsa_jax.training import metrics as metrics_lib
 from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import run_summary
 from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import storage
 
 
 def eval_metrics(sums: np.ndarray, diagnostics: dict[str, float]) -> dict[str, float]:
@@ -74,25 +82,24 @@ def _flat(tree: Any, prefix: str) -> dict[str, Any]:
   return flat
 
 
-def _resumable(workdir: str) -> bool:
-  """Whether `workdir` holds a run's config.json and a checkpoint step to resume from."""
-  checkpoints = os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR)
-  return (os.path.isfile(os.path.join(workdir, checkpoint_lib.CONFIG_FILE))
-          and os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)))
+def _holds_run(workdir: str) -> bool:
+  """Whether `workdir` holds a run's config.json (written when the run was accepted)."""
+  return os.path.isfile(os.path.join(workdir, checkpoint_lib.CONFIG_FILE))
 
 
 def accept_resume(config: ml_collections.ConfigDict, workdir: str
                   ) -> tuple[ml_collections.ConfigDict, dict[str, tuple[Any, Any]]]:
   """(the config to run, {field: (saved, given)} of its allowed changes) for `workdir`.
 
-  A new run (no checkpoint) runs `config` as given. A resume runs it with the saved run's
-  learning-rate horizon (resume.pinned), if it changes only fields a resume may change.
+  A new run (no config.json) runs `config` as given. A started run (with or without a
+  checkpoint yet) runs it with the saved run's learning-rate horizon (resume.pinned), if it
+  changes only fields a resume may change.
 
   Raises:
     base.ConfigError: one line naming each changed field of the run's identity with its
       saved and given values (or, for the same fields, another model's parameter shapes).
   """
-  if not _resumable(workdir):
+  if not _holds_run(workdir):
     return config, {}
   saved = checkpoint_lib.load_config(workdir)
   refused, allowed = resume.differences(saved, config)
@@ -122,13 +129,13 @@ def refuse_other_model(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Refuses, before anything is written, a workdir whose checkpoints hold another model.
 
   Compares the parameter shapes of `config`'s model with those of the config saved in
-  `workdir` (when it holds checkpoints); a saved config that no longer builds is left to
-  the restore to judge.
+  `workdir` (when it holds a run); a saved config that no longer builds is left to the
+  restore to judge.
 
   Raises:
     base.ConfigError: one line naming the config.model fields that differ.
   """
-  if not _resumable(workdir):
+  if not _holds_run(workdir):
     return
   saved = checkpoint_lib.load_config(workdir)
   try:
@@ -154,7 +161,7 @@ def refuse_other_model(config: ml_collections.ConfigDict, workdir: str) -> None:
                 if saved_shapes.get(p) != shapes.get(p))
     fields = [f"parameter {path} {shapes.get(path)} (saved: {saved_shapes.get(path)})"]
   raise base.ConfigError(
-      f"--workdir {workdir} holds checkpoints of another model: {', '.join(fields)}. "
+      f"--workdir {workdir} holds a run of another model: {', '.join(fields)}. "
       "Give a new --workdir, or the saved run's config (its config.json) to resume it.")
 
 
@@ -228,11 +235,23 @@ class RunBook:
   """One run's checkpoints, metrics, summary, best evaluation and early stop (see above)."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               changes: dict[str, tuple[Any, Any]] | None = None):
-    """`changes`: accept_resume's allowed changes, recorded in the segment."""
+               changes: dict[str, tuple[Any, Any]] | None = None, data_iterator: Any = None,
+               label: str = ""):
+    """
+    Args:
+      config: the run config (accept_resume's).
+      workdir: the run's absolute workdir.
+      changes: accept_resume's allowed changes, recorded in the segment.
+      data_iterator: the run's checkpointable training-data iterator (saved and restored
+        with its state).
+      label: "lr 0.01 seed 0: ", the start of the run's lines when it trains in a group.
+    """
     self.config = config
     self.workdir = workdir
     self.changes = changes or {}
+    self.data_iterator = data_iterator
+    self.label = label
+    self.new_run = False  # whether save_config started it (it had no config.json)
     self.checkpointer = checkpoint_lib.Checkpointer(
         workdir, every_steps=config.checkpoint_every_steps, keep=config.keep_checkpoints,
         async_save=config.async_checkpointing)
@@ -248,19 +267,19 @@ class RunBook:
     self._saved_at = time.monotonic()
     self._closed = False
 
-  def restore(self, abstract_state: dict, data_iterator: Any
-              ) -> tuple[int | None, dict | None]:
-    """(step, state) of the latest checkpoint, or (None, None); see Checkpointer."""
-    step, state = self.checkpointer.restore_latest(abstract_state, data_iterator)
+  def restore(self, abstract_state: dict) -> tuple[int | None, dict | None]:
+    """(step, state) of the latest checkpoint, or (None, None); see Checkpointer. The data
+    iterator is restored in place."""
+    step, state = self.checkpointer.restore_latest(abstract_state, self.data_iterator)
     self.saved_step = step
     return step, state
 
   def save_config(self, config: ml_collections.ConfigDict) -> None:
-    """Writes config.json for a run that starts afresh (restore found no checkpoint); a
-    resumed run keeps the config.json it was started with."""
-    if (self.saved_step is None
-        or not os.path.isfile(os.path.join(self.workdir, checkpoint_lib.CONFIG_FILE))):
+    """Writes config.json for a new run; a started run keeps the config.json it was started
+    with (accept_resume compared `config` with it)."""
+    if not _holds_run(self.workdir):
       checkpoint_lib.save_config(config, self.workdir)
+      self.new_run = True
 
   def begin(self, start_step: int) -> None:
     """Opens the metric writer and summary at `start_step` and reads the earlier evaluations.
@@ -297,11 +316,15 @@ class RunBook:
     minutes = self.config.checkpoint_every_minutes
     return bool(minutes) and time.monotonic() - self._saved_at >= 60 * minutes
 
-  def save(self, step: int, state: dict, data_iterator: Any, wall_time_s: float) -> None:
+  def check_saves(self) -> None:
+    """Raises storage.WriteFailed if a checkpoint written in the background failed."""
+    self.checkpointer.check()
+
+  def save(self, step: int, state: dict, wall_time_s: float) -> None:
     """Checkpoints `step` (once) and records the segment's progress in the summary."""
     if step == self.saved_step:
       return
-    self.checkpointer.save(step, state, data_iterator, force=True)
+    self.checkpointer.save(step, state, self.data_iterator, force=True)
     self.summary_file.progress(step, wall_time_s)
     self.saved_step = step
     self._saved_at = time.monotonic()
@@ -325,13 +348,22 @@ class RunBook:
         else f"{step}/{total_steps} steps")
     return best, reason
 
-  def close(self) -> None:
-    """Waits for the last checkpoint to be written; closes the checkpointer and writer."""
+  def close(self, quiet: bool = False) -> None:
+    """Waits for the last checkpoint to be written; closes the checkpointer and writer.
+
+    Args:
+      quiet: the run is stopping on another error (which the caller raises): a write that
+        fails here is not raised.
+    """
     if self._closed:
       return
     self._closed = True
     try:
-      self.checkpointer.close()
-    finally:
-      if self.writer is not None:
-        self.writer.close()
+      try:
+        self.checkpointer.close()
+      finally:
+        if self.writer is not None:
+          self.writer.close()
+    except storage.WriteFailed:
+      if not quiet:
+        raise

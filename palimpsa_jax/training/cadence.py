@@ -1,4 +1,4 @@
-"""The cadence both training loops follow (trainer.py: one run; batched.py: a group of runs).
+"""The cadence of the training loop (training/loop.py): when it logs, evaluates, checkpoints.
 
   cadence = Cadence(config, total_steps, start_step, started_at, should_stop, interrupt,
                     last_eval)

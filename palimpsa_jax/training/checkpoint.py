@@ -33,6 +33,7 @@ from palimpsa_jax import models
 from palimpsa_jax import user_errors
 from palimpsa_jax.run_config import base
 from palimpsa_jax.training import state as state_lib
+from palimpsa_jax.training import storage
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -56,15 +57,16 @@ def _first_line(error: BaseException) -> str:
 class _LoopThatFinishesItsTasks(asyncio.SelectorEventLoop):
   """An event loop whose close() first runs its unfinished tasks to their end.
 
-  Orbax runs each restore in a fresh loop that it closes as soon as the
-  restore's coroutine returns or raises. When one array read fails, the
-  asyncio.gather above it raises at once and the sibling reads keep running
-  as tasks of that loop; closing the loop under them makes each one fail
-  later, in whatever code runs then: TensorStore's completion cannot be
-  delivered ("Event loop is closed"), and the garbage collector's closing of
-  the abandoned coroutine raises. Both are unraisable exceptions (a
-  PytestUnraisableExceptionWarning in another test). Waiting for the reads
-  costs at most the time the full restore would have taken.
+  Orbax runs each restore, and each item of a save, in a fresh loop that it
+  closes as soon as its coroutine returns or raises. When one array read or
+  write fails (a truncated file, a full disk), the asyncio.gather above it
+  raises at once and the sibling reads or writes keep running as tasks of that
+  loop; closing the loop under them makes each one fail later, in whatever
+  code runs then: TensorStore's completion cannot be delivered ("Event loop is
+  closed", a traceback each), and the garbage collector's closing of the
+  abandoned coroutine raises. Both are unraisable exceptions (a
+  PytestUnraisableExceptionWarning in another test). Waiting for them costs at
+  most the time the whole restore or save would have taken.
   """
 
   def close(self) -> None:
@@ -83,8 +85,9 @@ class _LoopPolicy(asyncio.DefaultEventLoopPolicy):
 
 
 @contextlib.contextmanager
-def _reads_finish_before_their_loop_closes():
-  """Within: every new event loop (so Orbax's restore loop) finishes its tasks before closing."""
+def tasks_finish_before_their_loop_closes():
+  """Within: every new event loop (so Orbax's restore and save loops, in any thread) finishes
+  its tasks before closing."""
   previous = asyncio.get_event_loop_policy()
   asyncio.set_event_loop_policy(_LoopPolicy())
   try:
@@ -97,10 +100,11 @@ def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Writes workdir/config.json (process 0 only), whole or not at all."""
   if jax.process_index() == 0:
     path = epath.Path(workdir) / CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.parent / (CONFIG_FILE + ".partial")
-    partial.write_text(config.to_json_best_effort(indent=2, sort_keys=True))
-    partial.replace(path)
+    with storage.writing(str(path)):
+      path.parent.mkdir(parents=True, exist_ok=True)
+      partial = path.parent / (CONFIG_FILE + ".partial")
+      partial.write_text(config.to_json_best_effort(indent=2, sort_keys=True))
+      partial.replace(path)
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -116,7 +120,14 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 class Checkpointer:
-  """Async Orbax CheckpointManager over the model, optimizer and data state."""
+  """Async Orbax CheckpointManager over the model, optimizer and data state.
+
+  A write that fails (a full disk, a folder made read-only) raises storage.WriteFailed
+  naming the step's folder: at once when its folder cannot be made (Orbax makes it in the
+  calling thread here, not in a background thread whose failure would leave the save
+  waiting for it), else at the next save, `check` or `close`. Orbax's temporary folders of
+  a save that did not complete are removed when the next run opens the directory.
+  """
 
   def __init__(self, workdir: str, *, every_steps: int, keep: int,
                async_save: bool = True):
@@ -127,31 +138,54 @@ class Checkpointer:
       raise ValueError(f"config.keep_checkpoints must be positive, got {keep}.")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=every_steps,
-        enable_async_checkpointing=async_save, create=True)
+        enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     self._workdir = os.path.abspath(workdir)
-    self._manager = ocp.CheckpointManager(
-        os.path.join(self._workdir, CHECKPOINT_DIR),
-        item_names=("model", "optimizer", "data"), options=options)
+    self.directory = os.path.join(self._workdir, CHECKPOINT_DIR)
+    self._writing: int | None = None  # the step of a save that may still be running
+    with storage.writing(self.directory):
+      self._manager = ocp.CheckpointManager(
+          self.directory, item_names=("model", "optimizer", "data"), options=options)
+
+  def _step_path(self, step: int | None) -> str:
+    return self.directory if step is None else os.path.join(self.directory, str(step))
 
   def save(self, step: int, state: dict, data_iterator: Any,
            force: bool = False) -> bool:
-    """Saves at `step` if the interval says so (or `force`); returns whether it did."""
-    return self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            model=ocp.args.StandardSave(
-                {"params": state["params"], "model_state": state["model_state"]}),
-            optimizer=ocp.args.StandardSave(
-                {"step": state["step"], "opt_state": state["opt_state"]}),
-            data=grain.checkpoint.CheckpointSave(data_iterator)),
-        force=force)
+    """Saves at `step` if the interval says so (or `force`); returns whether it did.
+
+    Raises:
+      storage.WriteFailed: this save, or the earlier one still running, failed.
+    """
+    with storage.writing(self._step_path(self._writing)):
+      self._manager.wait_until_finished()
+    with storage.writing(self._step_path(step)):
+      saved = self._manager.save(
+          step,
+          args=ocp.args.Composite(
+              model=ocp.args.StandardSave(
+                  {"params": state["params"], "model_state": state["model_state"]}),
+              optimizer=ocp.args.StandardSave(
+                  {"step": state["step"], "opt_state": state["opt_state"]}),
+              data=grain.checkpoint.CheckpointSave(data_iterator)),
+          force=force)
+    self._writing = step if saved else self._writing
+    return saved
+
+  def check(self) -> None:
+    """Raises storage.WriteFailed if a save that ran in the background has failed; returns
+    at once while one is still running."""
+    if self._writing is not None and not self._manager.is_saving_in_progress():
+      with storage.writing(self._step_path(self._writing)):
+        self._manager.wait_until_finished()
+      self._writing = None  # written
 
   def _restore(self, step: int, abstract_state: dict, data_iterator: Any) -> dict:
     """Restores the train state onto the shardings in `abstract_state`.
 
     The data iterator is restored in place.
     """
-    with _reads_finish_before_their_loop_closes():
+    with tasks_finish_before_their_loop_closes():
       restored = self._manager.restore(
           step,
           args=ocp.args.Composite(
@@ -211,8 +245,12 @@ class Checkpointer:
     return dest
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the last save; raises storage.WriteFailed if it failed."""
+    with storage.writing(self._step_path(self._writing)):
+      try:
+        self._manager.wait_until_finished()
+      finally:
+        self._manager.close()
 
 
 def save_params(dest: str, params: Any) -> None:
@@ -232,7 +270,7 @@ def restore_params(dest: str, abstract_params: Any) -> Any:
   """
   path = epath.Path(os.path.abspath(dest)) / PARAMS_DIR
   with (ocp.StandardCheckpointer() as checkpointer,
-        _reads_finish_before_their_loop_closes()):
+        tasks_finish_before_their_loop_closes()):
     return checkpointer.restore(path, {"params": abstract_params})["params"]
 
 
@@ -281,7 +319,7 @@ def load_model(checkpoint: str) -> tuple[Any, ml_collections.ConfigDict, int]:
   parts = models.abstract_model(state_lib.run_model_fn(config), config.seed)
   abstract = models.abstract_on_first_local_device(parts)
   try:
-    with _reads_finish_before_their_loop_closes():
+    with tasks_finish_before_their_loop_closes():
       restored = manager.restore(
           step, args=ocp.args.Composite(model=ocp.args.StandardRestore(abstract)))
   except Exception as error:  # pylint: disable=broad-exception-caught

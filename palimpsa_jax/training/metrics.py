@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import jax
 
 from palimpsa_jax.training import compile_cache
+from palimpsa_jax.training import storage
 from palimpsa_jax.training import tensorboard
 
 # Peak dense bf16 FLOP/s per device, for MFU; devices not listed get no MFU.
@@ -49,29 +50,44 @@ class MetricWriter:
   def __init__(self, workdir: str, start_step: int = 0):
     self._file: TextIO | None = None
     self._events: tensorboard.EventFileWriter | None = None
+    self._path = os.path.join(workdir, "metrics.jsonl")
+    self._logdir = os.path.join(workdir, "tensorboard")
     if jax.process_index() == 0:
-      os.makedirs(workdir, exist_ok=True)
-      drop_metrics_after(workdir, start_step)
-      logdir = os.path.join(workdir, "tensorboard")
-      if os.path.isdir(logdir):
-        tensorboard.drop_events_after(logdir, start_step)
-      self._file = open(os.path.join(workdir, "metrics.jsonl"), "a")
-      self._events = tensorboard.EventFileWriter(logdir)
+      with storage.writing(self._path):
+        os.makedirs(workdir, exist_ok=True)
+        drop_metrics_after(workdir, start_step)
+        self._file = open(self._path, "a")
+      with storage.writing(self._logdir):
+        if os.path.isdir(self._logdir):
+          tensorboard.drop_events_after(self._logdir, start_step)
+        self._events = tensorboard.EventFileWriter(self._logdir)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
+    """Appends one record to both; raises storage.WriteFailed naming the file that failed."""
     if self._file is None:
       return
     record = {"step": int(step)}
     record.update({k: _jsonable(v) for k, v in sorted(metrics.items())})
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    self._events.scalars(int(step), {k: float(v) for k, v in sorted(metrics.items())})
+    with storage.writing(self._path):
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+    with storage.writing(self._events.path):
+      self._events.scalars(int(step), {k: float(v) for k, v in sorted(metrics.items())})
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._events.close()
-      self._file = self._events = None
+    """Closes both files; raises storage.WriteFailed if what was buffered cannot be written
+    (both are closed either way)."""
+    files, self._file, self._events = (self._file, self._events), None, None
+    failure = None
+    for path, file in zip((self._path, self._logdir), files):
+      try:
+        with storage.writing(path):
+          if file is not None:
+            file.close()
+      except storage.WriteFailed as error:
+        failure = failure or error
+    if failure is not None:
+      raise failure
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import storage
 
 SUMMARY_FILE = "summary.json"
 SEGMENTS_FILE = "segments.jsonl"
@@ -60,7 +61,8 @@ class RunSummary:
     self._writer = jax.process_index() == 0
     path = os.path.join(workdir, SEGMENTS_FILE)
     if self._writer and start_step == 0 and os.path.exists(path):
-      os.remove(path)
+      with storage.writing(path):
+        os.remove(path)
 
   def progress(self, step: int, wall_time_s: float) -> None:
     """Records that this segment reached `step` after `wall_time_s` seconds."""
@@ -69,7 +71,8 @@ class RunSummary:
                 "final_step": step, "wall_time_s": wall_time_s}
       if self._changed:
         record["changed"] = self._changed
-      with open(os.path.join(self._workdir, SEGMENTS_FILE), "a") as f:
+      path = os.path.join(self._workdir, SEGMENTS_FILE)
+      with storage.writing(path), open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
   def write(self, fields: dict[str, Any], final_step: int,
@@ -94,11 +97,9 @@ class RunSummary:
                "wall_time_s": sum(s["wall_time_s"] for s in segments),
                "segments": segments}
     if self._writer:
-      with open(path + ".partial", "w") as f:
-        # Sorted: the order of a value's keys must not depend on where it came from (a rerun
-        # reads last_eval back from metrics.jsonl), or a rerun would rewrite the file.
-        f.write(json.dumps(summary, indent=2, sort_keys=True))
-      os.replace(path + ".partial", path)
+      # Sorted: the order of a value's keys must not depend on where it came from (a rerun
+      # reads last_eval back from metrics.jsonl), or a rerun would rewrite the file.
+      storage.write_whole(path, json.dumps(summary, indent=2, sort_keys=True))
     return summary
 
 

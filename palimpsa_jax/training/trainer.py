@@ -1,23 +1,26 @@
-"""train_and_evaluate: the training loop behind train.py (MQAR and language modelling)."""
+"""train_and_evaluate: train.py's run (MQAR and language modelling), a group of one in the
+training loop (training/loop.py), with its state sharded over the mesh."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import os
 import time
 from typing import Any
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from palimpsa_jax import models
+from palimpsa_jax import user_errors
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.run_config import base
 from palimpsa_jax.training import bookkeeping
-from palimpsa_jax.training import cadence as cadence_lib
 from palimpsa_jax.training import checkpoint as checkpoint_lib
 from palimpsa_jax.training import compile_cache
-from palimpsa_jax.training import metrics as metrics_lib
+from palimpsa_jax.training import loop
 from palimpsa_jax.training import objective as objective_lib
 from palimpsa_jax.training import optimizer as optimizer_lib
 from palimpsa_jax.training import sharding as sharding_lib
@@ -25,8 +28,12 @@ from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 from palimpsa_jax.training import workdir_lock
 
+# What building the model or tracing it raises for a config it cannot run (an op
+# implementation or dtype name, a shape the op refuses, a kernel that cannot be imported).
+_MODEL_REFUSALS = (ValueError, TypeError, NotImplementedError, ImportError)
 
-class NonFiniteError(FloatingPointError):
+
+class NonFiniteError(FloatingPointError, user_errors.UserError):
   """Raised when the loss or the gradient norm stops being finite."""
 
 
@@ -149,15 +156,85 @@ def evaluate(eval_step: Callable[..., jax.Array], state: dict, task: tasks_lib.T
   return bookkeeping.eval_metrics(total, diagnostics)
 
 
-def _check_finite(finite: jax.Array, step: int, values: dict | None = None) -> None:
-  if not bool(finite):
-    detail = ""
-    if values is not None:
-      detail = (f" (last logged loss {values['train/loss']}, grad norm "
-                f"{values['train/grad_norm']})")
-    raise NonFiniteError(
-        f"non-finite loss or gradient at or before step {step}{detail}; "
-        "training stopped. Lower config.optimizer.learning_rate or check the data.")
+def validate_model(config: ml_collections.ConfigDict) -> None:
+  """Raises base.ConfigError unless config.model builds and runs: the model is built and its
+  objective traced on one abstract microbatch (shapes only: nothing is computed or allocated), so
+  its fields, op implementation and dtypes are checked before a run touches its workdir.
+  """
+  data, fsdp = sharding_lib.mesh_shape(config.mesh, jax.device_count())[:2]
+  rows = config.batch_size // (grad_accum_steps(config, data * fsdp) * data * fsdp)
+  tokens = jax.ShapeDtypeStruct((rows, config.seq_len), jnp.int32)
+  model_fn = state_lib.run_model_fn(config)
+  objective = objective_lib.Objective.for_run(config)
+
+  def minimised(tokens):
+    with nnx.use_eager_sharding(False):
+      model = model_fn(nnx.Rngs(config.seed))
+    segment_ids = jnp.zeros_like(tokens) if config.task == "lm" else None
+    return objective(model.token_losses(tokens, tokens, tokens >= 0, segment_ids=segment_ids))
+
+  try:
+    jax.eval_shape(minimised, tokens)
+  except user_errors.UserError:
+    raise
+  except _MODEL_REFUSALS as error:
+    text = " ".join(str(error).split()) or type(error).__name__
+    raise base.ConfigError(f"config.model cannot be built and run: {text}") from error
+
+
+class SingleRun:
+  """loop.Engine of train.py's run: one train state, sharded over the mesh."""
+
+  def __init__(self, config: ml_collections.ConfigDict, task: tasks_lib.Task,
+               spec: state_lib.TrainStateSpec, placement: sharding_lib.MeshContext):
+    self._config, self._task, self._spec, self._placement = config, task, spec, placement
+    replicated = sharding_lib.replicated(placement.mesh)
+    context = placement.kernel_context
+    schedule = optimizer_lib.learning_rate_schedule(config.optimizer, task.total_steps)
+    accum = grad_accum_steps(config, sharding_lib.batch_shards(placement.mesh))
+    self._train_step = steps_lib.make_train_step(
+        spec.parts.graphdef, spec.tx, schedule, objective_lib.Objective.for_run(config),
+        spec.shardings, replicated, accum, context)
+    self._eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated, context)
+    self._diagnostics_step = (
+        steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated, context)
+        if config.log_diagnostics else None)
+    self._compiled = None
+    self.timing: compile_cache.CompileTiming | None = None
+    self.num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
+    self.tokens_per_step = task.tokens_per_step
+    self.num_devices = jax.device_count()
+
+  def abstract_state(self) -> dict:
+    return self._spec.abstract
+
+  def initial_state(self, runs: Sequence[bookkeeping.RunBook]) -> dict:
+    del runs
+    return initial_state(self._spec, self._config)
+
+  def stack(self, states: Sequence[dict]) -> dict:
+    (state,) = states
+    return state
+
+  def take(self, state: dict, rows: int | np.ndarray) -> dict:
+    del rows  # the group's only run
+    return state
+
+  def step(self, state: dict, runs: Sequence[bookkeeping.RunBook], active: Sequence[bool]
+           ) -> tuple[dict, dict[str, jax.Array]]:
+    """The train step on the next batch, compiled ahead of time at the first (`timing`)."""
+    del runs, active  # one run, active while the loop runs
+    batch = sharding_lib.global_batch(next(self._task.train_iterator), self._placement.mesh,
+                                      self._placement.rules)
+    if self._compiled is None:
+      self._compiled, self.timing = compile_cache.compile_timed(self._train_step, state, batch)
+    return self._compiled(state, batch)
+
+  def evaluate(self, state: dict, runs: Sequence[bookkeeping.RunBook]
+               ) -> list[dict[str, float]]:
+    del runs
+    return [evaluate(self._eval_step, state, self._task, self._placement,
+                     self._diagnostics_step)]
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -165,12 +242,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
   """Trains the configured model, evaluating and checkpointing into `workdir`.
 
-  Holds `workdir`'s lock for the whole call (training/workdir_lock.py). Resumes
-  from the latest checkpoint in `workdir` if there is one (the model, optimizer,
-  step and data-iterator state are restored, so the continued run reproduces an
-  uninterrupted one exactly), provided `config` changes only what a resume may
-  change (run_config/resume.py). Without a checkpoint, the run
-  starts at step 0 from config.init_from's parameters when that is set
+  Every refusal of `config` itself (validate_config, validate_model) comes before anything
+  touches `workdir`. Holds `workdir`'s lock for the whole call (training/workdir_lock.py).
+  A workdir that holds a run's config.json holds that run: it resumes from the latest
+  checkpoint (the model, optimizer, step and data-iterator state are restored, so the
+  continued run reproduces an uninterrupted one exactly) or, with none yet, starts it again
+  at step 0, provided `config` changes only what a resume may change (run_config/resume.py).
+  A new run starts at step 0 from config.init_from's parameters when that is set
   (fine-tuning a converted model, configs/finetune.py).
 
   The train step is compiled ahead of time on the first batch: its compile
@@ -192,13 +270,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     bookkeeping.Interrupted: `should_stop` asked to stop; the step reached is saved.
     workdir_lock.WorkdirLocked: another live run holds `workdir`.
-    base.ConfigError: a bad config, or a resume that would change the saved run.
+    base.ConfigError: a bad config, or a start that would change the saved run.
+    NonFiniteError: the loss or gradient stopped being finite (the summary says so too).
+    storage.StorageError: a write into `workdir` failed; the run stopped.
   """
   start_time = time.perf_counter()
   started_at = time.time() if started_at is None else started_at
   validate_config(config)
+  validate_model(config)
   workdir = os.path.abspath(workdir)
-  with workdir_lock.WorkdirLock(workdir):
+  checkpoints = os.path.join(workdir, checkpoint_lib.CHECKPOINT_DIR)
+  with (loop.failed_writes_in_one_line({workdir: checkpoints}),
+        workdir_lock.WorkdirLock(workdir) as lock):
     given = config
     config, changes = bookkeeping.accept_resume(config, workdir)
     placement = sharding_lib.mesh_context(config.mesh)
@@ -206,115 +289,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     spec = state_lib.make_train_state_spec(
         state_lib.run_model_fn(config), config.seed, make_tx_fn(config, task.total_steps),
         placement.mesh, placement.rules, init_on_host=config.init_on_host)
-    book = bookkeeping.RunBook(config, workdir, changes)
+    engine = SingleRun(config, task, spec, placement)
+    lock.accept()  # every refusal is behind: from here on the run writes its files
+    run = bookkeeping.RunBook(config, workdir, changes, task.train_iterator)
     try:
-      return _train(config, given, workdir, task, spec, placement, book, start_time,
-                    started_at, should_stop)
-    finally:
-      book.close()
-
-
-def _train(config: ml_collections.ConfigDict, given: ml_collections.ConfigDict, workdir: str,
-           task: tasks_lib.Task, spec: state_lib.TrainStateSpec,
-           placement: sharding_lib.MeshContext, book: bookkeeping.RunBook, start_time: float,
-           started_at: float, should_stop: Callable[[], bool]) -> dict[str, Any]:
-  """train_and_evaluate's loop, from the restore to the summary (`book` is closed by the caller).
-
-  `config` is what runs (on resume, `given` with the saved schedule horizon); a run that
-  starts afresh saves `given` as its config.json.
-  """
-  total_steps = task.total_steps
-  start_step, state = book.restore(spec.abstract, task.train_iterator)
-  book.save_config(given)  # once the run is accepted
-  if start_step is None:  # a fine-tuning run resumes from its own checkpoints
-    start_step = 0
-    state = initial_state(spec, given)
-  elif jax.process_index() == 0:
-    print(bookkeeping.resumed_line(f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{start_step}",
-                                   book.changes, config, total_steps), flush=True)
-
-  replicated = sharding_lib.replicated(placement.mesh)
-  kernel_context = placement.kernel_context
-  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, total_steps)
-  accum = grad_accum_steps(config, sharding_lib.batch_shards(placement.mesh))
-  train_step = steps_lib.make_train_step(
-      spec.parts.graphdef, spec.tx, schedule, objective_lib.Objective.for_run(config),
-      spec.shardings, replicated, accum, kernel_context)
-  eval_step = steps_lib.make_eval_step(spec.parts.graphdef, replicated, kernel_context)
-  diagnostics_step = (steps_lib.make_diagnostics_step(spec.parts.graphdef, replicated,
-                                                      kernel_context)
-                      if config.log_diagnostics else None)
-  num_params = sum(x.size for x in jax.tree.leaves(spec.abstract["params"]))
-  peak_flops = metrics_lib.peak_flops_per_device()
-  finite = jnp.array(True)
-  step = start_step
-  compiled_step, startup, first_step_done = None, {}, None
-  book.begin(start_step)
-
-  def interrupt(at: int) -> str:  # the loop's state and finite flag as they are at the stop
-    _check_finite(finite, at)
-    book.save(at, state, task.train_iterator, time.perf_counter() - start_time)
-    book.close()  # waits for the save
-    return f"{workdir}/{checkpoint_lib.CHECKPOINT_DIR}/{at}"
-
-  cadence = cadence_lib.Cadence(config, total_steps, start_step, started_at, should_stop,
-                                interrupt, book.last_eval)
-  progress = cadence.progress
-  while step < total_steps and not book.stopped_early:
-    overdue = cadence.before_step(step, book.time_due())
-    batch = sharding_lib.global_batch(next(task.train_iterator), placement.mesh,
-                                      placement.rules)
-    if compiled_step is None:
-      compiled_step, timing = compile_cache.compile_timed(train_step, state, batch)
-    state, step_metrics = compiled_step(state, batch)
-    finite = finite & step_metrics["train/finite"]
-    step += 1
-    due = cadence.after_step(step, overdue)
-    record: dict[str, float] = {}
-    if first_step_done is None:
-      jax.block_until_ready(step_metrics)
-      first_step_done = time.perf_counter()
-      startup = metrics_lib.startup_metrics(timing, time.time() - started_at)
-      record.update(startup)
-      progress.show_startup(startup)
-      progress.restart_clock(step)
-    if due.log:
-      values = jax.device_get(step_metrics)
-      _check_finite(finite, step, values)
-      rate = progress.rate(step)
-      record.update({k: float(v) for k, v in values.items()
-                     if k != "train/finite"})
-      if rate is not None:  # None at the first step (its time is the compile's)
-        record.update(metrics_lib.throughput_metrics(
-            rate, task.tokens_per_step, num_params, peak_flops, jax.device_count()))
-    if due.evaluate:
-      _check_finite(finite, step)  # never score non-finite parameters
-      results = evaluate(eval_step, state, task, placement, diagnostics_step)
-      book.add_eval(step, results)
-      record.update(results)
-      cadence.evaluated(step, results)
-    book.write(step, record)
-    if due.log:
-      progress.show(step, record.get("perf/steps_per_sec"), record["train/loss"],
-                    tokens_per_sec=record.get("perf/tokens_per_sec"),
-                    mfu=record.get("perf/mfu"))
-    if due.save or book.stopped_early:
-      _check_finite(finite, step)
-      book.save(step, state, task.train_iterator, time.perf_counter() - start_time)
-  book.close()  # the last checkpoint is written before the summary says the run ended
-
-  end_time = time.perf_counter()
-  after_first = (step - start_step - 1) * task.tokens_per_step
-  summary = book.finish(
-      {"total_steps": total_steps, "num_params": int(num_params),
-       "compile_s": startup.get("perf/compile_s"),
-       "time_to_first_step_s": startup.get("perf/time_to_first_step_s"),
-       "tokens_per_sec": (after_first / (end_time - first_step_done)
-                          if after_first > 0 else None)},
-      step, end_time - start_time)
-  if jax.process_index() == 0:
-    best, reason = book.outcome_text(step, total_steps)
-    print(f"final: best eval accuracy {best} ({reason}, "
-          f"{summary['wall_time_s']:.0f} s){metrics_lib.summary_details(summary)}",
-          flush=True)
-  return summary
+      run.save_config(given)
+      loop.train(engine, [run], task.total_steps, config, (start_time, started_at),
+                 should_stop)
+    except bookkeeping.Interrupted:
+      if run.error is not None:  # stopped at a non-finite state: nothing was saved
+        raise NonFiniteError(run.error) from None
+      raise
+    except BaseException:
+      run.close(quiet=True)
+      raise
+  if run.error is not None:
+    raise NonFiniteError(run.error)
+  return run.summary

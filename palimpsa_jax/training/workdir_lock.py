@@ -3,8 +3,9 @@
 The lock is `fcntl.flock` on the file: the kernel releases it when the holding process ends,
 however it ends (SIGKILL, a crash, power loss), so a lock left by a killed run never blocks
 the next start and no stale-lock cleanup is needed. The holder writes its pid, host and start
-time into the file, only to name itself to a refused second start; it empties the file when it
-releases the lock. On NFSv4 the kernel forwards flock to the server, so a run on another host
+time into the file, only to name itself to a refused second start. A run that was accepted
+(`accept`) empties the file when it releases the lock; a start that was refused puts back what
+the file held before (or removes the file it created), so that it leaves the workdir as it was. On NFSv4 the kernel forwards flock to the server, so a run on another host
 sharing the filesystem is refused as well; a filesystem without locks (some FUSE mounts) gets a
 warning and no lock.
 
@@ -25,6 +26,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from palimpsa_jax import user_errors
+from palimpsa_jax.training import storage
 
 LOCK_FILE = "lock"
 # flock errors meaning "this filesystem has no locks", not "someone holds it".
@@ -51,8 +53,9 @@ def _holder_text(path: str) -> str:
 class WorkdirLock:
   """Holds <workdir>/lock from `acquire()` to `release()` (also a context manager).
 
-  A workdir that holds nothing but the lock file at release() loses it again, with the
-  directories acquire() created, so a start refused after taking the lock leaves nothing behind.
+  A start refused after taking the lock leaves the workdir as it was: the lock file holds what
+  it held before, or, made by acquire(), is removed with the directories acquire() made. An
+  accepted run (`accept`) leaves it empty, or removes it where the workdir holds nothing else.
   """
 
   def __init__(self, workdir: str):
@@ -60,6 +63,8 @@ class WorkdirLock:
     self.path = os.path.join(self.workdir, LOCK_FILE)
     self._fd: int | None = None
     self._created: list[str] = []  # directories made here, innermost first
+    self._previous: bytes | None = None  # the file's bytes before acquire(); None: made there
+    self._accepted = False
 
   def acquire(self) -> "WorkdirLock":
     """Takes the lock (process 0), or raises WorkdirLocked naming the holder on every process."""
@@ -77,7 +82,13 @@ class WorkdirLock:
     """Takes the lock; None, or the refusal message if another process holds it."""
     self._make_dirs()
     while True:
-      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fd, made = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+      except FileExistsError:
+        try:
+          fd, made = os.open(self.path, os.O_RDWR), False
+        except FileNotFoundError:  # removed by a releasing holder meanwhile
+          continue
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       except OSError as error:
@@ -101,12 +112,23 @@ class WorkdirLock:
         pass
       os.close(fd)
     self._fd = fd
+    self._previous = None if made else os.pread(fd, os.fstat(fd).st_size, 0)
     holder = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
                   timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    try:
+      with storage.writing(self.path):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except storage.WriteFailed:
+      self.release()
+      raise
     return None
+
+  def accept(self) -> None:
+    """Notes that the run was accepted: release() then empties the file instead of putting
+    back what it held before (a killed run's name)."""
+    self._accepted = True
 
   def _make_dirs(self) -> None:
     missing, path = [], self.workdir
@@ -121,21 +143,25 @@ class WorkdirLock:
         pass
 
   def release(self) -> None:
-    """Releases the lock: removes the file (and the directories acquire() made) when the
-    workdir holds nothing else, else empties it."""
+    """Releases the lock, leaving the file as the class docstring says."""
     if self._fd is None:
       return
     fd, self._fd = self._fd, None
     try:
-      if os.listdir(self.workdir) == [LOCK_FILE]:
+      alone = os.listdir(self.workdir) == [LOCK_FILE]
+      if (self._previous is None and not self._accepted) or (self._accepted and alone):
         os.unlink(self.path)  # before the unlock: see the st_ino check in _acquire_here
         for path in self._created:
           try:
             os.rmdir(path)
-          except OSError:  # another process wrote there meanwhile
+          except OSError:  # not empty: another process wrote there meanwhile
             break
       else:
         os.ftruncate(fd, 0)
+        if not self._accepted:
+          os.pwrite(fd, self._previous, 0)
+    except OSError:  # a folder made read-only: the holder's name stays, the lock goes
+      pass
     finally:
       os.close(fd)  # releases the flock
 

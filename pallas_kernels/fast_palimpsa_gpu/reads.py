@@ -132,7 +132,8 @@ def _fused_reads_bwd(call, residuals, cotangents):
   kp, vp = bk.shape[-1], bv.shape[-1]
   n_c, n_vjp = jax.vjp(weighted_mean, m_c, b_c, bk, bv, ip)
   dq, dk, dv, dbeta, d_rows, dbk, dbv, dn = reads_backward.chunk_reads_backward(
-      q, k, v, beta, rows, padded(bk), padded(bv, call.backward.v_span(vp)), n_c.astype(bf16),
+      q, k, v, beta, rows, padded(bk, call.backward.k_span(kp)),
+      padded(bv, call.backward.v_span(vp)), n_c.astype(bf16),
       dout.astype(v.dtype), dvar if call.with_var else None, heads=call.heads,
       chunk=call.chunk, k_true=call.k_true, tiles=call.backward, interpret=call.interpret)
   dm, db, dbk_n, dbv_n, dip = n_vjp(dn)
@@ -143,17 +144,18 @@ def _fused_reads_bwd(call, residuals, cotangents):
 fused_reads.defvjp(_fused_reads_fwd, _fused_reads_bwd)
 
 
-# The forward kernel's tiles by (chunk, Kp, Vp): (sub, num_sub), from the latest tuning
-# record (benchmarks/fast_palimpsa_tuning.py, one H100:
-# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0550.json, without the variance). A
-# head it has not tuned, or whose tuned tiles do not fit with the variance, takes the
-# provisional rule of `default_tiles`, as does the backward (two kernels since that record:
-# its tiles are not measured yet).
-TUNED: dict[tuple[int, int, int], tuple[int, int]] = {
-    (64, 96, 192): (64, 3),
+# Tuned tiles by (chunk, Kp, Vp): (forward sub, num_sub) from the tuning record
+# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0550.json, or (forward sub, num_sub,
+# backward sub, slots) from the records of the two-kernel backward,
+# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0742.json (D760) and
+# fast_palimpsa_tuning_2026-12-06T0819.json (K128, MQAR) (benchmarks/fast_palimpsa_tuning.py,
+# one H100, without the variance). Either part is kept only where it fits with the call's variance;
+# what has no tuned fitting entry takes the provisional rule of `default_tiles`.
+TUNED: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (64, 96, 192): (64, 3, 64, 1),
     (64, 48, 48): (48, 1),
-    (64, 128, 128): (64, 2),
-    (64, 16, 32): (32, 1),
+    (64, 128, 128): (64, 1, 64, 2),
+    (64, 16, 32): (32, 1, 64, 2),
     (32, 96, 192): (64, 1),
     (32, 48, 48): (48, 1),
 }
@@ -179,19 +181,23 @@ def fits(tiles, kp: int, vp: int, with_var: bool) -> bool:
 
 
 def default_tiles(chunk: int, kp: int, vp: int, with_var: bool):
-  """(ForwardTiles, BackwardTiles) for a call: the forward's tuned entry, else a
-  provisional rule (not measured yet): forward V-blocks of one sub-tile of up to 64 columns
-  (more CTAs, and [rows, 64] accumulators that leave registers for the rest); backward
-  V sub-tiles of `default_v_sub` through a ring of two slots where it fits in shared memory,
-  else one, and K-blocks of `default_k_sub`."""
-  backward = BackwardTiles(chunk, default_v_sub(vp), 2, default_k_sub(kp))
-  if reads_backward.smem_bytes(backward, kp, vp, with_var) > SMEM_LIMIT:
-    backward = dataclasses.replace(backward, slots=1)
-  if (chunk, kp, vp) in TUNED:
-    forward = ForwardTiles(chunk, *TUNED[chunk, kp, vp])
-    if reads_forward.smem_bytes(forward, kp, vp, jnp.bfloat16, with_var) <= SMEM_LIMIT:
-      return forward, backward
-  return ForwardTiles(chunk, min(vp, 64)), backward
+  """(ForwardTiles, BackwardTiles) for a call: each direction's tuned entry where it fits,
+  else a provisional rule (not measured yet): forward V-blocks of one sub-tile of up to 64
+  columns (more CTAs, and [rows, 64] accumulators that leave registers for the rest);
+  backward V sub-tiles of `default_v_sub` through a ring of two slots where it fits in
+  shared memory, else one. The backward's K-blocks are `default_k_sub`'s."""
+  tuned = TUNED.get((chunk, kp, vp), ())
+  k_sub = default_k_sub(kp)
+  backwards = [BackwardTiles(chunk, *tuned[2:], k_sub)] if tuned[2:] else []
+  backwards += [BackwardTiles(chunk, default_v_sub(vp), slots, k_sub) for slots in (2, 1)]
+  backward = next((t for t in backwards
+                   if reads_backward.smem_bytes(t, kp, vp, with_var) <= SMEM_LIMIT),
+                  backwards[-1])
+  forward = ForwardTiles(chunk, *tuned[:2]) if tuned else None
+  if forward is None or reads_forward.smem_bytes(forward, kp, vp, jnp.bfloat16,
+                                                 with_var) > SMEM_LIMIT:
+    forward = ForwardTiles(chunk, min(vp, 64))
+  return forward, backward
 
 
 def reads_call(q, k, v, beta, *, chunk: int, with_var: bool, interpret,

@@ -62,10 +62,10 @@ def chunk_reads_backward(q, k, v, beta, rows, bk, bv, n_c, dout, dvar, *, heads:
                          chunk: int, k_true: int, tiles: BackwardTiles, interpret):
   """The cotangents of `reads_forward.chunk_reads_forward`'s inputs.
 
-  Arguments as there (bv [BH, NC, tiles.v_span(Vp)]), and dout [B, Tp, H, Vp] (v's
-  dtype), dvar [B, Tp, H, Vp] float32 or None (no variance).
+  Arguments as there (bk [BH, NC, tiles.k_span(Kp)], bv [BH, NC, tiles.v_span(Vp)]),
+  and dout [B, Tp, H, Vp] (v's dtype), dvar [B, Tp, H, Vp] float32 or None (no variance).
   Returns dq, dk [B, Tp, H, Kp], dv, dbeta [B, Tp, H, Vp] (the rows' dtype), drows
-  [BH, NB, NUM_ROWS, R] (the rows' cotangent; none for the segment ids), dbk [BH, NC, KW],
+  [BH, NB, NUM_ROWS, R] (the rows' cotangent; none for the segment ids), dbk [BH, NC, k_span],
   dbv [BH, NC, span], dn [BH, NC, Vp, Kp] (float32).
   """
   common = dict(heads=heads, chunk=chunk, k_true=k_true, tiles=tiles, interpret=interpret)

@@ -55,7 +55,7 @@ class _Smem:
   n: object  # [G, pieces, 64, k_sub] N of each chunk
   rows: object  # [NUM_ROWS, R]
   vrows: object  # [NUM_VROWS, R]
-  bk: object  # [G, k_sub]
+  bk: object  # [G, k_span]: all of bk's columns (BackwardTiles.k_span)
   dq: object  # [R, k_sub] staging
   dk: object
   dn: object  # [64, k_sub] float32 staging
@@ -76,8 +76,8 @@ def _scratch(t: BackwardTiles, kp: int, vp: int):
                v=smem((pieces, r, V_PIECE), bf16, transforms=ops),
                n=smem((g, pieces, V_PIECE, ks), bf16, transforms=ops),
                rows=smem((NUM_ROWS, r), f32), vrows=smem((NUM_VROWS, r), f32),
-               bk=smem((g, ks), f32), dq=rk(), dk=rk(),
-               dn=smem((V_PIECE, ks), f32, transforms=tiled(f32, ks)),
+               bk=smem((g, t.k_span(kp)), f32), dq=rk(), dk=rk(),
+               dn=smem((V_PIECE, ks), f32, transforms=tiled(f32, ks, kp)),  # Kp: its copy out.
                krows=smem((NUM_KROWS, r), f32), dbk=smem((MIN_ROWS, ks), f32))
   barrier = plgpu.Barrier(num_arrivals=5 + pieces * (2 + g))
 
@@ -96,8 +96,9 @@ def _kernel(q_g, k_g, v_g, rows_g, bk_g, dz_g, vrows_g, n_g, dq_g, dk_g, krows_g
   """One CTA: the K-side backward of one (batch*head n, group of chunks, K-block).
 
   q_g, k_g [B, Tp, H, Kp]; v_g, dz_g [B, Tp, H, Vp]; rows_g [BH, NB, NUM_ROWS, R]; bk_g
-  [BH, NC, KW]; vrows_g [BH, NB, NUM_VROWS, R]; n_g [BH, NC, Vp, Kp]; then the outputs dq, dk [B, Tp, H, Kp], krows [BH, NB, K-blocks, NUM_KROWS, R],
-  dbk [BH, NC, KW], dn [BH, NC, Vp, Kp]; then the scratch of `_scratch`.
+  [BH, NC, k_span]; vrows_g [BH, NB, NUM_VROWS, R]; n_g [BH, NC, Vp, Kp]; then the
+  outputs dq, dk [B, Tp, H, Kp], krows [BH, NB, K-blocks, NUM_KROWS, R], dbk [BH, NC,
+  k_span], dn [BH, NC, Vp, Kp]; then the scratch of `_scratch`.
   """
   s, bar = unpack(scratch)
   r, g, ks = t.rows, t.groups, t.k_sub
@@ -110,7 +111,7 @@ def _kernel(q_g, k_g, v_g, rows_g, bk_g, dz_g, vrows_g, n_g, dq_g, dk_g, krows_g
   plgpu.copy_gmem_to_smem(k_g.at[batch, steps, head, kcols], s.k, bar)
   plgpu.copy_gmem_to_smem(rows_g.at[n, blk], s.rows, bar)
   plgpu.copy_gmem_to_smem(vrows_g.at[n, blk], s.vrows, bar)
-  plgpu.copy_gmem_to_smem(bk_g.at[n, chunks, kcols], s.bk, bar)
+  plgpu.copy_gmem_to_smem(bk_g.at[n, chunks], s.bk, bar)
   for p, (start, _) in enumerate(pieces):
     for x_g, x_s in ((dz_g, s.dz), (v_g, s.v)):
       plgpu.copy_gmem_to_smem(x_g.at[batch, steps, head, pl.ds(start, V_PIECE)], x_s.at[p],
@@ -148,7 +149,7 @@ def _kernel(q_g, k_g, v_g, rows_g, bk_g, dz_g, vrows_g, n_g, dq_g, dk_g, krows_g
 
   s.ds[...] = (pl.run_scoped(score_grads, plgpu.ACC((r, r), f32)) * decay).astype(bf16)
   ak = matmul(s.d, s.x, (r, ks))
-  bk = per_chunk_rows(lambda c: plgpu.load(s.bk.at[c], layout=COL), r, chunk, g, ks)
+  bk = per_chunk_rows(lambda c: plgpu.load(s.bk.at[c, kcols], layout=COL), r, chunk, g, ks)
   ibk = over_k(f) * bk + ak + over_k(ip)
   q = plgpu.load(s.q, layout=WGMMA).astype(f32)
   qk = q / ibk
@@ -220,10 +221,10 @@ def _kernel(q_g, k_g, v_g, rows_g, bk_g, dz_g, vrows_g, n_g, dq_g, dk_g, krows_g
 def backward_k(q, k, v, rows, bk, dz, vrows, n_c, *, heads: int, chunk: int, k_true: int,
                with_var: bool, tiles: BackwardTiles, interpret):
   """The K-side kernel. q, k, v, rows, n_c as `reads_backward.chunk_reads_backward`'s (bk
-  padded to `padded_width(Kp)`); dz, vrows: `reads_backward_v.backward_v`'s.
+  padded to `tiles.k_span(Kp)`); dz, vrows: `reads_backward_v.backward_v`'s.
 
   Returns dq, dk [B, Tp, H, Kp] (q's dtype), krows [BH, NB, K-blocks, NUM_KROWS, R], dbk
-  [BH, NC, KW] and dn [BH, NC, Vp, Kp] float32.
+  [BH, NC, k_span] and dn [BH, NC, Vp, Kp] float32.
   """
   kp, vp = q.shape[-1], dz.shape[-1]
   bh, nb = rows.shape[:2]

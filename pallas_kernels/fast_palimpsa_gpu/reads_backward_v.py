@@ -22,8 +22,7 @@ from pallas_kernels.fast_palimpsa_gpu.reads_forward import (COL, ROW, WGMMA, car
                                                             decay_matrix, matmul,
                                                             per_chunk_rows)
 from pallas_kernels.fast_palimpsa_gpu.tiles import (MIN_ROWS, ROW_CS, ROW_F, ROW_IP, ROW_MB,
-                                                    NUM_ROWS, BackwardTiles, padded_width,
-                                                    tiled)
+                                                    NUM_ROWS, BackwardTiles, tiled)
 from pallas_kernels.palimpsa_gpu.launch_mosaic import mosaic_kernel
 from pallas_kernels.palimpsa_gpu.mosaic_tiles import smem_bytes_of
 
@@ -57,7 +56,7 @@ class _Smem:
   w: object  # [R, R] W
   sel: object  # [64, R] chunk_sums_selector
   rows: object  # [NUM_ROWS, R]
-  bk: object  # [G, KW]
+  bk: object  # [G, k_span]
   bv: object  # [G, span]
   drows: object  # [NUM_VROWS, R] staging
   ring: dict  # v, beta, dout [slots, R, sub]; n [slots, G, sub, Kp]; dvar (variance)
@@ -79,7 +78,7 @@ def _scratch(t: BackwardTiles, kp: int, vp: int, with_var: bool):
   fixed = dict(qk=rk(), k=rk(), x=rk(), d=smem((r, r), bf16, transforms=ops),
                w=smem((r, r), bf16, transforms=ops),
                sel=smem((MIN_ROWS, r), bf16, transforms=ops), rows=smem((NUM_ROWS, r), f32),
-               bk=smem((g, padded_width(kp)), f32), bv=smem((g, t.v_span(vp)), f32),
+               bk=smem((g, t.k_span(kp)), f32), bv=smem((g, t.v_span(vp)), f32),
                drows=smem((NUM_VROWS, r), f32))
   scratch = list(fixed.values()) + [
       ring, stage, plgpu.Barrier(num_arrivals=5),
@@ -102,7 +101,7 @@ def _kernel(*refs, heads, chunk, k_true, with_var, num_sub, t: BackwardTiles, un
   """One CTA: the V-side backward of the reads of one (batch*head n, group of chunks).
 
   refs: q, k [B, Tp, H, Kp]; v, beta, dout [B, Tp, H, Vp]; dvar [B, Tp, H, Vp] (with the
-  variance); rows [BH, NB, NUM_ROWS, R]; bk [BH, NC, KW]; bv [BH, NC, span]; n [BH, NC, Vp,
+  variance); rows [BH, NB, NUM_ROWS, R]; bk [BH, NC, k_span]; bv [BH, NC, span]; n [BH, NC, Vp,
   Kp]; then the outputs dv, dbeta, dz [B, Tp, H, Vp] (bfloat16), vrows [BH, NB, NUM_VROWS,
   R], dbv [BH, NC, span] (float32); then the scratch of `_scratch`.
   """
@@ -250,7 +249,7 @@ def _kernel(*refs, heads, chunk, k_true, with_var, num_sub, t: BackwardTiles, un
 def backward_v(q, k, v, beta, rows, bk, bv, n_c, dout, dvar, *, heads: int, chunk: int,
                k_true: int, tiles: BackwardTiles, interpret):
   """The V-side kernel. Arguments as `reads_backward.chunk_reads_backward`'s (bk padded to
-  `padded_width(Kp)`, bv to `tiles.v_span(Vp)`).
+  `tiles.k_span(Kp)`, bv to `tiles.v_span(Vp)`).
 
   Returns dv, dbeta, dz [B, Tp, H, Vp] (v's dtype), vrows [BH, NB, NUM_VROWS, R] and dbv
   [BH, NC, span] float32.

@@ -80,6 +80,12 @@ class BackwardTiles:
     """CTAs along K of the K-side kernel."""
     return -(-kp // self.k_sub)
 
+  def k_span(self, kp: int) -> int:
+    """Columns of bk (and dbk) both kernels read: Kp rounded up to whole K-blocks (and 128
+    bytes). Each CTA copies all of them: a TMA copy into shared memory moves a multiple of
+    128 bytes, which a K-block of 16 or 48 columns is not."""
+    return padded_width(self.k_blocks(kp) * self.k_sub)
+
 
 V_PIECE = 64  # V rows of one dN product (a wgmma's M) in the K-side kernel.
 

@@ -41,7 +41,7 @@ class BoundaryTritonTiles:
   num_warps: int
 
   def k_width(self, kp: int) -> int:
-    """K width of the kernel and of the saved-state layout it writes, for K padded to kp."""
+    """K width of the kernel and of the states it writes, for K padded to kp."""
     return round_up(kp, self.k_part)
 
 

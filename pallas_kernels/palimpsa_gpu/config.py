@@ -101,7 +101,7 @@ class GpuKernelConfig:
 
   @property
   def k_boundary(self) -> int:
-    """K width of the boundary kernel and of the saved-state layout it writes."""
+    """K width of the boundary kernel and of the states it writes."""
     return self.boundary_fwd.k_width(self.k + self.k_pad)
 
   @property

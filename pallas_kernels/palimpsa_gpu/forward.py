@@ -1,5 +1,8 @@
 """The forward of palimpsa_gpu: boundary states, the forward walk, and the XLA parts
-between them (padding, layouts, the linear state), with the residuals of the backward."""
+between them (padding, the gates, the linear state). The backward keeps none of them: it
+recomputes the gates and the boundary states from the op's arguments (`boundary_pass`)."""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -8,17 +11,23 @@ from pallas_kernels.palimpsa_gpu import layout, stages
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig
 
 
-def prepare(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, starts):
-  """Head-major copies of q, k, v, beta for the backward walk (q, k at its width), the
-  gates, and the prior precision per batch*head [BH] float32."""
-  tp, vp = cfg.t_pad, cfg.v_pad
-  qh = layout.to_head_major(q, tp, cfg.k_bwd - cfg.k)
-  kh = layout.to_head_major(k, tp, cfg.k_bwd - cfg.k)
-  vh = layout.to_head_major(v, tp, vp)
-  betah = layout.to_head_major(beta, tp, vp)
-  gates = layout.make_gates(log_alpha, starts, cfg.h, tp, cfg.chunk)
-  ip = jnp.tile(prior_precision.astype(jnp.float32), cfg.b)  # [BH]
-  return qh, kh, vh, betah, gates, ip
+class BoundaryPass(NamedTuple):
+  """What the boundary kernel gives and takes, in the layouts the walks read.
+
+  gates: layout.Gates; ip: [BH] f32 prior precision per batch*head; v_rows, beta_rows:
+  [B, Tp, H, Vp] (the caller's layout, padded); m_starts, ibar_starts: [BH, NC, Vp, Kb]
+  f32 linear state at each chunk start; m_final, ibar_final: [BH, Vp, Kb] f32
+  (Kb = cfg.k_boundary; entries in the V/K padding stay 0, at the prior).
+  """
+
+  gates: layout.Gates
+  ip: jax.Array
+  v_rows: jax.Array
+  beta_rows: jax.Array
+  m_starts: jax.Array
+  ibar_starts: jax.Array
+  m_final: jax.Array
+  ibar_final: jax.Array
 
 
 def pad_state(cfg: GpuKernelConfig, x: jax.Array, k_width: int) -> jax.Array:
@@ -35,48 +44,31 @@ def initial_linear_state(cfg: GpuKernelConfig, initial_mu, initial_precision, ip
   return pad_state(cfg, m0, k_width), pad_state(cfg, i0 - ip[:, None, None], k_width)
 
 
-def forward_rows(cfg: GpuKernelConfig, q, k, v, beta):
-  """The rows the forward kernels read, in the caller's layout padded:
-  (q, k, v, beta, k padded to k_boundary), each [B, Tp, H, Dp]."""
-  q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
+def boundary_pass(cfg: GpuKernelConfig, k, v, beta, log_alpha, prior_precision, initial_mu,
+                  initial_precision, starts) -> BoundaryPass:
+  """The gates and the boundary kernel's states from the op's arguments (as palimpsa_gpu's)."""
+  gates = layout.make_gates(log_alpha, starts, cfg.h, cfg.t_pad, cfg.chunk)
+  ip = jnp.tile(prior_precision.astype(jnp.float32), cfg.b)  # [BH]
   v_rows, beta_rows = (layout.pad_rows(x, cfg.t_pad, cfg.v_pad) for x in (v, beta))
-  return (q_rows, k_rows, v_rows, beta_rows,
-          layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k))
-
-
-def boundary_states(cfg: GpuKernelConfig, k_bound, v_rows, beta_rows, gates, m0, ibar0):
-  """(m_starts, ibar_starts [BH, NC, Vp, Kb], m_final, ibar_final [BH, Vp, Kb]) f32 from
-  forward_rows' k_bound, v_rows, beta_rows, the gates and the initial linear state."""
-  return stages.run("boundary_fwd", cfg, k_bound, v_rows, beta_rows, gates.to_end, gates.chunk,
-                    m0, ibar0)
+  k_bound = layout.pad_rows(k, cfg.t_pad, cfg.k_boundary - cfg.k)
+  m0, ibar0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
+  states = stages.run("boundary_fwd", cfg, k_bound, v_rows, beta_rows, gates.to_end,
+                      gates.chunk, m0, ibar0)
+  return BoundaryPass(gates, ip, v_rows, beta_rows, *states)
 
 
 def forward(cfg: GpuKernelConfig, q, k, v, beta, log_alpha, prior_precision, initial_mu,
             initial_precision, starts):
-  """((out, var, mu_final, precision_final), residuals); arguments as palimpsa_gpu's.
-
-  residuals: (qh, kh, vh, betah, gates, ip, m_starts, ibar_starts, m_final, ibar_final, var,
-  initial_mu, initial_precision), the boundary states without the V/K padding.
-  """
-  qh, kh, vh, betah, gates, ip = prepare(
-      cfg, q, k, v, beta, log_alpha, prior_precision, starts)
-  m0, ibar0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
-  q_rows, k_rows, v_rows, beta_rows, k_bound = forward_rows(cfg, q, k, v, beta)
-  m_starts, ibar_starts, m_final, ibar_final = boundary_states(
-      cfg, k_bound, v_rows, beta_rows, gates, m0, ibar0)
-  outs = stages.run("walk_fwd", cfg, q_rows, k_rows, v_rows, beta_rows, gates.step, ip,
-                    m_starts, ibar_starts)
+  """(out, var, mu_final, precision_final); arguments as palimpsa_gpu's."""
+  bp = boundary_pass(cfg, k, v, beta, log_alpha, prior_precision, initial_mu,
+                     initial_precision, starts)
+  q_rows, k_rows = (layout.pad_rows(x, cfg.t_pad, cfg.k_pad) for x in (q, k))
+  outs = stages.run("walk_fwd", cfg, q_rows, k_rows, bp.v_rows, bp.beta_rows, bp.gates.step,
+                    bp.ip, bp.m_starts, bp.ibar_starts)
   # The walk writes [B, Tp, H, Vp]: the caller's layout, padded.
   out = outs[0][:, :cfg.t, :, :cfg.v]
   var = outs[1][:, :cfg.t, :, :cfg.v] if cfg.return_variance else None
-  i_final = ibar_final + ip[:, None, None]
-  mu_final = layout.state_from_head_major(m_final / i_final, cfg.b, cfg.h, cfg.v,
-                                          cfg.k)
+  i_final = bp.ibar_final + bp.ip[:, None, None]
+  mu_final = layout.state_from_head_major(bp.m_final / i_final, cfg.b, cfg.h, cfg.v, cfg.k)
   prec_final = layout.state_from_head_major(i_final, cfg.b, cfg.h, cfg.v, cfg.k)
-  # The saved states drop the V/K padding (zero there: padded entries stay at the
-  # prior), so the chunk-boundary ones take (T/chunk) * V * K * 2 floats per
-  # batch-head; the backward pads them again.
-  unpad = lambda x: x[..., :cfg.v, :cfg.k]
-  residuals = (qh, kh, vh, betah, gates, ip, unpad(m_starts), unpad(ibar_starts),
-               unpad(m_final), unpad(ibar_final), var, initial_mu, initial_precision)
-  return (out, var, mu_final, prec_final), residuals
+  return out, var, mu_final, prec_final

@@ -1,9 +1,9 @@
 """Padded layouts and chunk gates shared by the forward and backward.
 
 Inputs arrive as [B, T, H, D]. The kernels index one batch*head n with Tp a multiple of
-the chunk size and K, V padded to multiples of 16: the forward kernels read the caller's
-layout padded ([B, Tp, H, Dp], `pad_rows`, `rows_spec`), the backward head-major copies
-([B*H, Tp, Dp], `to_head_major`).
+the chunk size and K, V padded to multiples of 16, and read the caller's layout padded
+([B, Tp, H, Dp], `pad_rows`, `rows_spec`); the backward's carry products and the gradients
+they complete are head-major ([B*H, Tp, Dp], `to_head_major`, `from_head_major`).
 Padding is exact: padded steps have gate 1 and zero writes, padded K/V entries stay at
 the prior and are read out with zero queries.
 """

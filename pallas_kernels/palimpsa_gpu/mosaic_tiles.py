@@ -17,16 +17,18 @@ from pallas_kernels.palimpsa_gpu.mosaic_internals import fast_instr, pointwise
 
 f32 = jnp.float32
 
-# Dynamic shared memory per CTA on sm_90, and what Pallas reserves besides a kernel's
-# scratch (reduction scratch, barriers, alignment).
+# Dynamic shared memory per CTA on sm_90. Pallas (jax 0.11.2) places each scratch ref at a
+# multiple of 1024 bytes and adds a reduction scratch of 2048 bytes (CompilerParams'
+# reduction_scratch_bytes) and 8 bytes per barrier; 64 bytes cover the barriers.
 SMEM_LIMIT = 227 * 1024
-_SMEM_RESERVED = 3 * 1024
+_SMEM_ALIGNMENT = 1024
+_SMEM_RESERVED = 2048 + 64
 
 
 def smem_bytes_of(scratch) -> int:
   """Shared memory of a CTA with these scratch refs (plgpu.SMEM), Pallas' share included."""
-  return sum(math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-             for ref in scratch) + _SMEM_RESERVED
+  return sum(-(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // _SMEM_ALIGNMENT)
+             * _SMEM_ALIGNMENT for ref in scratch) + _SMEM_RESERVED
 
 
 TILE = 16  # V-rows and K-columns of one walk's state tile.

@@ -4,10 +4,11 @@ Forward: (1) one Pallas kernel per (batch*head, V-tile, K-part, M or Ibar) adds 
 chunk's write to the linear state (M = mu*I, Ibar = I - Ip) as tensor-core matmuls,
 sequentially over chunks, giving the chunk-boundary states; (2) a Pallas kernel over
 (batch*head, chunk, V-tile) walks the chunk's steps, dividing and reading out at every
-step. Both read the inputs in the caller's [B, T, H, D] layout. The boundary states are
-not kept for the backward (2 * V * K floats per chunk of every batch-head: 37 KB a token at
-Palimpsa-D 760M's shape with 64-step chunks): the backward runs the boundary kernel again from
-the kept inputs, once the output's cotangent exists.
+step. Both read the inputs in the caller's [B, T, H, D] layout. The backward keeps only
+the op's arguments (and the variance it returned): it recomputes the gates and runs the
+boundary kernel again once the output's cotangent exists (the boundary states alone are
+2 * V * K floats per chunk of every batch-head: 37 KB a token at Palimpsa-D 760M's shape
+with 64-step chunks).
 Backward: recompute sub-chunk states and walk each chunk in reverse (Pallas, one
 [16, 16] state tile per Triton program or per warp of a Mosaic GPU warpgroup, the tiles'
 sums added by TMA reduce-add or by XLA) with zero adjoint from later chunks, scan the
@@ -21,52 +22,33 @@ import functools
 
 import jax
 
-from pallas_kernels.palimpsa_gpu import layout
 from pallas_kernels.palimpsa_gpu.backward import backward
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, check_config
-from pallas_kernels.palimpsa_gpu.forward import (boundary_states, forward, forward_rows,
-                                                 initial_linear_state)
+from pallas_kernels.palimpsa_gpu.forward import forward
 from pallas_kernels.palimpsa_gpu.stages import make_config
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _palimpsa(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
               initial_precision, starts):
-  outputs, _ = forward(cfg, q, k, v, beta, log_alpha, prior_precision,
-                       initial_mu, initial_precision, starts)
-  return outputs
+  return forward(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
+                 initial_precision, starts)
 
 
-def _palimpsa_fwd(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
-                  initial_precision, starts):
-  outputs, residuals = forward(cfg, q, k, v, beta, log_alpha, prior_precision, initial_mu,
-                               initial_precision, starts)
-  return outputs, residuals[:6] + residuals[8:]  # without m_starts, ibar_starts
+def _palimpsa_fwd(cfg, *args):
+  """The outputs, and the residuals: the arguments themselves and the variance (None
+  without it). Nothing else the forward computes is kept (layout copies, gates, boundary
+  and final states): the backward recomputes it for less than keeping it costs."""
+  outputs = forward(cfg, *args)
+  return outputs, (*args, outputs[1])
 
 
-def _palimpsa_bwd(cfg, kept, cotangents):
-  qh, kh, vh, betah, gates, ip, *rest = kept
-  initial_mu, initial_precision = rest[-2:]
+def _palimpsa_bwd(cfg, saved, cotangents):
   # The barrier makes the recomputation wait for the output's cotangent: in an unrolled
   # program XLA would otherwise merge it with the forward's identical kernel call and keep
   # the forward's states alive until here.
-  d_out, kh, vh, betah = jax.lax.optimization_barrier((cotangents[0], kh, vh, betah))
-  m_starts, ibar_starts = _boundary_starts(cfg, kh, vh, betah, gates, ip, initial_mu,
-                                           initial_precision)
-  residuals = (qh, kh, vh, betah, gates, ip, m_starts, ibar_starts, *rest)
-  return backward(cfg, residuals, (d_out, *cotangents[1:])) + (None,)
-
-
-def _boundary_starts(cfg, kh, vh, betah, gates, ip, initial_mu, initial_precision):
-  """forward's saved chunk-start states [BH, NC, V, K] f32, from the head-major inputs."""
-  b, h, t = cfg.b, cfg.h, cfg.t
-  k = layout.from_head_major(kh, b, h, t, cfg.k)
-  v, beta = (layout.from_head_major(x, b, h, t, cfg.v) for x in (vh, betah))
-  _, _, v_rows, beta_rows, k_bound = forward_rows(cfg, k, k, v, beta)
-  m0, ibar0 = initial_linear_state(cfg, initial_mu, initial_precision, ip, cfg.k_boundary)
-  m_starts, ibar_starts, _, _ = boundary_states(cfg, k_bound, v_rows, beta_rows, gates, m0,
-                                                ibar0)
-  return m_starts[..., :cfg.v, :cfg.k], ibar_starts[..., :cfg.v, :cfg.k]
+  d_out, saved = jax.lax.optimization_barrier((cotangents[0], saved))
+  return backward(cfg, saved, (d_out, *cotangents[1:])) + (None,)
 
 
 _palimpsa.defvjp(_palimpsa_fwd, _palimpsa_bwd)

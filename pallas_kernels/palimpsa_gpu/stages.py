@@ -7,7 +7,7 @@ picks by pallas_kernels.dispatch's rule, the ops' own. Every stage module has th
   a tiles dataclass (frozen, named after the module, e.g. BoundaryMosaicTiles) naming its
     backend (ClassVar `backend`, its key in KERNELS[stage]); the boundary states' and the
     backward walk's also give their K width (`k_width`), the backward walk's the width it
-    reads the saved states at (`saved_k_width`);
+    takes the boundary states at (`starts_k_width`);
   tiles(call): the tiles it takes for the call, an instance of that dataclass;
   launch(cfg, *arrays, ...): its kernel with cfg's tiles for its stage, the same arguments
     for every module of a stage.

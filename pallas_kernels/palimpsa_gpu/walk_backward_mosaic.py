@@ -16,9 +16,10 @@ where the data lives:
   TMA. No register ever waits on global memory inside the walk. In chunks of 64 a CTA
   takes ~105 KiB of shared memory with 16-bit rows (quarter slots) and ~100 KiB with
   float32 rows (8-step slots): two per SM either way.
-- Rows are read where they lie: [BH, Tp, D] viewed as [BH, G, 4, chunk, D] (a free
-  reshape; a copy only when the chunk count is not a multiple of 4), each TMA box
-  [4, slot, 16]; states as [BH, NC, Vp, Kp] boxes [4, 16, 16].
+- Rows are read where they lie, in the caller's layout [B, Tp, H, D] viewed as
+  [B * G, 4, chunk, H, D] (G groups of 4 chunks: a free reshape; a copy only when the chunk
+  count is not a multiple of 4), each TMA box [4, slot, 16] of one head, as the forward
+  walk reads them; states as [BH, NC, Vp, Kp] boxes [4, 16, 16].
 - Each step's sums over the tile (dq, dk over its V-rows; dv, dbeta over its K-columns; the
   dL/dI sum over both) are reduce-scatters across the warp's lanes
   (`mosaic_tiles.sum_stores`), each lane storing its own outputs into the staging slot.
@@ -124,8 +125,9 @@ class WalkBackwardMosaicTiles:
     """K width of the walk, for K padded to kp (a multiple of its 16-column tiles)."""
     return kp
 
-  def saved_k_width(self, kp: int) -> int:
-    """K width the walk reads the saved boundary states at."""
+  def starts_k_width(self, kp: int, kb: int) -> int:
+    """K width to give the walk the boundary states at (of width kb >= kp): its own."""
+    del kb
     return kp
 
 
@@ -142,12 +144,13 @@ def temp_bytes(cfg: GpuKernelConfig) -> int:
   return 4 * tp * (pv * kp * 2 + pk * vp * 2 + pk * pv + TILE)
 
 
-def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, added,
-            interpret):
+def _kernel(*refs, chunk, sub, every, slot_len, num_k, heads, groups, first, with_var,
+            accumulate, added, interpret):
   """One CTA: 4 chunks (one per warp) of one batch*head, V-tile and K-slice.
 
-  refs: the inputs (k, q, v, beta, dO[, dvar] as [BH, G, 4, chunk, D]; gates
-  [BH, G, 4, chunk, 16]; ip [BH, NK, 4, 16]; start states [BH, G*4, Vp, Kp]), the sums
+  refs: the inputs (k, q, v, beta, dO[, dvar] as [B*G, 4, chunk, H, D], read at batch*head
+  first + n; gates [BH, G, 4, chunk, 16]; ip [BH, NK, 4, 16]; start states
+  [BH, G*4, Vp, Kp], all three from batch*head n of this call's range), the sums
   (dq, dk, dv, dbeta, s: one part each with `accumulate`, else one per tile), the
   adjoints, then the scratch of `_smem_scratch` and the ring and start barriers. The sums
   numbered in `added` (0-4: dq, dk, dv, dbeta, s) are zeroed inputs the CTAs add into;
@@ -170,6 +173,7 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, add
 
   p, g, n = (jax.lax.axis_index(name) for name in ("p", "g", "n"))
   vt, ks = p // num_k, p % num_k
+  bg, h = ((first + n) // heads) * groups + g, (first + n) % heads  # The rows' block.
   kcols, vcols = pl.ds(ks * TILE, TILE), pl.ds(vt * TILE, TILE)
   walks = pl.ds(g * WALKS, WALKS)
   # Partial sums go to this tile's part; accumulated ones are all added into part 0.
@@ -184,7 +188,7 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, add
   def fetch(i):  # The rows of the chunk's slot i into ring slot i % 2.
     slot, steps = i % SLOTS, pl.ds(i * slot_len, slot_len)
     for src, dst, c in zip(row_g, ring, cols):
-      plgpu.copy_gmem_to_smem(src.at[n, g, :, steps, c], dst.at[slot], ring_bars.at[slot])
+      plgpu.copy_gmem_to_smem(src.at[bg, :, steps, h, c], dst.at[slot], ring_bars.at[slot])
     plgpu.copy_gmem_to_smem(a_g.at[n, g, :, steps], ring[-1].at[slot], ring_bars.at[slot])
 
   fetch(0)
@@ -328,15 +332,18 @@ def _kernel(*refs, chunk, sub, every, slot_len, num_k, with_var, accumulate, add
   plgpu.wait_smem_to_gmem(0)
 
 
-def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chunk: int,
-                  sub: int, interpret: bool, bh_range: tuple[int, int] | None = None,
-                  accumulate: bool = False, every: int | None = None):
+def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, heads: int,
+                  chunk: int, sub: int, interpret: bool,
+                  bh_range: tuple[int, int] | None = None, accumulate: bool = False,
+                  every: int | None = None):
   """Reverse walk over all chunks, each with zero adjoint from later chunks.
 
   Args:
-    q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
-    a: [BH, Tp] step gates; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Kp].
+    q, k: [B, Tp, H, Kp]; v, beta, do: [B, Tp, H, Vp]; dvar: [B, Tp, H, Vp] or None (the
+    caller's layout, padded); a: [BH, Tp] step gates; ip_row: [BH, Kp]; m_starts,
+    b_starts: [BH, NC, Vp, Ks] with Ks >= Kp (columns past Kp are not read).
     Kp and Vp are multiples of 16, Tp of chunk; `supported(chunk, sub, ...)` holds.
+    heads: H (batch*head n is batch n // H, head n % H).
     bh_range: (first, count): walk only these batch*heads.
     accumulate: add the tiles' sums by TMA reduce-add into one part (compiled only:
       interpret mode has no reduce-add); else one partial sum per tile.
@@ -352,9 +359,9 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
     raise ValueError("accumulate=True needs the compiled kernel (interpret mode has no "
                      "TMA reduce-add)")
   every = every or checkpoint_every(chunk)
-  first, count = bh_range or (0, q.shape[0])
+  first, count = bh_range or (0, a.shape[0])
   pick = lambda x: jax.lax.slice_in_dim(x, first, first + count)
-  bh, (_, tp, kp), vp = count, q.shape, v.shape[-1]
+  bh, (b, tp, _, kp), vp = count, q.shape, v.shape[-1]
   nc = tp // chunk
   groups = -(-nc // WALKS)
   nk, nv = kp // TILE, vp // TILE
@@ -366,11 +373,16 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
     raise ValueError(f"chunk={chunk}, sub={sub}, every={every} with rows of "
                      f"{[jnp.dtype(d).name for d in row_dtypes]} do not fit the kernel")
 
-  def rows(x):  # [BH, Tp, D] -> [count, G, 4, chunk, D] (a copy only where Tp pads).
+  def rows(x):  # [B, Tp, H, D] -> [B*G, 4, chunk, H, D] (a copy only where Tp pads).
+    if t_all != tp:
+      x = jnp.pad(x, ((0, 0), (0, t_all - tp), (0, 0), (0, 0)))
+    return x.reshape(b * groups, WALKS, chunk, heads, x.shape[-1])
+
+  def gate_rows(x):  # [BH, Tp, 16] -> [count, G, 4, chunk, 16].
     x = pick(x)
     if t_all != tp:
       x = jnp.pad(x, ((0, 0), (0, t_all - tp), (0, 0)))
-    return x.reshape(count, groups, WALKS, chunk, x.shape[-1])
+    return x.reshape(count, groups, WALKS, chunk, TILE)
 
   def states(x):  # [BH, NC, Vp, Kp] -> [count, G*4, Vp, Kp].
     x = pick(x)
@@ -380,7 +392,7 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
 
   gates = jnp.broadcast_to(a.astype(f32)[..., None], a.shape + (TILE,))
   ins = [rows(x) for x in row_inputs] + [
-      rows(gates),
+      gate_rows(gates),
       jnp.broadcast_to(pick(ip_row).reshape(bh, nk, 1, TILE), (bh, nk, WALKS, TILE)),
       states(m_starts), states(b_starts)]
   pv, pk = (1, 1) if accumulate else (nv, nk)
@@ -400,7 +412,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, chu
   # copy brought in after a barrier; stores leave through commit_smem.
   kernel = mosaic_kernel(
       functools.partial(_kernel, chunk=chunk, sub=sub, every=every, slot_len=slot_len,
-                        num_k=nk, with_var=with_var, accumulate=accumulate, added=added,
+                        num_k=nk, heads=heads, groups=groups, first=first,
+                        with_var=with_var, accumulate=accumulate, added=added,
                         interpret=interpret),
       out_type=[t for i, t in enumerate(sum_types) if i not in added] + adjoint_types,
       scratch_types=scratch, grid=(nv * nk, groups, bh), grid_names=("p", "g", "n"),
@@ -420,6 +433,6 @@ def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip_row, do, dvar, m_starts, b
            bh_range: tuple[int, int] | None = None):
   """`walk_backward` for cfg's call, adding its sums by reduce-add where cfg says so
   (arguments as there)."""
-  return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, chunk=cfg.chunk,
-                       sub=cfg.walk_bwd.sub, interpret=cfg.interpret, bh_range=bh_range,
-                       accumulate=cfg.accumulate_bwd)
+  return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, heads=cfg.h,
+                       chunk=cfg.chunk, sub=cfg.walk_bwd.sub, interpret=cfg.interpret,
+                       bh_range=bh_range, accumulate=cfg.accumulate_bwd)

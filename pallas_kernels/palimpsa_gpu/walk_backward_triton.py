@@ -7,6 +7,7 @@ are loaded once, optionally a body ahead, for its recompute and its reverse step
 them in reverse. dq and dk are partial sums over the V-tile groups, dv, dbeta and the dL/dI
 sums partial over the K-slices. The state and adjoints are held as K-parts ([BV, k_part]
 tensors: Triton shapes are powers of two) and their updates are written as explicit FMAs.
+The rows are read in the caller's layout [B, Tp, H, D] (`layout.rows_spec`).
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.common import fast_reciprocal, fma, k_parts, round_up
+from pallas_kernels.palimpsa_gpu import layout
 from pallas_kernels.palimpsa_gpu.config import GpuKernelConfig, StageCall, largest_block_v
 from pallas_kernels.palimpsa_gpu.launch_triton import triton_params
 
@@ -51,10 +53,13 @@ class WalkBackwardTritonTiles:
     """K width of the walk, for K padded to kp."""
     return round_up(kp, self.k_part * self.k_split)
 
-  def saved_k_width(self, kp: int) -> int:
-    """K width the walk reads the saved boundary states at: a walk in one K-part reads the
-    columns past kp up to its own width as zeros, K-parts or K-slices need k_width."""
-    return kp if self.k_part == self.k_width(kp) else self.k_width(kp)
+  def starts_k_width(self, kp: int, kb: int) -> int:
+    """K width to give the walk the boundary states at, from their width kb >= kp (zero
+    past K): a walk in one K-part reads the columns past theirs up to its own width as
+    zeros, so states no wider than that stay as they are (no copy); K-parts or K-slices
+    need k_width."""
+    width = self.k_width(kp)
+    return kb if self.k_part == width and kb <= width else width
 
 
 def tiles(call: StageCall) -> WalkBackwardTritonTiles:
@@ -145,7 +150,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
       return ms, bs
 
     def start_state(ref, p):
-      """ref[cols, p], zero in the columns past the saved states' width."""
+      """ref[cols, p], zero in the columns past the start states' width."""
       width = ref.shape[-1]
       if width == k_ref.shape[-1]:
         return ref[cols, p]
@@ -243,7 +248,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, beta_ref, a_ref, ip_ref, do_ref, dvar_
   jax.lax.fori_loop(0, num_tiles, tile, 0)
 
 
-def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
+def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *, heads: int,
                   chunk: int, block_v: int, sub: int, groups: int, k_part: int,
                   k_split: int, num_warps: int, interpret: bool, prefetch: bool = False,
                   bh_range: tuple[int, int] | None = None):
@@ -253,14 +258,16 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
   in turn, over its `Kp / k_split` columns.
 
   Args:
-    q, k: [BH, Tp, Kp]; v, beta, do: [BH, Tp, Vp]; dvar: [BH, Tp, Vp] or None;
-    a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts: [BH, NC, Vp, Ks], Ks <= Kp
+    q, k: [B, Tp, H, Kp]; v, beta, do: [B, Tp, H, Vp]; dvar: [B, Tp, H, Vp] or None (the
+    caller's layout, padded); a: [BH, Tp]; ip_row: [BH, Kp]; m_starts, b_starts:
+    [BH, NC, Vp, Ks], Ks <= Kp
     (columns past Ks read as zero: the padding's states stay at the prior; Ks = Kp
     unless the walk is one K-part over all of Kp).
     k_part: width of the K-parts (a power of two dividing Kp / k_split).
     k_split: K-slices walked by separate programs (their dv, dbeta and s are partial
     sums over K, to be summed).
     prefetch: each reverse body loads the next sub-chunk's state and rows first.
+    heads: H (batch*head n is batch n // H, head n % H).
     bh_range: (first, count): walk only these batch*heads (the outputs then have
       `count` in place of BH), so that a call's scratch and partial sums stay bounded.
 
@@ -271,8 +278,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
     summed over K-slices and groups); adj_m, adj_b [BH, NC, Vp, Kp]: each chunk's
     adjoint of the state before its first step.
   """
-  bh, tp, kp = q.shape
-  first, bh = bh_range or (0, bh)
+  _, tp, _, kp = q.shape
+  first, bh = bh_range or (0, a.shape[0])
   vp = v.shape[-1]
   nc = tp // chunk
   num_tiles = vp // block_v
@@ -283,8 +290,8 @@ def walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, *,
                      f"K={kp}")
   k_width = kp // k_split
   with_var = dvar is not None
-  row_k = pl.BlockSpec((None, chunk, kp), lambda n, c, g, s: (n + first, c, 0))
-  row_v = pl.BlockSpec((None, chunk, vp), lambda n, c, g, s: (n + first, c, 0))
+  row_k = layout.rows_spec(heads, chunk, kp, lambda n, c, g, s: (n + first, c, 0))
+  row_v = layout.rows_spec(heads, chunk, vp, lambda n, c, g, s: (n + first, c, 0))
   part_k = pl.BlockSpec((None, None, chunk, kp), lambda n, c, g, s: (g, n, c, 0))
   part_v = pl.BlockSpec((None, None, chunk, vp), lambda n, c, g, s: (s, n, c, 0))
   state = pl.BlockSpec((None, None, vp, kp), lambda n, c, g, s: (n, c, 0, 0))
@@ -327,8 +334,7 @@ def launch(cfg: GpuKernelConfig, q, k, v, beta, a, ip_row, do, dvar, m_starts, b
            bh_range: tuple[int, int] | None = None):
   """`walk_backward` with cfg's tiles (arguments as there)."""
   own = cfg.walk_bwd
-  return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, chunk=cfg.chunk,
-                       block_v=own.block_v, sub=own.sub, groups=own.groups,
-                       k_part=own.k_part, k_split=own.k_split,
-                       num_warps=own.num_warps, interpret=cfg.interpret,
-                       prefetch=own.prefetch, bh_range=bh_range)
+  return walk_backward(q, k, v, beta, a, ip_row, do, dvar, m_starts, b_starts, heads=cfg.h,
+                       chunk=cfg.chunk, block_v=own.block_v, sub=own.sub, groups=own.groups,
+                       k_part=own.k_part, k_split=own.k_split, num_warps=own.num_warps,
+                       interpret=cfg.interpret, prefetch=own.prefetch, bh_range=bh_range)

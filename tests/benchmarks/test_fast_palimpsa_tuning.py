@@ -47,7 +47,7 @@ def test_budget_stops_before_the_next_candidate(capsys):
 
 
 @pytest.mark.parametrize("name, vp, forwards, backwards", [
-    ("D760", 192, 3, 2), ("D170", 48, 1, 2), ("K128", 128, 3, 1), ("MQAR", 32, 1, 2)])
+    ("D760", 192, 3, 2), ("D170", 48, 1, 2), ("K128", 128, 3, 2), ("MQAR", 32, 1, 2)])
 def test_perf_candidates_fit_the_gpu(name, vp, forwards, backwards):
   """At C = 64, every forward candidate and the backward candidates that fit (the rest are
   skipped by the run) are accepted by reads.reads_call compiled."""

@@ -182,3 +182,32 @@ def test_ref_steps_still_catches_a_wrong_implementation(monkeypatch):
                             iters=1, ref_steps=32)
   rows = op_bench.bench_shape("tiny", (1, 64, 2, 16, 16), ["chunked"], args, lambda _: None)
   assert rows[0][6].startswith("WRONG: rel. error") and rows[0][4] is None
+
+
+def test_an_implementation_that_fails_is_a_row_and_the_run_exits_nonzero(monkeypatch, tmp_path,
+                                                                          capsys):
+  """A kernel that fails to lower at one shape gives FAILED rows naming the error; the other
+  implementations are still measured, the record is written and the run exits non-zero."""
+  right = op_bench.palimpsa
+
+  def fails_for_chunked(*a, implementation, **k):
+    if implementation == "chunked":
+      raise NotImplementedError("copies of 64 bytes are not supported\nsecond line")
+    return right(*a, implementation=implementation, **k)
+
+  monkeypatch.setattr(op_bench, "palimpsa", fails_for_chunked)
+  monkeypatch.setitem(op_bench.SHAPES, "small", {"tiny": (1, 32, 1, 8, 8)})
+  monkeypatch.setattr("sys.argv", ["op_bench.py", "--impls", "chunked", "sequential",
+                                   "--iters", "1", "--warmup", "0", "--rotate", "1",
+                                   "--records", str(tmp_path)])
+  with pytest.raises(SystemExit, match="wrong or failed rows: tiny chunked fwd, tiny chunked"):
+    op_bench.main()
+  (path,) = tmp_path.glob("op_bench_*.json")
+  rows = json.loads(path.read_text())["table"]["rows"]
+  failed = [r for r in rows if "chunked" in r]
+  assert len(failed) == 2 and all(
+      "FAILED: NotImplementedError: copies of 64 bytes are not supported" in r
+      for r in failed), failed
+  timed = [r for r in rows if "sequential" in r]
+  assert len(timed) == 2 and "FAILED" not in str(timed)
+  assert "FAILED NotImplementedError" in capsys.readouterr().err

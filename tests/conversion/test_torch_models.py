@@ -1,5 +1,6 @@
 """The authors' PyTorch checkpoints (palimpsa, meta_mamba2) <-> our conversion destinations."""
 
+import errno
 import json
 import os
 
@@ -11,9 +12,11 @@ import pytest
 from tests.conversion import authors_fixtures as fx
 from tests.conversion import mamba2_fixtures
 from palimpsa_jax import models
+from palimpsa_jax import user_errors
 from palimpsa_jax.conversion import checkpoint as checkpoint_lib
 from palimpsa_jax.conversion import torch_layouts
 from palimpsa_jax.conversion import torch_checkpoints
+from palimpsa_jax.training import storage
 
 pytest.importorskip("safetensors")
 
@@ -252,3 +255,27 @@ def test_export_of_a_scanned_model_gives_each_layer_its_slice(tmp_path):
         np.asarray(stacked["mixer"]["q_proj"]["kernel"][layer]).T)
     np.testing.assert_array_equal(tensors[f"model.layers.{layer}.attn.Ip_log"],
                                   np.asarray(stacked["mixer"]["Ip_log"][layer]))
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_failed_write_names_its_file_in_one_line(tmp_path, monkeypatch, code):
+  """A full disk or a read-only folder while writing a conversion or an export is one line
+  (storage.WriteFailed, a UserError) naming the file, not an OSError traceback."""
+  config = models.model_config("palimpsa_d", "tiny", num_layers=1, d_model=16, num_heads=2,
+                               head_k_dim=8, head_v_dim=8, beta_rank=2, vocab_size=32,
+                               mlp_hidden_dim=32, dtype="float32", beta_bias=False)
+  dest = _our_destination(tmp_path, config)
+
+  def fails(*args, **kwargs):
+    raise OSError(code, os.strerror(code))
+
+  monkeypatch.setattr(torch_checkpoints, "save_file", fails)
+  with pytest.raises(storage.WriteFailed) as error:
+    torch_checkpoints.export_checkpoint(dest, str(tmp_path / "out"), verbose=False)
+  assert str(error.value) == (f"cannot write {tmp_path / 'out' / 'model.safetensors'}: "
+                              f"{os.strerror(code)} [{errno.errorcode[code]}]")
+  assert isinstance(error.value, user_errors.UserError)
+  monkeypatch.setattr(checkpoint_lib.checkpoint_lib, "save_params", fails)
+  model = models.build_model(config, nnx.Rngs(0))
+  with pytest.raises(storage.WriteFailed, match=f"cannot write {tmp_path / 'second'}: "):
+    checkpoint_lib.write_conversion(str(tmp_path / "second"), model, config, {"init": "paper"})

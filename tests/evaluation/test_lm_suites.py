@@ -1,7 +1,9 @@
 """lm and long_context suites on synthetic cases with tiny models whose NLL is known."""
 
+import errno
 import json
 import math
+import os
 import types
 
 from flax import nnx
@@ -12,10 +14,12 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from palimpsa_jax import user_errors  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.data import text as text_lib  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.data import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.evaluation import lm as lm_lib  # pylint: disable=g-import-not-at-top
 from palimpsa_jax.evaluation import long_context  # pylint: disable=g-import-not-at-top
+from palimpsa_jax.training import storage  # pylint: disable=g-import-not-at-top
 
 VOCAB = 300
 SEQ_LEN = 16
@@ -127,6 +131,19 @@ def test_bucket_edges_and_positions():
                                              long_context.bucket_edges(8))
   np.testing.assert_array_equal(counts, [4, 4, 3])
   np.testing.assert_array_equal(nll, [4, 2 + 2 + 2 + 3, 4 + 5 + 6])
+
+
+def test_a_plot_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(figure.Figure, "savefig", full)
+  path = str(tmp_path / "nll.png")
+  curves = {str(tmp_path / "run"): {"bucket_end": [2, 4], "mean_nll": [1.0, 0.5], "step": 3}}
+  with pytest.raises(storage.WriteFailed) as failed:
+    long_context.plot_curves(curves, path)
+  assert user_errors.message(failed.value) == (
+      f"cannot write {path}: No space left on device [ENOSPC]")
 
 
 def test_long_context_curve_matches_reference(setup):

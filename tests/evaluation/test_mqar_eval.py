@@ -1,7 +1,9 @@
 """MQAR evaluation of a saved checkpoint, the suites registry and eval.py."""
 
+import errno
 import importlib.util
 import json
+import os
 import pathlib
 import shutil
 
@@ -16,6 +18,7 @@ from palimpsa_jax import user_errors
 from palimpsa_jax.data import mqar as mqar_lib
 from palimpsa_jax.evaluation import mqar as mqar_eval
 from palimpsa_jax.evaluation.suites import SUITES
+from palimpsa_jax.training import storage
 from palimpsa_jax.training import trainer
 
 REPO = pathlib.Path(__file__).parents[2]
@@ -65,17 +68,47 @@ def test_suite_evaluates_saved_checkpoint(workdir, capsys):
     SUITES["mqar"]({"checkpoint": [str(workdir)], "mqar_settings": f"{4 * pairs}:{pairs}"})
 
 
-def test_eval_main_writes_default_json(workdir):
+@pytest.fixture(scope="module")
+def eval_main():
+  """eval.py as a module, loaded once (its flags can be defined only once)."""
   spec = importlib.util.spec_from_file_location("eval_main", REPO / "eval.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  module.flags.FLAGS(["eval.py", "--suite=mqar", f"--workdir={workdir}",
-                      "--num_examples=32", "--batch_size=32"])
+  return module
+
+
+def _run_eval(module, *argv: str) -> None:
+  """eval.py's main with `argv` as its only flags (an earlier call's are forgotten)."""
+  module.flags.FLAGS.unparse_flags()
+  module.flags.FLAGS(["eval.py", *argv])
   module.main(["eval.py"])
+
+
+def test_eval_main_writes_default_json(workdir, eval_main):
+  module = eval_main
+  _run_eval(module, "--suite=mqar", f"--workdir={workdir}", "--num_examples=32",
+            "--batch_size=32")
   saved = json.loads((workdir / "eval_mqar.json").read_text())
   assert saved["suite"] == "mqar" and saved["evaluations"][0]["step"] == 32
   assert module.default_output("mqar", str(workdir / "checkpoints" / "32")) == str(
       workdir / "eval_mqar.json")
+
+
+def test_results_that_cannot_be_written_are_one_line(workdir, eval_main, tmp_path,
+                                                     monkeypatch):
+  """A folder that turns read-only (or a disk that fills) during the work: one line naming the
+  output, which stays as it was."""
+  output = tmp_path / "out.json"
+  output.write_text("earlier")
+  def read_only(*args, **kwargs):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(output) + ".partial")
+  monkeypatch.setattr(storage, "open", read_only, raising=False)
+  with pytest.raises(storage.WriteFailed) as failed:
+    _run_eval(eval_main, "--suite=mqar", f"--workdir={workdir}", f"--output={output}",
+              "--num_examples=32", "--batch_size=32")
+  assert user_errors.message(failed.value) == (
+      f"cannot write {output}: Read-only file system [EROFS]")
+  assert output.read_text() == "earlier"
 
 
 def test_errors():

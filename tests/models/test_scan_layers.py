@@ -160,7 +160,9 @@ def test_scan_layers_rejects_mixed_layers():
 def test_train_step_compiler_options_keep_the_gradients(remat):
   """TRAIN_STEP_COMPILER_OPTIONS drops the zero fill of the scan's stacked residuals: the
   compiled GPU step must give bit for bit the gradients of a compile without it (and its
-  HLO must have dropped a fill, else the option no longer does anything)."""
+  HLO must have dropped a fill, else the option no longer does anything). The embedding's
+  gradient is the exception: a scatter-add over the tokens, whose atomic adds on a GPU run
+  in no fixed order, so two runs of one compile may differ in its last bits."""
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   config = model_config("palimpsa_d", "tiny", dtype="bfloat16", num_layers=NUM_LAYERS,
@@ -176,4 +178,8 @@ def test_train_step_compiler_options_keep_the_gradients(remat):
   plain = jax.jit(grads).lower(params).compile()
   lean = jax.jit(grads, compiler_options=TRAIN_STEP_COMPILER_OPTIONS).lower(params).compile()
   assert "AllocateBuffer" in lean.as_text() and "AllocateBuffer" not in plain.as_text()
-  chex.assert_trees_all_equal(lean(params), plain(params))
+  got, want = nnx.to_pure_dict(lean(params)), nnx.to_pure_dict(plain(params))
+  # A few float32 ulps of gradients near 0.1 (the order of the adds); a changed gradient
+  # would be off by far more.
+  chex.assert_trees_all_close(got.pop("embed"), want.pop("embed"), rtol=1e-5, atol=1e-7)
+  chex.assert_trees_all_equal(got, want)

@@ -276,3 +276,38 @@ def test_an_extension_keeps_the_schedule_of_the_planned_steps(tmp_path):
       for name in ("whole", "extended"))
   assert {step: extended[step] for step in whole} == whole
   assert extended[5][1] == extended[6][1] == 0.0  # the schedule's final rate
+
+
+class _Killed(Exception):
+  """Stands for a kill -9: the run ends where it is, with nothing saved."""
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_resumed_only_as_itself(
+    tmp_path, finished, capsys):
+  workdir = tmp_path / "run"
+  polls = []
+  def killed_after_step_three():
+    polls.append(None)
+    if len(polls) > 3:
+      raise _Killed
+    return False
+  with pytest.raises(_Killed):
+    trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir),
+                               should_stop=killed_after_step_three)
+  assert not list((workdir / "checkpoints").iterdir())
+  assert [r["step"] for r in metrics_lib.read_metrics(str(workdir))] == [1, 2]
+  (workdir / "lock").write_text('{"pid": 1, "host": "h", "started": "t"}')  # as kill -9 leaves it
+  before = _tree_bytes(workdir)
+  other = tiny_lm.resumable_mqar_config(150, seed=1)
+  with pytest.raises(base.ConfigError) as refused:
+    trainer.train_and_evaluate(other, str(workdir))
+  assert str(refused.value) == (
+      f"--workdir {workdir} holds a run with other settings: config.seed=1 (saved: 0). A "
+      "resume continues the saved run (its config.json): drop these changes to resume it as "
+      "saved, or give another --workdir to start a new run.")
+  assert _tree_bytes(workdir) == before  # nothing deleted, nothing replaced
+  capsys.readouterr()
+  trainer.train_and_evaluate(tiny_lm.resumable_mqar_config(8), str(workdir))
+  assert (f"no checkpoint in {workdir}/checkpoints yet: the run of {workdir}/config.json "
+          "starts again at step 0") in capsys.readouterr().out
+  assert _losses(workdir) == _losses(finished[0])

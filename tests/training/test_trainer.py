@@ -360,3 +360,43 @@ def test_early_stop_and_no_retraining_on_rerun(tmp_path):
   assert summary["stopped_early"] and summary["final_step"] < 32
   again = trainer.train_and_evaluate(config, str(tmp_path))
   assert again["stopped_early"] and again["final_step"] == summary["final_step"]
+
+
+def _mqar(arg: str) -> ml_collections.ConfigDict:
+  """configs/mqar.py's config (the project's model) for a few-second run."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("mqar_config", REPO / "configs" / "mqar.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(
+      "seq_len=16,num_kv_pairs=2,vocab_size=32,d_model=16,num_heads=2,num_train_examples=64,"
+      f"num_test_examples=32,batch_size=16,total_steps=2,{arg}")
+
+
+def _tree(directory: pathlib.Path) -> dict[str, bytes | None]:
+  """Every file's bytes and every folder (None) under `directory`."""
+  return {str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes()
+          for p in sorted(directory.rglob("*"))}
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("implementation", "foo", "config.model cannot be built and run: implementation must be "
+                              "one of .*got 'foo'"),
+    # configs/mqar.py refuses these as config arguments; set afterwards (--config.model.dtype),
+    # train_and_evaluate refuses them.
+    ("dtype", "float8", "config.model.dtype must be a floating dtype name"),
+    ("chunk_size", 0, "config.model.chunk_size must be a positive int"),
+])
+def test_a_refused_start_writes_nothing(tmp_path, monkeypatch, field, value, match):
+  monkeypatch.undo()  # the project's model, which refuses these
+  config = _mqar("implementation=auto")
+  config.model[field] = value
+  with pytest.raises(ValueError, match=match):
+    trainer.train_and_evaluate(config, str(tmp_path / "new"))
+  assert not (tmp_path / "new").exists()
+  workdir = tmp_path / "run"  # a workdir that holds a run is left byte for byte as it was
+  trainer.train_and_evaluate(_mqar("implementation=auto"), str(workdir))
+  before = _tree(workdir)
+  with pytest.raises(ValueError, match=match):
+    trainer.train_and_evaluate(config, str(workdir))
+  assert _tree(workdir) == before

@@ -122,10 +122,11 @@ def test_auto_is_the_kernel_on_a_hopper_gpu():
 
 
 KERNEL_NAMES = ("palimpsa_boundary_mosaic", "fast_palimpsa_reads_forward",
-                "fast_palimpsa_reads_backward", "palimpsa_adjoint_carries_mosaic")
+                "fast_palimpsa_reads_backward_v", "fast_palimpsa_reads_backward_k",
+                "palimpsa_adjoint_carries_mosaic")
 FUSED = ["palimpsa_boundary_mosaic"] * 2 + [
-    "fast_palimpsa_reads_forward", "fast_palimpsa_reads_backward",
-    "palimpsa_adjoint_carries_mosaic"]
+    "fast_palimpsa_reads_forward", "fast_palimpsa_reads_backward_v",
+    "fast_palimpsa_reads_backward_k", "palimpsa_adjoint_carries_mosaic"]
 XLA_READS = ["palimpsa_boundary_mosaic"] * 2 + ["palimpsa_adjoint_carries_mosaic"]
 
 
@@ -136,9 +137,10 @@ def mosaic_kernels(text: str) -> list[str]:
 
 
 # (B, T, H, K, V) chunk, variance, dtype, the kernels: D760, D170, K128 and MQAR heads in
-# bfloat16 (the fused reads; D760 also at C = 32), D760 at C = 16 (the reads kernels do not
-# fit shared memory: XLA's reads) and the interpreted tests' padded shape in float32 (T
-# not a multiple of the chunk, segments, the variance: XLA's reads).
+# bfloat16 (the fused reads; D760 also at C = 32 and 16), the interpreted tests' padded
+# shape in float32 (T not a multiple of the chunk, segments, the variance: XLA's reads),
+# then every shape the compiled tests above run in bfloat16, with the variance (lowering
+# raises what the GPU would refuse: shared memory, TMA copies' widths and sizes).
 @pytest.mark.parametrize("shape, chunk, with_var, dtype, kernels", [
     ((4, 4096, 16, 96, 192), 64, False, jnp.bfloat16, FUSED),
     ((4, 4096, 16, 96, 192), 32, False, jnp.bfloat16, FUSED),
@@ -146,8 +148,9 @@ def mosaic_kernels(text: str) -> list[str]:
     ((4, 4096, 16, 128, 128), 64, False, jnp.bfloat16, FUSED),
     ((64, 1024, 8, 16, 32), 64, False, jnp.bfloat16, FUSED),
     ((2, 1024, 8, 16, 32), 16, True, jnp.bfloat16, FUSED),
-    ((4, 4096, 16, 96, 192), 16, False, jnp.bfloat16, XLA_READS),
-    ((2, 37, 2, 8, 20), 32, True, jnp.float32, XLA_READS)])
+    ((4, 4096, 16, 96, 192), 16, False, jnp.bfloat16, FUSED),
+    ((2, 37, 2, 8, 20), 32, True, jnp.float32, XLA_READS)] + [
+    (shape, chunk, True, jnp.bfloat16, FUSED) for shape, chunk, _ in LARGE + LARGE_BF16])
 def test_lowers_to_mosaic_gpu_only(monkeypatch, shape, chunk, with_var, dtype, kernels):
   """A compiled forward+backward lowers for sm_90 on a CPU host to Mosaic GPU kernels only
   (nothing through Pallas' deprecated Triton lowering): the forward's boundary kernel and

@@ -112,14 +112,14 @@ def check_fused_reads(seed, shape, forward, backward, with_var, interpret):
 # (B, T, H, K, V), ForwardTiles, BackwardTiles, variance. The first: one 64-step chunk a
 # CTA, K and V padded (20 -> 32, 40 -> 48), T padded, three forward V-blocks, three
 # backward V sub-tiles through a ring of 2, two K-blocks (the second past the true K), with
-# the variance. Then (slow): two chunks of 32 a CTA (block-diagonal D, per-chunk N) with three V sub-tiles in
-# one forward CTA, a ring of 1 and three backward K-blocks of 16; four chunks of 16; one
-# chunk of 128 (two wgmma row groups).
+# the variance. Then (slow): two chunks of 32 a CTA (block-diagonal D, per-chunk N) with
+# three V sub-tiles in one forward CTA, a ring of 1 and three backward K-blocks of 16; four
+# chunks of 16; one chunk of 128 (two wgmma row groups).
 _CASES = [
     ((1, 100, 2, 20, 40), ForwardTiles(64, 16), BackwardTiles(64, 16, 2, 16), True),
     ((2, 70, 1, 48, 48), ForwardTiles(32, 16, 3), BackwardTiles(32, 64, 1, 16), False),
     ((1, 64, 1, 16, 32), ForwardTiles(16, 32), BackwardTiles(16, 64, 2, 16), True),
-    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 64, 1, 16), False),
+    ((1, 256, 1, 16, 32), ForwardTiles(128, 32), BackwardTiles(128, 32, 1, 16), False),
 ]
 # The compiled cases add Palimpsa-D 760M's and K128 heads: V in three sub-tiles, K in
 # three blocks (a block of 32 past K at K = 80) and in one.
@@ -146,6 +146,24 @@ def test_compiled_matches_the_jnp_reads(shape, forward, backward, with_var):
 
 
 @pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
+def test_compiled_cases_lower_for_sm_90(shape, forward, backward, with_var):
+  """The GPU cases' kernels, forward and backward, lower for sm_90 on a CPU host: Mosaic
+  GPU checks there what the GPU run would refuse (shared memory over the limit, a TMA copy
+  of a width it cannot tile or of a byte count that is no multiple of 128)."""
+  b, t, h, kd, vd = shape
+  args, _ = jax.eval_shape(lambda: _inputs(0, b, t, h, kd, vd, forward.rows, forward.chunk))
+  call = reads.ReadsCall(h, forward.chunk, kd, with_var, forward, backward, False)
+
+  def loss(*a):
+    out, var = reads.fused_reads(*a, call)
+    return jnp.sum(out.astype(f32)) + (jnp.sum(var) if with_var else 0.0)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(10))))
+  text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 3
+
+
+@pytest.mark.parametrize("shape, forward, backward, with_var", _COMPILED_CASES)
 def test_compiled_cases_fit_shared_memory(shape, forward, backward, with_var):
   """Mosaic GPU refuses a CTA over the limit when it lowers: the GPU cases' tiles fit."""
   kp, vp = round_up(shape[3], 16), round_up(shape[4], 16)
@@ -168,9 +186,19 @@ def test_declines_what_it_cannot_run():
 @pytest.mark.parametrize("chunk, kp, vp", sorted(reads.TUNED))
 @pytest.mark.parametrize("with_var", [False, True])
 def test_default_tiles_fit_with_and_without_the_variance(chunk, kp, vp, with_var):
-  """The tuned forward tiles (measured without the variance) are kept only where they fit;
-  the backward's provisional tiles fit."""
+  """The tuned tiles (measured without the variance) are kept only where they fit, each
+  direction on its own; the provisional tiles fit."""
   forward, backward = reads.default_tiles(chunk, kp, vp, with_var)
   assert reads.fits((forward, backward), kp, vp, with_var)
-  if not with_var:
-    assert forward == ForwardTiles(chunk, *reads.TUNED[chunk, kp, vp])
+  tuned = reads.TUNED[chunk, kp, vp]
+  tuned_forward = ForwardTiles(chunk, *tuned[:2])
+  if reads_forward.smem_bytes(tuned_forward, kp, vp, bf16, with_var) <= SMEM_LIMIT:
+    assert forward == tuned_forward
+  if tuned[2:]:
+    tuned_backward = BackwardTiles(chunk, *tuned[2:], reads.default_k_sub(kp))
+    if reads_backward.smem_bytes(tuned_backward, kp, vp, with_var) <= SMEM_LIMIT:
+      assert backward == tuned_backward
+  if not with_var:  # The records' tiles fit without the variance.
+    assert forward == tuned_forward
+    assert not tuned[2:] or backward == tuned_backward
+

@@ -1,6 +1,7 @@
 """The op suite for implementation="pallas_gpu": interpreted on CPU, compiled on a GPU."""
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -90,7 +91,7 @@ def test_tile_variants_agree(k_dim):
   variants below use it.
   `variant` walks all three stages in 16-column parts inside one program. `sliced` walks the
   backward's K in slices of 8 columns, each as two 4-column parts. `padded` (K=48)
-  pads the backward's K to 64, read past the saved states' 48 columns as zeros.
+  pads the backward's K to 64, read past the boundary states' 48 columns as zeros.
   """
   args = _random_op_args(0, (1, 40, 1, k_dim, 48))
   base = make_config(args[0], args[2], args[4], args[5], return_variance=True,
@@ -148,44 +149,33 @@ def test_backward_walk_in_pieces_agrees():
     chex.assert_trees_all_close(a, b_, rtol=1e-6, atol=1e-7 * float(jnp.max(jnp.abs(b_))))
 
 
-def test_saved_boundary_states_fit_the_residual_budget():
-  """The memory budget: saved states <= (T/64) * V * K * 2 floats per batch-head, padding dropped."""
-  b, t, h, kd, vd = 1, 128, 2, 40, 40  # K and V padded to 48 inside the kernel.
-  q = jnp.ones((b, t, h, kd)) / 8
-  v = jnp.ones((b, t, h, vd))
-  log_alpha = jnp.full((b, t, h), -0.1)
-  ip = jnp.ones((h,))
-  cfg = make_config(q, v, log_alpha, ip, return_variance=False, chunk_size=64,
-                    interpret=True)
-  assert (cfg.k_pad, cfg.v_pad) == (8, 8)
-  _, residuals = forward.forward(
-      cfg, q, q, v, v, log_alpha, ip, jnp.zeros((b, h, vd, kd)), jnp.ones((b, h, vd, kd)),
-      None)
-  m_starts, b_starts = residuals[6], residuals[7]
-  assert m_starts.shape == b_starts.shape == (b * h, t // 64, vd, kd)
-  padded = forward.pad_state(cfg, m_starts, 64)
-  assert padded.shape == (b * h, t // 64, vd + 8, 64)
-  chex.assert_trees_all_equal(padded[..., :vd, :kd], m_starts)
-  # That the dropped padding held zeros is what the interpreted suite's gradients check
-  # (its K=8 and V=20 are padded to 16 and 32).
+@pytest.mark.parametrize("with_var", [False, True])
+def test_the_vjp_keeps_only_its_arguments(with_var):
+  """The op's residuals are its own arguments (and the variance it returns): no head-major
+  copy [BH, Tp, D], no gates, no boundary or final states; the backward recomputes them.
+  Per token that is at most the bytes of the arguments (q, k, v, beta, log_alpha, and the
+  prior and initial state spread over T) and of the variance."""
+  b, t, h, kd, vd = 1, 64, 2, 8, 20  # K and V padded to 16 and 32 inside the kernel.
+  args = _random_op_args(0, (b, t, h, kd, vd))
+  args = tuple(x.astype(jnp.bfloat16) if x.ndim == 4 and x.shape[1] == t else x
+               for x in args)
 
+  def outputs(*a):
+    out, var, _, _ = palimpsa_gpu(*a, None, return_variance=with_var, chunk_size=16,
+                                  interpret=True)
+    return (out, var) if with_var else out
 
-def test_the_vjp_keeps_no_chunk_start_states():
-  """The op's backward recomputes the chunk-start states: its saved residuals hold no
-  [BH, NC, V, K] array (the interpreted suite checks the gradients it gets that way)."""
-  b, t, h, kd, vd = 1, 64, 2, 16, 32
-  q = jnp.ones((b, t, h, kd)) / 8
-  v = jnp.ones((b, t, h, vd))
-  log_alpha = jnp.full((b, t, h), -0.1)
-
-  def out(q, k, v, beta, log_alpha):
-    return palimpsa_gpu(q, k, v, beta, log_alpha, jnp.ones((h,)), jnp.zeros((b, h, vd, kd)),
-                        jnp.ones((b, h, vd, kd)), None, return_variance=False, chunk_size=16,
-                        interpret=True)[0]
-
-  shapes = [aval.shape for aval, _ in saved_residuals(out, q, q, v, v, log_alpha)]
-  assert (b * h, t // 16, vd, kd) not in shapes, shapes
-  assert (b * h, vd, kd) in shapes  # the final states are kept
+  saved = saved_residuals(outputs, *args)
+  computed = [(aval, source) for aval, source in saved
+              if not source.startswith("from the argument")]
+  if with_var:  # The variance, as the walk returned it.
+    assert [aval.shape for aval, _ in computed] == [(b, t, h, vd)], computed
+  else:
+    assert not computed, computed
+  nbytes = lambda x: x.size * x.dtype.itemsize
+  per_token = sum(nbytes(aval) for aval, _ in saved) / (b * t)
+  arguments = sum(nbytes(x) for x in args) / (b * t)
+  assert per_token <= arguments + (4 * h * vd if with_var else 0)
 
 
 def test_bf16_chunk_writes_match_float32_products():
@@ -279,26 +269,26 @@ def test_forward_walk_rejects_an_unroll_longer_than_the_chunk():
 _WALK_ARGS = ("q", "k", "v", "beta", "a", "ip_row", "do", "dvar", "m_starts", "b_starts")
 
 
-def _walk_inputs(seed, bh, t, k_dim, v_dim, chunk, dtype):
+def _walk_inputs(seed, b, h, t, k_dim, v_dim, chunk, dtype):
   """Backward-walk inputs by name (`_WALK_ARGS` is the walks' argument order): rows
-  [BH, T, D] in dtype, gates in (0.6, 1), positive precisions, random chunk-start
-  states [BH, T/chunk, V, K]."""
+  [B, T, H, D] in dtype (the caller's layout), gates in (0.6, 1), positive precisions,
+  random chunk-start states [B*H, T/chunk, V, K]."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 10)
-  nc = t // chunk
-  rows = lambda key, d, scale=1.0: (jax.random.normal(key, (bh, t, d)) * scale).astype(dtype)
+  nc, bh = t // chunk, b * h
+  rows = lambda key, d, scale=1.0: (jax.random.normal(key, (b, t, h, d)) * scale).astype(dtype)
   return dict(
       q=rows(keys[0], k_dim), k=rows(keys[1], k_dim, k_dim ** -0.5), v=rows(keys[2], v_dim),
-      beta=jax.random.uniform(keys[3], (bh, t, v_dim), minval=0.1).astype(dtype),
+      beta=jax.random.uniform(keys[3], (b, t, h, v_dim), minval=0.1).astype(dtype),
       a=jax.random.uniform(keys[4], (bh, t), minval=0.6),
       ip_row=jax.random.uniform(keys[5], (bh, k_dim), minval=0.5, maxval=2.0),
-      do=rows(keys[6], v_dim), dvar=jax.random.normal(keys[7], (bh, t, v_dim)),
+      do=rows(keys[6], v_dim), dvar=jax.random.normal(keys[7], (b, t, h, v_dim)),
       m_starts=jax.random.normal(keys[8], (bh, nc, v_dim, k_dim)),
       b_starts=jax.random.uniform(keys[9], (bh, nc, v_dim, k_dim), maxval=3.0))
 
 
 # (with_var, T, bh_range, every, K)
 _VAR_192 = (True, 192, None, None, 32)  # with the variance; 3 chunks, not a multiple of 4
-_PIECES_256 = (False, 256, (1, 2), 4, 32)  # a range of batch-heads; checkpoints every 4
+_PIECES_256 = (False, 256, (1, 2), 4, 32)  # batch-heads 1, 2 (across batches); checkpoints 4
 _TWO_128 = (False, 128, None, None, 32)  # 2 chunks; float32 rows: ring slots of 8 steps
 _K16_128 = (False, 128, None, None, 16)  # one K-slice: dv, dbeta stored, not added
 
@@ -314,7 +304,8 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
                                                   bh_range, every, k_dim, dtype):
   """walk_backward_mosaic.walk_backward gives walk_backward_triton.walk_backward's partial sums
   (or, with `accumulate`, their totals) and adjoints: with and without the variance's
-  cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range,
+  cotangent, a chunk count that is not a multiple of 4 (T=192: 3 chunks), a batch*head range
+  (rows of two batches and heads, read in the caller's layout),
   checkpoints every 8 (default) or 4 steps, ring slots of a quarter chunk (16-bit rows, or
   checkpoints every 4) or of 8 steps (float32 rows), and one K-slice (K=16: with
   `accumulate`, dv and dbeta are stored by one tile each instead of added)."""
@@ -323,19 +314,19 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
   every_or_default = every or walk_backward_mosaic.checkpoint_every(chunk)
   quarter = walk_backward_mosaic.slot_steps(chunk, 4, rows, every_or_default) == chunk // 4
   assert quarter == (dtype == jnp.bfloat16 or every == 4)
-  x = _walk_inputs(0, 3, t, k_dim, v_dim, chunk, dtype)
+  x = _walk_inputs(0, 2, 2, t, k_dim, v_dim, chunk, dtype)
   if not with_var:
     x["dvar"] = None
   args = [x[n] for n in _WALK_ARGS]
   triton = walk_backward_triton.walk_backward(
-      *args, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16,
+      *args, heads=2, chunk=chunk, block_v=16, sub=4, groups=v_dim // 16, k_part=16,
       k_split=k_dim // 16, num_warps=1, interpret=interpret, prefetch=True, bh_range=bh_range)
   if accumulate:  # One part: the sum of the partial sums.
     triton = [jnp.sum(part, axis=0, keepdims=True) for part in triton[:4]] + [
         jnp.sum(triton[4], axis=(0, 1), keepdims=True)] + list(triton[5:])
-  mosaic = walk_backward_mosaic.walk_backward(*args, chunk=chunk, sub=4, interpret=interpret,
-                                              bh_range=bh_range, accumulate=accumulate,
-                                              every=every)
+  mosaic = walk_backward_mosaic.walk_backward(*args, heads=2, chunk=chunk, sub=4,
+                                              interpret=interpret, bh_range=bh_range,
+                                              accumulate=accumulate, every=every)
   names = ("dq", "dk", "dv", "dbeta", "s", "adj_m", "adj_b")
   for name, got, want in zip(names, mosaic, triton):
     chex.assert_equal_shape([got, want], custom_message=name)
@@ -344,10 +335,11 @@ def test_mosaic_backward_walk_matches_triton_walk(interpret, accumulate, with_va
 
 
 def test_mosaic_backward_walk_rejects_accumulate_in_interpret_mode():
-  x = _walk_inputs(0, 1, 64, 16, 16, 64, jnp.float32)
+  x = _walk_inputs(0, 1, 1, 64, 16, 16, 64, jnp.float32)
   args = [x[n] for n in _WALK_ARGS]
   with pytest.raises(ValueError, match="accumulate"):
-    walk_backward_mosaic.walk_backward(*args, chunk=64, sub=4, interpret=True, accumulate=True)
+    walk_backward_mosaic.walk_backward(*args, heads=1, chunk=64, sub=4, interpret=True,
+                                       accumulate=True)
 
 
 @pytest.mark.parametrize("flags, deterministic", [
@@ -423,9 +415,8 @@ def test_mosaic_forward_walk_matches_triton_walk(interpret, chunk, k_dim, v_dim,
   dtype = jnp.float32 if interpret else jnp.bfloat16
   b, h, nc = 2, 2, 3 if k_dim == 16 else 4
   t = nc * chunk
-  x = _walk_inputs(1, b * h, t, k_dim, v_dim, chunk, dtype)
-  caller = lambda y: jnp.transpose(y.reshape(b, h, t, -1), (0, 2, 1, 3))  # [B, T, H, D]
-  q, k, v, beta = (caller(x[n]) for n in ("q", "k", "v", "beta"))
+  x = _walk_inputs(1, b, h, t, k_dim, v_dim, chunk, dtype)
+  q, k, v, beta = (x[n] for n in ("q", "k", "v", "beta"))
   pad = lambda s: jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, k_state - k_dim)))
   m_starts, b_starts = pad(x["m_starts"]), pad(x["b_starts"])
   ip = x["ip_row"][:, 0]
@@ -474,3 +465,22 @@ def test_hopper_path_lowers_to_mosaic_gpu_only(monkeypatch, shape, with_var, dty
   # Five kernels: the forward's boundary and walk; the backward's boundary again (its
   # chunk-start states are recomputed, not kept), walk and carries.
   assert text.count("custom_call @mosaic_gpu") == 5 and "triton" not in text.lower()
+
+
+def test_forward_makes_no_layout_copies(monkeypatch):
+  """The forward's kernels read q, k, v and beta where they lie and it keeps no copy for the
+  backward: lowered for Hopper on the CPU (T not a multiple of the chunk, with the
+  variance), the forward of a vjp, residuals included, transposes only log_alpha's
+  [B, T, H] into the per-head gates."""
+  monkeypatch.setattr(gpu_config, "compute_capability", lambda: (9, 0))
+  b, t, h, kd, vd = 2, 300, 3, 48, 96
+  sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+  args = [sds((b, t, h, kd), bf16)] * 2 + [sds((b, t, h, vd), bf16)] * 2 + [
+      sds((b, t, h), f32), sds((h,), f32)] + [sds((b, h, vd, kd), f32)] * 2
+  cfg = make_config(*args[:1], args[2], args[4], args[5], return_variance=True,
+                    chunk_size=64, interpret=False)
+  op = lambda *a: op_module._palimpsa(cfg, *a, None)
+  forward = jax.jit(lambda *a: jax.vjp(op, *a))  # The outputs and the residuals.
+  text = forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  transposes = re.findall(r"stablehlo.transpose .*: \((tensor<[^>]*>)\)", text)
+  assert transposes == [f"tensor<{b}x{t}x{h}xf32>"], transposes
