@@ -144,20 +144,20 @@ def _fused_reads_bwd(call, residuals, cotangents):
 fused_reads.defvjp(_fused_reads_fwd, _fused_reads_bwd)
 
 
-# Tuned tiles by (chunk, Kp, Vp): (forward sub, num_sub) from the tuning record
-# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0550.json, or (forward sub, num_sub,
-# backward sub, slots) from the records of the two-kernel backward,
-# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0742.json (D760) and
-# fast_palimpsa_tuning_2026-12-06T0819.json (K128, MQAR) (benchmarks/fast_palimpsa_tuning.py,
-# one H100, without the variance). Either part is kept only where it fits with the call's variance;
-# what has no tuned fitting entry takes the provisional rule of `default_tiles`.
+# Tuned tiles by (chunk, Kp, Vp): (forward sub, num_sub, backward sub, slots), the best rows of
+# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0959.json (benchmarks/fast_palimpsa_tuning.py,
+# one H100, every perf shape at chunks 64 and 32, without the variance). Either part is kept only
+# where it fits with the call's variance; what has no tuned fitting entry takes the provisional
+# rule of `default_tiles`.
 TUNED: dict[tuple[int, int, int], tuple[int, ...]] = {
     (64, 96, 192): (64, 3, 64, 1),
-    (64, 48, 48): (48, 1),
+    (64, 48, 48): (48, 1, 64, 2),
     (64, 128, 128): (64, 1, 64, 2),
     (64, 16, 32): (32, 1, 64, 2),
-    (32, 96, 192): (64, 1),
-    (32, 48, 48): (48, 1),
+    (32, 96, 192): (64, 3, 64, 2),
+    (32, 48, 48): (48, 1, 64, 1),
+    (32, 128, 128): (64, 2, 64, 1),
+    (32, 16, 32): (32, 1, 64, 1),
 }
 
 
