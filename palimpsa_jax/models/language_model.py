@@ -173,7 +173,7 @@ class LanguageModel(nnx.Module):
     self.remat = config.remat
     saves = config.remat_saves
     if saves not in REMAT_SAVES:
-      raise ValueError(f"config.remat_saves must be one of {sorted(REMAT_SAVES)}, "
+      raise ValueError(f"config.model.remat_saves must be one of {sorted(REMAT_SAVES)}, "
                        f"got {saves!r}")
     self.remat_policy = REMAT_SAVES[saves]
     self.matmul_algorithm = config_lib.MATMUL_PRECISIONS[config.matmul_precision]
