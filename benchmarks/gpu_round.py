@@ -117,7 +117,7 @@ def plan(args: argparse.Namespace, out: pathlib.Path, traces: pathlib.Path) -> l
         (("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
           "--xla_dump_hlo_module_re=jit_step".strip()),)))
   profile_size = (size if args.tiny else ("--size", "760m", "--batch_size", "4"))
-  parts.append(Part("profile760", ("-m", "benchmarks.step_profile", *profile_size,
+  parts.append(Part("profile760", ("-m", "benchmarks.step.profile", *profile_size,
                                    "--scan_layers", "--steps", "1" if args.tiny else "2",
                                    "--warmup_steps", "0" if args.tiny else "1",
                                    "--top", "30", "--trace_dir", str(traces / "step760"),

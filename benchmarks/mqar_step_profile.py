@@ -13,7 +13,7 @@ rate and seed i // 4, and measures, per step of the group:
   loop step: host batches and steps interleaved as the trainer's loop does.
 The loop step is what training gets; it is near max(host, device) when the two
 overlap. A profiler trace of --trace_steps device steps then lists each kernel's
-time (benchmarks/step_profile.py does the attribution) and sums the kernels by the
+time (benchmarks/step/profile.py does the attribution) and sums the kernels by the
 project file that launched them (the token loss, the layers, the optimizer's update, ...;
 library GEMMs name no file and count as "(library GEMMs)"). --output writes JSON;
 the table goes as a record to --records (benchmarks/records/).
@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
-from benchmarks import step_profile
+from benchmarks.step import profile as step_profile
 from benchmarks.train_throughput import positive_int
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.models import registry

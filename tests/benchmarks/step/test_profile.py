@@ -1,10 +1,10 @@
-"""benchmarks/step_profile.py: kernel attribution (synthetic GPU trace) and a CPU run."""
+"""benchmarks/step/profile.py: kernel attribution (synthetic GPU trace) and a CPU run."""
 
 import json
 
 import pytest
 
-from benchmarks import step_profile
+from benchmarks.step import profile as step_profile
 
 HLO = """HloModule jit_step, is_scheduled=true
 

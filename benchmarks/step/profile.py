@@ -1,7 +1,7 @@
 """Where a training step's device time goes: per-kernel times from a profiler trace.
 
-    python -m benchmarks.step_profile                          # Palimpsa-D 170m, 4 x 4096 tokens
-    python -m benchmarks.step_profile --models mamba2 --top 30 --output mamba2_profile.json
+    python -m benchmarks.step.profile                          # Palimpsa-D 170m, 4 x 4096 tokens
+    python -m benchmarks.step.profile --models mamba2 --top 30 --output mamba2_profile.json
 
 Builds and compiles the train step of benchmarks/train_throughput.py (same flags), runs
 --warmup_steps steps, then traces --steps steps with jax.profiler (a perfetto trace under
@@ -232,7 +232,7 @@ def trace_calls(run: Callable[[], Any], compiled: Any, calls: int,
   jax.profiler.stop_trace()
   hlo = compiled.as_text()
   module = re.match(r"HloModule (\S+?),", hlo).group(1)
-  project = str(pathlib.Path(__file__).resolve().parents[1])
+  project = str(pathlib.Path(__file__).resolve().parents[2])  # the repository
   return kernel_times(read_trace(trace_dir), hlo, module, calls, project), wall_ms, out
 
 
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.batch_size} x {args.seq_len} tokens\n\n{table}")
   result = {"model": args.model, "implementation": args.implementation,
             "device": devices[0].device_kind, "jax": jax.__version__,
-            "command": results_lib.command_line("step_profile",
+            "command": results_lib.command_line("step.profile",
                                                  sys.argv[1:] if argv is None else argv),
             "step_ms": step_ms, "kernels": [dataclasses.asdict(r) for r in rows]}
   if args.output:
