@@ -1,17 +1,30 @@
-"""Where a training step's device time goes: per-kernel times from a profiler trace.
+"""Where a training step's time goes: host batches, device step, per-kernel times from a trace.
 
     python -m benchmarks.step.profile                          # Palimpsa-D 170m, 4 x 4096 tokens
     python -m benchmarks.step.profile --models mamba2 --top 30 --output mamba2_profile.json
+    python -m benchmarks.step.profile --mqar                   # the MQAR paper step, Palimpsa-D
+    python -m benchmarks.step.profile --mqar model=mamba2,dtype=bfloat16 --runs 12
+    python -m benchmarks.step.profile --mqar preset=cpu --steps 5 --trace_steps 2     # CPU
 
-Builds and compiles the train step of benchmarks/train_throughput.py (same flags), runs
---warmup_steps steps, then traces --steps steps with jax.profiler (a perfetto trace under
---trace_dir). Every device kernel (GPU) or XLA operation (CPU) is summed over the traced
-steps and divided by their number. Each one is matched, by name, to the instruction of the
-compiled step's optimized HLO that launched it, which gives its shape, its JAX operation
-and the innermost line of this project's code that produced it. Pallas kernels are found
-by the name their custom call carries; library GEMMs (cuBLAS) have no HLO name of their
-own. The table lists the largest entries and the total per category; --output writes JSON,
-and the table with the times per category goes as a record to --records (benchmarks/records/).
+The step is a language model's train step as benchmarks/train_throughput.py builds it (its
+model flags; random tokens), or with --mqar CONFIG the MQAR sweep's batched step
+(palimpsa_jax/training/batched.py) for --runs runs of one configs/mqar.py config (CONFIG: its
+arguments, preset=paper unless given), run i at the paper's i-th learning rate and seed i // 4.
+After --warmup_steps steps it measures, per step:
+  device step: the compiled step queued back to back on one batch already on the device;
+  host batch (--mqar): drawing each run's batch from its MqarTask iterator and stacking them;
+  loop step (--mqar): host batches and steps interleaved as the trainer's loop does, what
+    training gets (near max(host, device) when the two overlap);
+each over --steps steps, then traces --trace_steps device steps with jax.profiler (a perfetto
+trace under --trace_dir). Every device kernel (GPU) or XLA operation (CPU) is summed over the
+traced steps and divided by their number. Each one is matched, by name, to the instruction of
+the compiled step's optimized HLO that launched it, which gives its shape, its JAX operation
+and the innermost line of this project's code that produced it. Pallas kernels are found by
+the name their custom call carries; library GEMMs (cuBLAS) have no HLO name of their own. The
+tables give the time per category, per project file that launched the kernels (the token loss,
+the layers, the optimizer's update, ...) and the largest kernels; --output writes JSON, and the
+tables go as a record to --records (benchmarks/records/): step_profile_* for the language
+model, mqar_step_profile_* for --mqar.
 """
 
 import argparse
@@ -27,16 +40,28 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
 from benchmarks.train_throughput import non_negative_int, positive_int
+from palimpsa_jax import user_errors
+from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.models import registry
+from palimpsa_jax.training import batched
 
+PROGRAM = "benchmarks.step.profile"
 CATEGORIES = ("Pallas kernel", "GEMM", "XLA fusion", "copy / memset", "other")
 _CONTROL_FLOW = ("while", "conditional", "call")
 _LIBRARY_GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.I)
 _MOSAIC_GPU_SUFFIX = "_mosaic_gpu_kernel"  # Mosaic GPU names a kernel NAME_mosaic_gpu_kernel.
+# Each step's own flags and their defaults (None in argparse, so that a flag given to the
+# other step is seen and refused).
+LM_FLAGS = {"models": registry.DEFAULT, "size": "170m", "seq_len": 4096, "batch_size": 4,
+            "implementation": "auto", "scan_layers": False, "remat": False}
+MQAR_FLAGS = {"runs": 1}
 
 
 @dataclasses.dataclass
@@ -50,34 +75,6 @@ class KernelTime:
   shape: str = ""
   op: str = ""
   source: str = ""
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--models", dest="model", default=registry.DEFAULT,
-                      help="the model (one name of the registry)")
-  parser.add_argument("--size", default="170m", choices=train_throughput.models.config.SIZES)
-  parser.add_argument("--seq_len", type=positive_int, default=4096)
-  parser.add_argument("--batch_size", type=positive_int, default=4,
-                      help="global batch in sequences")
-  parser.add_argument("--implementation", default="auto")
-  parser.add_argument("--scan_layers", action="store_true")
-  parser.add_argument("--remat", action="store_true")
-  parser.add_argument("--steps", type=positive_int, default=3, help="traced steps")
-  parser.add_argument("--warmup_steps", type=non_negative_int, default=2)
-  parser.add_argument("--top", type=positive_int, default=40, help="kernels listed in the table")
-  parser.add_argument("--trace_dir", default="/tmp/palimpsa_step_profile")
-  parser.add_argument("--output", default="", help="JSON file for the results")
-  results_lib.add_record_flags(parser)
-  args = parser.parse_args(argv)
-  if args.model not in train_throughput.models.config.MODELS:
-    parser.error(f"--models takes one model, one of {train_throughput.models.config.MODELS}, "
-                 f"got {args.model!r}")
-  if args.implementation not in train_throughput.palimpsa_validation.IMPLEMENTATIONS:
-    parser.error(f"--implementation must be one of "
-                 f"{train_throughput.palimpsa_validation.IMPLEMENTATIONS}, "
-                 f"got {args.implementation!r}")
-  return args
 
 
 def _sections(hlo: str) -> dict[str, dict[str, str]]:
@@ -278,52 +275,201 @@ def profile_record(benchmark: str, title: str, command: str, settings: dict[str,
                f"ms_per_{unit}_by_category": category_ms(rows)})
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  args = parse_args(argv)
+def ms_by_source_file(rows: list[KernelTime]) -> dict[str, float]:
+  """Milliseconds per step of the kernels launched from each project file, most first."""
+  by_file = collections.Counter()
+  for row in rows:
+    if row.source:
+      by_file[row.source.split(":", 1)[0]] += row.ms_per_step
+    elif row.category == "GEMM":
+      by_file["(library GEMMs)"] += row.ms_per_step
+    else:
+      by_file["(no project frame)"] += row.ms_per_step
+  return dict(by_file.most_common())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = user_errors.ArgumentParser(prog=PROGRAM, description=__doc__.split("\n")[0])
+  parser.add_argument("--mqar", nargs="?", const="", default=None, metavar="CONFIG",
+                      help="profile the MQAR sweep's step of these configs/mqar.py arguments "
+                      "(preset=paper unless given) instead of a language model's")
+  parser.add_argument("--steps", type=positive_int, default=30, help="timed steps per measure")
+  parser.add_argument("--warmup_steps", type=non_negative_int, default=2)
+  parser.add_argument("--trace_steps", type=positive_int, default=3, help="traced steps")
+  parser.add_argument("--top", type=positive_int, default=30, help="kernels listed in the table")
+  parser.add_argument("--trace_dir", default="/tmp/palimpsa_step_profile")
+  parser.add_argument("--output", default="", help="JSON file for the results")
+  results_lib.add_record_flags(parser)
+  lm = parser.add_argument_group("the language model's step (without --mqar)")
+  lm.add_argument("--models", help=f"the model, one of {train_throughput.models.config.MODELS} "
+                  f"(default {LM_FLAGS['models']})")
+  lm.add_argument("--size", choices=train_throughput.models.config.SIZES,
+                  help=f"(default {LM_FLAGS['size']})")
+  lm.add_argument("--seq_len", type=positive_int, help=f"(default {LM_FLAGS['seq_len']})")
+  lm.add_argument("--batch_size", type=positive_int,
+                  help=f"global batch in sequences (default {LM_FLAGS['batch_size']})")
+  lm.add_argument("--implementation", choices=train_throughput.palimpsa_validation.IMPLEMENTATIONS,
+                  help=f"(default {LM_FLAGS['implementation']})")
+  lm.add_argument("--scan_layers", action="store_true", default=None)
+  lm.add_argument("--remat", action="store_true", default=None)
+  mqar = parser.add_argument_group("the MQAR step (with --mqar)")
+  mqar.add_argument("--runs", type=positive_int, help="runs in the group (default 1)")
+  args = parser.parse_args(argv)
+  own, other = (MQAR_FLAGS, LM_FLAGS) if args.mqar is not None else (LM_FLAGS, MQAR_FLAGS)
+  given = [f"--{name}" for name in other if getattr(args, name) is not None]
+  if given:
+    flags = ", ".join(given)
+    parser.error(f"{flags}: for the language model's step, not --mqar's" if args.mqar is not None
+                 else f"{flags}: for the MQAR step only; add --mqar")
+  for name, default in own.items():
+    if getattr(args, name) is None:
+      setattr(args, name, default)
+  if args.mqar is None and args.models not in train_throughput.models.config.MODELS:
+    parser.error(f"--models takes one model, one of {train_throughput.models.config.MODELS}, "
+                 f"got {args.models!r}")
+  return args
+
+
+@dataclasses.dataclass
+class Step:
+  """A compiled training step ready to run, and how to name and record it."""
+
+  compiled: Any  # its optimized HLO names the kernels
+  device_step: Callable[[], Any]  # one step on the batch on the device; returns the metrics
+  loop_step: Callable[[], Any] | None  # one step on the next host batch (--mqar)
+  next_host_batch: Callable[[], Any] | None
+  label: str
+  benchmark: str  # the record's name
+  settings: dict[str, Any]
+  compile_s: float
+
+
+def language_model_step(args: argparse.Namespace) -> Step:
+  """The train step of benchmarks/train_throughput.py for args' model, on one device."""
   throughput_args = train_throughput.parse_args([
       "--size", args.size, "--seq_len", str(args.seq_len), "--batch_size",
       str(args.batch_size), "--num_devices", "1"] + (["--remat"] if args.remat else []))
-  devices = jax.devices()[:1]
-  where = train_throughput.placement(throughput_args, devices)
-  label = f"{args.model} ({args.implementation})"
-  built = train_throughput.build_train_step(args.model, args.implementation,
+  where = train_throughput.placement(throughput_args, jax.devices()[:1])
+  label = f"{args.models} ({args.implementation})"
+  built = train_throughput.build_train_step(args.models, args.implementation,
                                             args.scan_layers, throughput_args, where, label)
-  train_throughput.log(f"{label} compiled in {built.compile_s:.1f} s; "
-                       f"{args.warmup_steps} warm-up + {args.steps} traced steps ...")
   state = built.state
 
-  def step():
+  def device_step():
     nonlocal state
     state, metrics = built.compiled(state, built.batch)
-    return state, metrics
+    return metrics
 
+  return Step(built.compiled, device_step, None, None,
+              f"{label} {args.size}, {args.batch_size} x {args.seq_len} tokens",
+              "step_profile", {"model": args.models, "implementation": args.implementation,
+                               "size": args.size, "batch_size": args.batch_size,
+                               "seq_len": args.seq_len, "scan_layers": args.scan_layers,
+                               "remat": args.remat}, built.compile_s)
+
+
+def group_configs(config_arg: str, runs: int) -> list[Any]:
+  """The configs of the group: `config_arg` (preset=paper unless given) per run."""
+  base = config_arg if "preset=" in config_arg else ",".join(
+      filter(None, ["preset=paper", config_arg]))
+  rates = mqar_sweep.LEARNING_RATES
+  return [mqar_sweep.mqar_config(
+      f"{base},learning_rate={rates[i % len(rates)]},seed={i // len(rates)}")
+          for i in range(runs)]
+
+
+def group_model(configs: list[Any]) -> tuple[dict[int, tasks_lib.MqarTask],
+                                             batched.GroupModel]:
+  """The group's tasks by seed and its model (batched.GroupModel: the sweep's step)."""
+  tasks = {c.seed: tasks_lib.MqarTask(c) for c in configs}
+  return tasks, batched.GroupModel(configs[0], next(iter(tasks.values())).total_steps)
+
+
+def mqar_step(config_arg: str, runs: int) -> Step:
+  """The MQAR sweep's batched step for `runs` runs of configs/mqar.py's `config_arg`."""
+  configs = group_configs(config_arg, runs)
+  config, seeds = configs[0], [c.seed for c in configs]
+  device = jax.local_devices()[0]
+  tasks, model = group_model(configs)
+  state = model.init(seeds, device)
+  lrs = jnp.asarray([c.optimizer.learning_rate for c in configs], jnp.float32)
+  active = jnp.ones((len(configs),), bool)
+  next_host_batch = lambda: batched.next_batch(tasks, seeds)
+  on_device = jax.device_put(next_host_batch(), device)
+  start = time.perf_counter()
+  compiled = model.train_step.lower(state, on_device, lrs, active).compile()
+  compile_s = time.perf_counter() - start
+
+  def run(batch):
+    nonlocal state
+    state, metrics = compiled(state, batch, lrs, active)
+    return metrics
+
+  label = (f"MQAR {config.args.model} {config.model.dtype}, L={config.seq_len} "
+           f"kv={config.data.num_kv_pairs} batch {config.batch_size}, {len(configs)} runs")
+  return Step(compiled, lambda: run(on_device), lambda: run(next_host_batch()),
+              next_host_batch, label, "mqar_step_profile",
+              {"config": config_arg, "runs": len(configs)}, compile_s)
+
+
+def per_step_ms(fn: Callable[[], Any], steps: int) -> float:
+  """Wall milliseconds per call of `fn`, `steps` calls queued back to back."""
+  start = time.perf_counter()
+  out = None
+  for _ in range(steps):
+    out = fn()
+  jax.block_until_ready(out)
+  return 1e3 * (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  step = (mqar_step(args.mqar, args.runs) if args.mqar is not None
+          else language_model_step(args))
+  device = jax.devices()[0]
+  train_throughput.log(f"{step.label} compiled in {step.compile_s:.1f} s; "
+                       f"{args.warmup_steps} warm-up, {args.steps} timed and "
+                       f"{args.trace_steps} traced steps ...")
   for _ in range(args.warmup_steps):
-    step()
-  jax.block_until_ready(state)
-  rows, step_ms, (_, metrics) = trace_calls(step, built.compiled, args.steps, args.trace_dir)
-  if not jax.device_get(metrics["train/finite"]):
-    raise train_throughput.trainer.NonFiniteError(f"{label}: non-finite loss or gradient")
-  table = format_table(rows, args.top, step_ms)
-  print(f"{label}, {devices[0].device_kind}, jax {jax.__version__}, "
-        f"{args.batch_size} x {args.seq_len} tokens\n\n{table}")
-  result = {"model": args.model, "implementation": args.implementation,
-            "device": devices[0].device_kind, "jax": jax.__version__,
-            "command": results_lib.command_line("step.profile",
-                                                 sys.argv[1:] if argv is None else argv),
-            "step_ms": step_ms, "kernels": [dataclasses.asdict(r) for r in rows]}
+    step.device_step()
+  times = {"device_step_ms": per_step_ms(step.device_step, args.steps)}
+  if step.loop_step is not None:
+    times["host_batch_ms"] = per_step_ms(step.next_host_batch, args.steps)
+    times["loop_step_ms"] = per_step_ms(step.loop_step, args.steps)
+  rows, traced_ms, metrics = trace_calls(step.device_step, step.compiled, args.trace_steps,
+                                         args.trace_dir)
+  if not np.all(jax.device_get(metrics["train/finite"])):
+    raise train_throughput.trainer.NonFiniteError(f"{step.label}: non-finite loss or gradient")
+  by_file = ms_by_source_file(rows)
+  columns = [("host batch ms", "host_batch_ms"), ("device step ms", "device_step_ms"),
+             ("loop step ms", "loop_step_ms")]
+  shown = [(title, times[key]) for title, key in columns if key in times]
+  if "loop_step_ms" in times:
+    shown += [("loop steps/s per run", 1e3 / times["loop_step_ms"]),
+              ("loop steps/s, all runs", 1e3 * args.runs / times["loop_step_ms"])]
+  summary = ("| " + " | ".join(title for title, _ in shown) + " |\n|" + "---|" * len(shown)
+             + "\n| " + " | ".join(f"{value:.2f}" for _, value in shown) + " |")
+  files = "| launched from | ms per step |\n|---|---|\n" + "\n".join(
+      f"| {name} | {ms:.3f} |" for name, ms in by_file.items())
+  print(f"{step.label}, {device.device_kind}, jax {jax.__version__}; compile "
+        f"{step.compile_s:.1f} s\n\n{summary}\n\n{files}\n\n"
+        f"{format_table(rows, args.top, traced_ms)}", flush=True)
+  command = results_lib.command_line(PROGRAM.removeprefix("benchmarks."),
+                                     sys.argv[1:] if argv is None else argv)
+  result = {"label": step.label, **step.settings, "device": device.device_kind,
+            "jax": jax.__version__, "command": command, "compile_s": step.compile_s, **times,
+            "traced_step_ms": traced_ms, "ms_per_step_by_file": by_file,
+            "kernels": [dataclasses.asdict(r) for r in rows]}
   if args.output:
     pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
     train_throughput.log(f"wrote {args.output}")
   if not args.no_record:
-    record = profile_record(
-        "step_profile", f"step_profile {label} {args.size}, {args.batch_size} x {args.seq_len} "
-        f"tokens", result["command"], rows=rows, top=args.top, wall_ms=step_ms,
-        settings={"model": args.model, "implementation": args.implementation,
-                  "size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                  "scan_layers": args.scan_layers, "remat": args.remat})
+    record = profile_record(step.benchmark, f"{step.benchmark} {step.label}", command,
+                            step.settings, rows, args.top, traced_ms)
+    record["figures"].update(times, ms_per_step_by_file=by_file)
     train_throughput.log(f"wrote {results_lib.write_record(record, args.records)}")
   return result
 
 
 if __name__ == "__main__":
-  main()
+  user_errors.one_line(PROGRAM, main)()
