@@ -8,8 +8,8 @@
 Takes benchmarks/train_throughput.py's model arguments (one model, --models palimpsa_d by
 default), builds the train step as it does and compiles it with XLA's GPU compiler for the
 --target GPU described in benchmarks/gpu_targets/ (no GPU is used: only abstract shapes), or
-with --mqar the MQAR sweep's step of one run as benchmarks/mqar_step_profile.py builds it
-(--mqar takes its --config: configs/mqar.py arguments, preset=paper unless given), then
+with --mqar the MQAR sweep's step of one run as `benchmarks.step.profile --mqar` builds it
+(--mqar takes the same configs/mqar.py arguments, preset=paper unless given), then
 prints the compiled step's memory analysis (what the GPU would allocate: the figures the GPU
 records' "temp GiB" and "peak GiB" columns hold) and the bytes its non-GEMM fusions and copies
 move, by source line (benchmarks/hlo_traffic.py). Needs jax's CUDA plugin importable, not a
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from benchmarks import hlo_traffic
-from benchmarks import mqar_step_profile
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
+from benchmarks.step import profile as step_profile
 from palimpsa_jax import models
 from palimpsa_jax.models import registry
 from palimpsa_jax.training import batched
@@ -67,14 +67,14 @@ def _compiled(step, *abstract_args, capability):
 
 def compile_mqar_step(config_arg: str, target: str):
   """The compiled MQAR step of one run of configs/mqar.py's `config_arg` (preset=paper unless
-  given; benchmarks/mqar_step_profile.py's group) for `target` and its settings row."""
+  given; benchmarks/step/profile.py's group) for `target` and its settings row."""
   name, capability, _ = TARGETS[target]
   device = target_devices(target)[0]
-  (config,) = mqar_step_profile.group_configs(config_arg, 1)
+  (config,) = step_profile.group_configs(config_arg, 1)
   if config.model.implementation == "auto" and models.registry.KINDS[
       config.model.mixer].metaplastic:
     config.model.implementation = "pallas_gpu"  # What "auto" takes on a GPU.
-  tasks, model = mqar_step_profile.group_model([config])
+  tasks, model = step_profile.group_model([config])
   on_device = lambda a: jax.ShapeDtypeStruct(
       a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
   state = jax.eval_shape(jax.vmap(lambda seed: model._init_one(jax.random.key(seed))),

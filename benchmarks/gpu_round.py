@@ -117,14 +117,15 @@ def plan(args: argparse.Namespace, out: pathlib.Path, traces: pathlib.Path) -> l
         (("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
           "--xla_dump_hlo_module_re=jit_step".strip()),)))
   profile_size = (size if args.tiny else ("--size", "760m", "--batch_size", "4"))
-  parts.append(Part("profile760", ("-m", "benchmarks.step_profile", *profile_size,
-                                   "--scan_layers", "--steps", "1" if args.tiny else "2",
+  parts.append(Part("profile760", ("-m", "benchmarks.step.profile", *profile_size,
+                                   "--scan_layers", "--steps", "1" if args.tiny else "5",
+                                   "--trace_steps", "1" if args.tiny else "2",
                                    "--warmup_steps", "0" if args.tiny else "1",
                                    "--top", "30", "--trace_dir", str(traces / "step760"),
                                    *records), 50, 40))
-  mqar = (("--config", "preset=cpu", "--steps", "2", "--trace_steps", "1") if args.tiny
-          else ("--steps", "20", "--trace_steps", "2"))
-  parts.append(Part("mqar", ("-m", "benchmarks.mqar_step_profile", *mqar, "--trace_dir",
+  mqar = (("--mqar", "preset=cpu", "--steps", "2", "--trace_steps", "1") if args.tiny
+          else ("--mqar", "--steps", "20", "--trace_steps", "2"))
+  parts.append(Part("mqar", ("-m", "benchmarks.step.profile", *mqar, "--trace_dir",
                              str(traces / "mqar"), *records), 60, 30))
   if args.only:
     parts = [p for p in parts if p.name.split()[0] in args.only]

@@ -373,7 +373,7 @@ def _one_hot_matmul(subscripts: str, hit: jax.Array, x: jax.Array) -> jax.Array:
 def _select_float32(x: jax.Array, positions: jax.Array) -> jax.Array:
   """take_positions of float32 x, forward and backward as bfloat16 matmuls (tensor cores on a
   GPU). A single float32 matmul at full precision, its earlier form, runs on the GPU's CUDA
-  cores (kernels named *gemm_f32f32_f32f32* in benchmarks/mqar_step_profile.py's table)."""
+  cores (kernels named *gemm_f32f32_f32f32* in `benchmarks.step.profile --mqar`'s table)."""
   hit = positions[..., None] == jnp.arange(x.shape[1])
   return _one_hot_matmul("bpt,sbt...->sbp...", hit, x)
 

@@ -27,7 +27,8 @@ def test_the_gpu_round_plans_every_measurement(tmp_path):
     assert "--size 760m --batch_size 8 --as_shipped" in command
     assert f"--precision {precision}" in command
   assert "--size 760m --batch_size 4 --scan_layers" in by_name["profile760"]
-  assert by_name["mqar"].startswith("-m benchmarks.mqar_step_profile")
+  assert by_name["profile760"].startswith("-m benchmarks.step.profile --size 760m")
+  assert by_name["mqar"].startswith("-m benchmarks.step.profile --mqar --steps")
   # Every part's record goes to the round's folder.
   assert all(f"--records {tmp_path}" in command for name, command in by_name.items()
              if name != "tests")

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from benchmarks import op_profile, step_profile
+from benchmarks import op_profile
+from benchmarks.step import profile as step_profile
 
 
 def test_cpu_run_profiles_both_modes(tmp_path):

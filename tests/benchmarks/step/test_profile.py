@@ -1,10 +1,16 @@
-"""benchmarks/step_profile.py: kernel attribution (synthetic GPU trace) and a CPU run."""
+"""benchmarks/step/profile.py: kernel attribution (synthetic GPU trace), its flags, and CPU runs
+of the language model's step and of the MQAR sweep's batched group."""
 
 import json
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
-from benchmarks import step_profile
+from benchmarks.step import profile as step_profile
+from palimpsa_jax import user_errors
 
 HLO = """HloModule jit_step, is_scheduled=true
 
@@ -83,27 +89,87 @@ def test_cpu_trace_skips_control_flow_but_keeps_custom_calls():
       ("custom-call.7", 0.04, "other"), ("loop_multiply_fusion.3", 0.03, "XLA fusion")]
 
 
-def test_cpu_run_writes_json(tmp_path):
+def test_a_language_model_run_on_cpu_writes_json_and_record(tmp_path):
   out = tmp_path / "profile.json"
   result = step_profile.main([
       "--size", "tiny", "--seq_len", "64", "--batch_size", "2", "--steps", "2",
-      "--warmup_steps", "1", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
-      "--output", str(out), "--records", str(tmp_path / "records")])
+      "--trace_steps", "2", "--warmup_steps", "1", "--top", "5", "--trace_dir",
+      str(tmp_path / "trace"), "--output", str(out), "--records", str(tmp_path / "records")])
   saved = json.loads(out.read_text())
-  assert saved["kernels"] == result["kernels"] and saved["step_ms"] > 0
+  assert saved["kernels"] == result["kernels"]
+  assert saved["device_step_ms"] > 0 and saved["traced_step_ms"] > 0
+  assert "host_batch_ms" not in saved  # the language model's batch stays on the device
   (path,) = (tmp_path / "records").glob("step_profile_*.json")
   record = json.loads(path.read_text())
+  assert record["command"].startswith("python -m benchmarks.step.profile --size tiny")
   assert record["settings"]["size"] == "tiny" and len(record["table"]["rows"]) == 5
   categories = record["figures"]["ms_per_step_by_category"]
   assert sum(categories.values()) == pytest.approx(record["figures"]["device_ms_per_step"])
+  assert sum(record["figures"]["ms_per_step_by_file"].values()) == pytest.approx(
+      record["figures"]["device_ms_per_step"])
   kernels = saved["kernels"]
   assert kernels and all(k["ms_per_step"] >= 0 for k in kernels)
   assert {k["category"] for k in kernels} <= set(step_profile.CATEGORIES)
   assert any(k["source"].startswith("palimpsa_jax/") for k in kernels)
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--model", "gpt"],
-                                  ["--implementation", "fast"], ["--size", "1b"]])
-def test_bad_arguments_exit(argv):
-  with pytest.raises(SystemExit):
+def test_group_configs_take_the_paper_preset_and_the_rates_and_seeds():
+  configs = step_profile.group_configs("model=mamba2,num_train_examples=512", 5)
+  assert [c.optimizer.learning_rate for c in configs] == [1e-3, 2.15e-3, 4.64e-3, 1e-2, 1e-3]
+  assert [c.seed for c in configs] == [0, 0, 0, 0, 1]
+  assert configs[0].seq_len == 512 and configs[0].data.vocab_size == 8192  # the paper's
+  (cpu,) = step_profile.group_configs("preset=cpu", 1)
+  assert cpu.seq_len == 32
+
+
+def test_an_mqar_run_on_cpu_writes_json_and_record(tmp_path):
+  out = tmp_path / "profile.json"
+  result = step_profile.main([
+      "--mqar", "preset=cpu,num_train_examples=256,num_test_examples=32", "--runs", "2",
+      "--steps", "2", "--trace_steps", "1", "--top", "4", "--trace_dir", str(tmp_path / "trace"),
+      "--output", str(out), "--records", str(tmp_path / "records")])
+  saved = json.loads(out.read_text())
+  assert saved["runs"] == 2 and saved["label"].startswith("MQAR palimpsa_d float32, L=32")
+  for key in ("host_batch_ms", "device_step_ms", "loop_step_ms"):
+    assert saved[key] > 0 and saved[key] == result[key]
+  (path,) = (tmp_path / "records").glob("mqar_step_profile_*.json")
+  record = json.loads(path.read_text())
+  assert record["command"].startswith("python -m benchmarks.step.profile --mqar preset=cpu")
+  assert len(record["table"]["rows"]) == 4
+  assert record["figures"]["loop_step_ms"] == pytest.approx(saved["loop_step_ms"])
+  assert any(k["source"].startswith("palimpsa_jax/") for k in saved["kernels"])
+  by_file = saved["ms_per_step_by_file"]
+  assert by_file == record["figures"]["ms_per_step_by_file"]
+  assert sum(by_file.values()) == pytest.approx(sum(k["ms_per_step"] for k in saved["kernels"]))
+  assert any(name.startswith("palimpsa_jax/ops/token_loss/") for name in by_file)
+
+
+def test_each_step_takes_its_defaults():
+  lm = step_profile.parse_args([])
+  assert (lm.mqar, lm.models, lm.size, lm.batch_size, lm.seq_len, lm.scan_layers) == (
+      None, "palimpsa_d", "170m", 4, 4096, False)
+  mqar = step_profile.parse_args(["--mqar", "--steps", "5"])
+  assert (mqar.mqar, mqar.runs, mqar.steps, mqar.size) == ("", 1, 5, None)
+  assert step_profile.parse_args(["--mqar", "model=mamba2"]).mqar == "model=mamba2"
+
+
+@pytest.mark.parametrize("argv, refusal", [
+    (["--steps", "0"], "--steps"), (["--trace_steps", "0"], "--trace_steps"),
+    (["--models", "gpt"], "--models takes one model"),
+    (["--models", "palimpsa_d,mamba2"], "--models takes one model"),
+    (["--implementation", "fast"], "--implementation"), (["--size", "1b"], "--size"),
+    (["--mqar", "--size", "tiny", "--remat"],
+     "--size, --remat: for the language model's step, not --mqar's"),
+    (["--runs", "2"], "--runs: for the MQAR step only; add --mqar")])
+def test_bad_arguments_are_refused(argv, refusal):
+  with pytest.raises(user_errors.UserError, match=re.escape(refusal)):
     step_profile.parse_args(argv)
+
+
+def test_the_command_refuses_in_one_line():
+  done = subprocess.run([sys.executable, "-m", "benchmarks.step.profile", "--runs", "2"],
+                        capture_output=True, text=True, check=False,
+                        cwd=pathlib.Path(__file__).parents[3])
+  assert (done.returncode, done.stdout) == (1, "")
+  assert done.stderr.startswith("benchmarks.step.profile: --runs: for the MQAR step only")
+  assert done.stderr.count("\n") == 1

@@ -1,0 +1,1 @@
+"""Benchmarks of one training step as a whole: the language model's and the MQAR sweep's."""
