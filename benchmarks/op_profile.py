@@ -24,8 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import op_bench, step_profile
+from benchmarks import step_profile
 from benchmarks import results as results_lib
+from benchmarks.op import timing as op_bench
 from benchmarks.train_throughput import non_negative_int, positive_int
 from palimpsa_jax.ops.palimpsa import validation
 
