@@ -280,14 +280,13 @@ def format_table(rows, with_memory) -> str:
   return "\n".join(lines)
 
 
-def compare_refs(args: argparse.Namespace, shapes: dict[str, tuple],
+def compare_refs(args: argparse.Namespace, shapes: dict[str, tuple], commits: list[str],
                  log: Callable[[str], None]) -> list[dict[str, Any]]:
   """--refs: one row per (shape, mode, ref): round times, median, speed-up over the first ref,
   difference to its outputs and gradients, and the seconds of the first call (compile and one
-  call)."""
+  call). commits: what each ref names (git_refs.describe)."""
   impl = args.impls[0] if args.impls else auto_implementation()
   dtype = jnp.dtype(args.dtype)
-  commits = [git_refs.describe(ref) for ref in args.refs]
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     roots = [git_refs.export(ref, pathlib.Path(tmp) / str(i)) for i, ref in enumerate(args.refs)]
@@ -416,7 +415,11 @@ def main(argv: list[str] | None = None) -> list:
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
   command = results_lib.command_line("op.bench", argv)
   if args.refs is not None:
-    rows = compare_refs(args, shapes, log)
+    try:
+      commits = [git_refs.describe(ref) for ref in args.refs]
+    except ValueError as error:
+      sys.exit(f"op bench: {error}")
+    rows = compare_refs(args, shapes, commits, log)
     print(format_refs_table(rows))
     if not args.no_record:
       record = results_lib.make_record(

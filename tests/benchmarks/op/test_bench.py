@@ -253,9 +253,10 @@ def test_refs_compares_two_refs_in_one_process(tmp_path):
   assert record["settings"]["refs"] == ["HEAD", "."] and len(record["table"]["rows"]) == 4
 
 
-def test_an_unknown_ref_is_named():
-  with pytest.raises(ValueError, match="--refs"):
-    git_refs.describe("no-such-ref-anywhere")
+@needs_git
+def test_an_unknown_ref_is_refused_in_one_line():
+  with pytest.raises(SystemExit, match="^op bench: --refs: 'no-such-ref-anywhere' is not a commit"):
+    bench.main(["--refs", ".", "no-such-ref-anywhere", "--no_record"])
 
 
 @pytest.mark.parametrize("argv, message", [
