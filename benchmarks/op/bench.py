@@ -396,8 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "side comparison)")
   if len(args.refs) < 2:
     parser.error(f"--refs needs at least two refs to compare, got {args.refs}")
-  if args.impls is not None and len(args.impls) != 1:
-    parser.error(f"--impls with --refs: one implementation, got {args.impls}")
+  if args.impls is not None and (len(args.impls) != 1 or args.impls[0] in FAST_IMPLS):
+    parser.error(f"--impls with --refs: one implementation of the exact op, got {args.impls}")
   args.modes, args.rounds = args.modes or ["fwd+bwd"], args.rounds or 3
   return args
 

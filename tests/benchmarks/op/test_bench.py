@@ -265,6 +265,7 @@ def test_an_unknown_ref_is_refused_in_one_line():
     (["--refs", "HEAD", ".", "--modes", "bwd"], "--modes: invalid choice"),
     (["--refs", "HEAD", ".", "--rounds", "0"], "--rounds"),
     (["--refs", "HEAD", ".", "--impls", "chunked", "sequential"], "--impls with --refs: one"),
+    (["--refs", "HEAD", ".", "--impls", "fast_palimpsa"], "--impls with --refs: one"),
     (["--refs", "HEAD", ".", "--fla", "--memory"], "--fla, --memory: not with --refs"),
     (["--rounds", "2"], "--rounds: only with --refs"),
     (["--modes", "fwd", "--rounds", "2"], "--modes and --rounds: only with --refs"),
