@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from benchmarks import results as results_lib
 from benchmarks.fast_palimpsa_tuning import (SMALL, TUNED_SHAPES, backward_candidates,
                                              describe, forward_candidates)
-from benchmarks.op_bench import SHAPES
+from benchmarks.op.timing import SHAPES
 from palimpsa_jax.ops.fast_palimpsa.gpu import fast_palimpsa_gpu
 from pallas_kernels.common import round_up
 from pallas_kernels.fast_palimpsa_gpu import reads, support

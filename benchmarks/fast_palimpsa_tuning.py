@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import results as results_lib
-from benchmarks.op_bench import SHAPES, make_inputs, rel_error, time_queued
+from benchmarks.op.timing import SHAPES, make_inputs, rel_error, time_queued
 from palimpsa_jax.ops import fast_palimpsa
 from palimpsa_jax.ops.fast_palimpsa.gpu import fast_palimpsa_gpu
 from pallas_kernels.common import round_up

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import results as results_lib
-from benchmarks.op_bench import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
-                                 time_queued)
+from benchmarks.op.timing import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, make_inputs,
+                                  time_queued)
 from pallas_kernels.common import largest_power_of_two_dividing, next_power_of_two
 from pallas_kernels.palimpsa_gpu import backward, forward, layout, make_config, palimpsa_gpu, stages
 from pallas_kernels.palimpsa_gpu.boundary_mosaic import BoundaryMosaicTiles

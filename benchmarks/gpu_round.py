@@ -7,9 +7,9 @@
 The parts, in order, each a child process (`python -m ...`) whose record goes to --out:
   tests       the compiled GPU tests of the kernels (`pytest -m gpu tests/pallas_kernels`);
               --skip_tests leaves them out. Where FLA is installed, its Triton autotuning for
-              the op shapes runs meanwhile (fla_reference.py), so that op_bench only compiles
+              the op shapes runs meanwhile (op/fla.py), so that the op bench only compiles
               the chosen configurations.
-  op          op_bench at D760, D170, K128 and MQAR: the exact op's and Fast Palimpsa's GPU
+  op          op/bench.py at D760, D170, K128 and MQAR: the exact op's and Fast Palimpsa's GPU
               kernels, FLA's chunk Gated DeltaNet where FLA is installed, float64 checks on
               the first --ref_steps steps (outputs and gradients; full lengths must be finite).
   step760     Palimpsa-D 760M as configs/lm.py ships it (8 x 4096 tokens a step), exact and
@@ -44,7 +44,7 @@ from palimpsa_jax.models import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OP_SHAPES = ("D760", "D170", "K128", "MQAR")
-# FLA's shapes for its autotuning (op_bench.SHAPES["perf"]; FLA faults at K = 16, MQAR).
+# FLA's shapes for its autotuning (op/timing.py's SHAPES["perf"]; FLA faults at K = 16, MQAR).
 FLA_SHAPES = ("D760", "D170", "K128")
 
 
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                     "mqar"),
                       help="run only these parts")
   parser.add_argument("--ref_steps", type=int, default=512,
-                      help="op_bench's float64 checks on the first N steps")
+                      help="the op bench's float64 checks on the first N steps")
   parser.add_argument("--tiny", action="store_true",
                       help="every part at tiny shapes (a check of the round on a CPU)")
   return parser.parse_args(argv)
@@ -103,7 +103,7 @@ def plan(args: argparse.Namespace, out: pathlib.Path, traces: pathlib.Path) -> l
           "fast_palimpsa_gpu", "--ref_steps", str(args.ref_steps))
     if fla:
       op += ("--fla", "fla_gated_deltanet")
-  parts.append(Part("op", ("-m", "benchmarks.op_bench", *op, *records), 250, 60))
+  parts.append(Part("op", ("-m", "benchmarks.op.bench", *op, *records), 250, 60))
   size = (("--size", "tiny", "--seq_len", "64", "--batch_size", "2") if args.tiny
           else ("--size", "760m", "--batch_size", "8"))
   steps = (("--steps", "1", "--warmup_steps", "0") if args.tiny
@@ -170,16 +170,16 @@ def shlex_join(argv) -> str:
 
 class Background:
   """FLA's Triton autotuning in a child process while the tests run (GPU kernels compile on
-  the host meanwhile); op_bench's FLA rows then only compile the tuned configurations."""
+  the host meanwhile); the op bench's FLA rows then only compile the tuned configurations."""
 
   def __init__(self, out: pathlib.Path, log):
-    from benchmarks import op_bench  # pylint: disable=import-outside-toplevel
-    shapes = [",".join(map(str, op_bench.SHAPES["perf"][name])) for name in FLA_SHAPES]
+    from benchmarks.op.timing import SHAPES  # pylint: disable=import-outside-toplevel
+    shapes = [",".join(map(str, SHAPES["perf"][name])) for name in FLA_SHAPES]
     self.log = log
     self.stream = open(out / "fla_autotune.log", "w")
     log("FLA autotuning in the background: " + ", ".join(FLA_SHAPES))
     self.process = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fla_reference", *shapes,
+        [sys.executable, "-m", "benchmarks.op.fla", *shapes,
          "--impls", "fla_gated_deltanet"], cwd=ROOT,
         env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=self.stream,
         stderr=subprocess.STDOUT, start_new_session=True)
@@ -191,7 +191,7 @@ class Background:
     except subprocess.TimeoutExpired:
       os.killpg(self.process.pid, 9)
       self.process.wait()
-      self.log("FLA autotuning stopped unfinished: op_bench tunes the rest itself")
+      self.log("FLA autotuning stopped unfinished: the op bench tunes the rest itself")
     self.stream.close()
 
 
@@ -205,7 +205,7 @@ def _rows(record: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def op_summary(out: pathlib.Path) -> str:
-  """Markdown: per shape, ms forward / forward+backward of each implementation op_bench timed,
+  """Markdown: per shape, ms forward / forward+backward of each implementation the op bench timed,
   and Fast Palimpsa's GPU kernel over FLA's Gated DeltaNet."""
   found = _records(out, "op_bench")
   if not found:

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 from benchmarks import results as results_lib
-from benchmarks.op_bench import SHAPES
+from benchmarks.op.timing import SHAPES
 
 # The stages' Mosaic GPU kernels (Mosaic appends "_mosaic_gpu_kernel" to the name).
 KERNELS = {"boundary": "palimpsa_boundary_mosaic", "walk_fwd": "palimpsa_walk_forward_mosaic",

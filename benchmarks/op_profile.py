@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import op_bench
 from benchmarks import results as results_lib
+from benchmarks.op import timing as op_bench
 from benchmarks.step import profile as step_profile
 from benchmarks.train_throughput import non_negative_int, positive_int
 from palimpsa_jax.ops.palimpsa import validation

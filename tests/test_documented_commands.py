@@ -84,7 +84,7 @@ def documented_commands(page: str) -> list[tuple[str, list[str]]]:
 
 
 def _load(program: str):
-  """The module of `program` ("train.py", "benchmarks.op_bench"), imported as a module: its
+  """The module of `program` ("train.py", "benchmarks.op.bench"), imported as a module: its
   `if __name__ == "__main__"` part does not run."""
   # pylint: disable=g-import-not-at-top
   import importlib

@@ -81,26 +81,26 @@ def test_a_whole_tiny_round_on_cpu(tmp_path):
   assert not any(p.is_dir() for p in tmp_path.iterdir())  # XLA dumps and traces removed
 
 
-def test_fla_reference_refuses_a_bad_shape(monkeypatch, capsys):
-  from benchmarks import fla_reference
-  monkeypatch.setattr(fla_reference, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(fla_reference, "_allow_hopper_backward", lambda: None)
-  monkeypatch.setattr(sys, "argv", ["fla_reference", "4,4096,16,16,32"])
+def test_fla_refuses_a_bad_shape(monkeypatch, capsys):
+  from benchmarks.op import fla
+  monkeypatch.setattr(fla, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(fla, "_allow_hopper_backward", lambda: None)
+  monkeypatch.setattr(sys, "argv", ["fla", "4,4096,16,16,32"])
   with pytest.raises(SystemExit) as exit_info:
-    fla_reference.main()
+    fla.main()
   assert exit_info.value.code == 1 and "K >= 32" in capsys.readouterr().err
 
 
 def test_the_fla_tuning_command_parses_as_the_round_writes_it(monkeypatch, capsys):
-  """The background command's shapes and --impls reach fla_reference as meant (a shape is
+  """The background command's shapes and --impls reach benchmarks.op.fla as meant (a shape is
   not taken for an implementation name)."""
-  from benchmarks import fla_reference
+  from benchmarks.op import fla
   timed = []
-  monkeypatch.setattr(fla_reference, "unavailable_reason", lambda: None)
-  monkeypatch.setattr(fla_reference, "_allow_hopper_backward", lambda: None)
-  monkeypatch.setattr(fla_reference, "time_ms", lambda impl, mode, shape: timed.append(
+  monkeypatch.setattr(fla, "unavailable_reason", lambda: None)
+  monkeypatch.setattr(fla, "_allow_hopper_backward", lambda: None)
+  monkeypatch.setattr(fla, "time_ms", lambda impl, mode, shape: timed.append(
       (impl, mode, shape)) or 1.0)
-  fla_reference.main(["4,4096,16,96,192", "4,4096,16,48,48", "--impls", "fla_gated_deltanet"])
+  fla.main(["4,4096,16,96,192", "4,4096,16,48,48", "--impls", "fla_gated_deltanet"])
   assert timed == [("fla_gated_deltanet", mode, shape)
                    for shape in ((4, 4096, 16, 96, 192), (4, 4096, 16, 48, 48))
                    for mode in ("fwd", "fwd+bwd")]

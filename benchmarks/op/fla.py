@@ -1,4 +1,4 @@
-"""FLA's chunk kernels timed on op_bench's shapes in the same process (`op_bench.py --fla`).
+"""FLA's chunk kernels timed on the op's shapes in the same process (`bench.py --fla`).
 
 The baselines a user compares the op with: FLA's chunk Gated DeltaNet (a delta-rule memory
 with a scalar gate and a scalar write strength per head and step) and chunk SimpleGLA
@@ -7,7 +7,7 @@ recurrences, so their rows carry no error against the Palimpsa reference; they g
 "x FLA Gated DeltaNet" column. Needs torch with a CUDA GPU, triton and FLA
 (fla-core and flash-linear-attention); without them the rows say why they are skipped.
 
-Inputs as op_bench's: q, k L2-normalised, bfloat16 [B, T, H, K], v [B, T, H, V], the
+Inputs as bench.py's: q, k L2-normalised, bfloat16 [B, T, H, K], v [B, T, H, V], the
 log-decay g in log((0.8, 1)) float32 [B, T, H]; Gated DeltaNet's write strength beta in
 (0, 1) [B, T, H]. Times are triton.testing.do_bench medians (CUDA events, warm-up 25 ms,
 200 ms of repetitions).
@@ -98,7 +98,7 @@ def time_ms(impl: str, mode: str, shape, seed: int = 0) -> float:
 
 
 def rows(name, shape, log, impls=IMPLS) -> tuple[list[tuple], list[str]]:
-  """op_bench rows (shape name, shape, impl, mode, ms, ms_synced, note, mem) of FLA's
+  """bench.py rows (shape name, shape, impl, mode, ms, ms_synced, note, mem) of FLA's
   kernels `impls` (of IMPLS) at `shape`, and notes for the record."""
   reason = unavailable_reason()
   if reason is None and shape[3] < MIN_K:
@@ -118,7 +118,7 @@ def rows(name, shape, log, impls=IMPLS) -> tuple[list[tuple], list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
   """Runs FLA's kernels once per shape and mode, which autotunes them: FLA keeps Triton's
-  choices in TRITON_CACHE_DIR, so a later process (op_bench --fla) compiles only those."""
+  choices in TRITON_CACHE_DIR, so a later process (bench.py --fla) compiles only those."""
   import argparse  # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
   parser.add_argument("shapes", nargs="+", help="B,T,H,K,V")
@@ -130,14 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.error(f"--impls: comma-separated names of {', '.join(IMPLS)}, got {args.impls!r}")
   reason = unavailable_reason()
   if reason is not None:
-    parser.exit(1, f"fla_reference: {reason}\n")
+    parser.exit(1, f"benchmarks.op.fla: {reason}\n")
   note = _allow_hopper_backward()
   if note:
     print(note, flush=True)
   for text in args.shapes:
     shape = tuple(int(x) for x in text.split(","))
     if len(shape) != 5 or shape[3] < MIN_K:
-      parser.exit(1, f"fla_reference: shape {text!r}: give B,T,H,K,V with K >= {MIN_K}\n")
+      parser.exit(1, f"benchmarks.op.fla: shape {text!r}: give B,T,H,K,V with K >= {MIN_K}\n")
     for impl in impls:
       for mode in ("fwd", "fwd+bwd"):
         print(f"{shape} {impl} {mode}: {time_ms(impl, mode, shape):.3f} ms", flush=True)

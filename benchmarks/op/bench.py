@@ -1,14 +1,18 @@
-"""Times every Palimpsa implementation (forward and forward+backward) in one process.
+"""How fast the Palimpsa op is: its implementations side by side, or one at several git refs.
 
-    python -m benchmarks.op_bench --shapes small            # CPU: tiny shapes, a quick check
-    python -m benchmarks.op_bench --shapes perf             # GPU/TPU: docs/gpu_performance.md's shapes
+    python -m benchmarks.op.bench --shapes small           # CPU: tiny shapes, a quick check
+    python -m benchmarks.op.bench --shapes perf            # GPU/TPU: docs/gpu_performance.md's
+    python -m benchmarks.op.bench --refs main . --shapes perf --only M170 D170 --iters 20
+    python -m benchmarks.op.bench --refs HEAD . --shapes small --impls chunked   # CPU check
 
-Every implementation is first checked against the float64 sequential reference on the same inputs
-(outputs, variance, final state; gradients on the first steps whose float64 backward fits in
---max-ref-gib, all of them when it fits), after poisoning the allocator with NaNs so a kernel
-that leaves elements unwritten fails. The float64 references are most of a large shape's time:
---ref_steps N checks outputs and gradients on the first N steps only (the full-length outputs and
-gradients must still be finite), and --ref_steps 0 skips the reference (rows say "unchecked"). Then, after warm-up, over rotating input sets, two timings:
+Side by side (the default), every implementation is first checked against the float64
+sequential reference on the same inputs (outputs, variance, final state; gradients on the
+first steps whose float64 backward fits in --max-ref-gib, all of them when it fits), after
+poisoning the allocator with NaNs so a kernel that leaves elements unwritten fails. The
+float64 references are most of a large shape's time: --ref_steps N checks outputs and
+gradients on the first N steps only (the full-length outputs and gradients must still be
+finite), and --ref_steps 0 skips the reference (rows say "unchecked"). Then, after warm-up,
+over rotating input sets, two timings:
 - "ms": per call, with --iters calls queued back to back and one block_until_ready at the end
   (median of 3 such batches). That is the device time of a call, gaps between its kernels
   included, without the host's dispatch and sync round trip; it is what triton's do_bench (the
@@ -18,62 +22,63 @@ gradients must still be finite), and --ref_steps 0 skips the reference (rows say
   On CPU the host runs the calls itself: queuing gains nothing there and the two differ by noise.
 The table gives both, element-steps/s (B*T*H*K*V per second), the speed-up over the best OTHER
 implementation in the same run (>1: this one is faster) and the fraction of the floor
-(docs/gpu_performance.md) reached (forward elem_steps / 4.2e12 s, forward+backward elem_steps / 1.2e12 s).
-`--impls ... fast_palimpsa fast_palimpsa_gpu` adds rows for Fast Palimpsa (the rank-1
-approximation, chunk = --chunk-size): its XLA matmul form and its GPU kernel, checked against
-its own float64 reference instead, whose backward keeps more per step than the exact op's
-(measured, so --max-ref-gib holds for it too). With --fla, FLA's rows join the same table.
-A record with the date, device, versions, git ref and the exact command is written to
-benchmarks/records/, and rewritten after every shape: a run stopped early keeps the shapes it
-measured (its record says which it had not reached).
+(timing.py) reached. `--impls ... fast_palimpsa fast_palimpsa_gpu` adds rows for Fast Palimpsa
+(the rank-1 approximation, chunk = --chunk-size): its XLA matmul form and its GPU kernel,
+checked against its own float64 reference instead, whose backward keeps more per step than the
+exact op's (measured, so --max-ref-gib holds for it too). With --fla, FLA's rows (fla.py) join
+the same table. A wrong or failed row makes the run exit non-zero. The record
+(op_bench_DATE.json in benchmarks/records/, with the date, device, versions, git ref and the
+exact command) is rewritten after every shape: a run stopped early keeps the shapes it measured
+(its record says which it had not reached).
+
+With --refs, one implementation (--impls NAME; default the platform's auto choice) is timed as
+it is at each git ref. The same code's forward+backward time moves by up to 9% between
+processes and machines (docs/gpu_kernel.md, "Measuring"), more than most kernel changes have to
+tell apart; within one process it holds to a few tenths of a percent. So each ref's
+palimpsa_jax and pallas_kernels are imported in turn (git_refs.py; "." is the working tree,
+uncommitted changes included), that ref's op is compiled and run once, and its outputs and
+gradients are compared with the first ref's. Then the refs are timed in --rounds interleaved
+rounds (queued calls as above). The table gives every round, the median, the speed-up over the
+first ref and the seconds of each ref's first call (its compilation, which dominates, plus one
+call); the record is op_ab_DATE.json, with the refs' commits.
 """
 
 import argparse
 import functools
+import importlib
+import pathlib
 import statistics
 import sys
+import tempfile
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import fla_reference
 from benchmarks import results as results_lib
+from benchmarks.op import fla, git_refs
+from benchmarks.op.timing import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, fwd_bwd_fn,
+                                  fwd_fn, make_inputs, output_cotangent, poison, rel_error,
+                                  state_gib, temp_mib, time_fn, time_queued)
+from benchmarks.train_throughput import non_negative_int, positive_int
 from palimpsa_jax.ops import fast_palimpsa, palimpsa
 from palimpsa_jax.ops.fast_palimpsa import reference_fast_palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
 from palimpsa_jax.ops.palimpsa.api import auto_implementation
 
-# (B, T, H, K, V)
-SHAPES = {
-    "perf": {
-        "D170": (4, 4096, 16, 48, 48),
-        "M170": (4, 4096, 16, 48, 96),
-        "D760": (4, 4096, 16, 96, 192),
-        "MQAR": (64, 1024, 8, 16, 32),
-        "D64": (4, 4096, 16, 64, 64),
-        "D760p2": (4, 4096, 16, 128, 256),
-        "P2700": (4, 4096, 20, 128, 256),  # 2.7B's heads
-        "K128": (4, 4096, 16, 128, 128),
-    },
-    "small": {
-        "tiny": (1, 256, 2, 16, 16),
-        "tail": (2, 200, 2, 16, 32),
-        "wide": (1, 128, 2, 32, 64),
-    },
-}
-FWD_FLOOR_RATE = 4.2e12  # element-steps/s, reciprocal-bound (docs/gpu_performance.md)
-FWD_BWD_FLOOR_RATE = 1.2e12
-INPUT_NAMES = ("q", "k", "v", "beta", "log_alpha", "prior_precision")
 # The --impls names of Fast Palimpsa's rows (another op, checked against its own reference)
 # and the fast_palimpsa implementation each runs.
 FAST_IMPLS = {"fast_palimpsa": "chunked", "fast_palimpsa_gpu": "pallas_gpu"}
 FAST = "fast_palimpsa"
+MODES = ("fwd", "fwd+bwd")
+# The records' benchmark names (benchmarks/render_records.py selects them): side by side, refs.
+RECORD, REFS_RECORD = "op_bench", "op_ab"
 
 
 def _fast_op(*args, implementation, **kwargs):
-  """fast_palimpsa under op_bench's calling convention; implementation: a FAST_IMPLS name."""
+  """fast_palimpsa under this benchmark's calling convention; implementation: a FAST_IMPLS name."""
   return fast_palimpsa(*args, implementation=FAST_IMPLS[implementation], **kwargs)
 
 
@@ -82,44 +87,6 @@ def default_implementations() -> list[str]:
   impls = ["sequential", "associative", "chunked"]
   kernel = auto_implementation()
   return impls if kernel in impls else impls + [kernel]
-
-
-def make_inputs(seed, shape, dtype):
-  """Benchmark inputs: q, k L2-normalised, alpha in (0.8, 1), beta in (0, 1), Ip in (0.5, 2)."""
-  b, t, h, kd, vd = shape
-  keys = jax.random.split(jax.random.key(seed), 6)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(keys[0], (b, t, h, kd)))
-  k = unit(jax.random.normal(keys[1], (b, t, h, kd)))
-  v = jax.random.normal(keys[2], (b, t, h, vd))
-  beta = jax.nn.sigmoid(jax.random.normal(keys[3], (b, t, h, vd)))
-  log_alpha = jnp.log(jax.random.uniform(keys[4], (b, t, h), minval=0.8, maxval=1.0))
-  ip = jax.random.uniform(keys[5], (h,), minval=0.5, maxval=2.0)
-  return tuple(x.astype(dtype) for x in (q, k, v, beta, log_alpha, ip))
-
-
-def fwd_fn(impl, chunk_size, variance, op=palimpsa):
-  """(out, [variance,] mu, precision) of `op` (palimpsa, or another version of it)."""
-  @jax.jit
-  def f(*args):
-    r = op(*args, return_variance=variance, implementation=impl, chunk_size=chunk_size)
-    return (r.out,) + ((r.variance,) if variance else ()) + (r.state.mu, r.state.precision)
-  return f
-
-
-def fwd_bwd_fn(impl, chunk_size, op=palimpsa):
-  """(loss, gradients of the 6 inputs) of loss = sum(out * cot), out from `op`.
-
-  The loss is returned so that the forward's readout is computed too: with jax.grad
-  alone XLA drops it (the backward only needs the saved states).
-  """
-  @jax.jit
-  def f(args, cot):
-    def loss(*a):
-      r = op(*a, implementation=impl, chunk_size=chunk_size)
-      return jnp.sum(r.out.astype(jnp.float32) * cot)
-    return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
-  return f
 
 
 @functools.partial(jax.jit, static_argnames=("with_grads", "fast_chunk"))
@@ -142,50 +109,6 @@ def reference(args, cot, with_grads, fast_chunk=None):
     res, grads = _reference(a64, jnp.asarray(np.asarray(cot), jnp.float64), with_grads,
                             fast_chunk)
     return jax.tree.map(np.asarray, (res, grads))
-
-
-def rel_error(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  err = float(np.max(np.abs(x - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-  return err if np.isfinite(err) else float("inf")
-
-
-def poison(nbytes: int):
-  """Fills and frees a NaN buffer so a following allocation likely reuses NaN memory."""
-  jnp.full((max(nbytes // 4, 1),), jnp.nan, jnp.float32).block_until_ready()
-
-
-def _warm_up(fn, arg_sets, calls) -> None:
-  """Runs fn `calls` times over the rotating argument sets, blocking on each."""
-  for i in range(calls):
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-
-
-def time_fn(fn, arg_sets, warmup, iters) -> float:
-  """Median milliseconds of single calls of fn (each blocked on), rotating argument sets."""
-  _warm_up(fn, arg_sets, warmup)
-  times = []
-  for i in range(iters):
-    args = arg_sets[i % len(arg_sets)]
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
-
-
-def time_queued(fn, arg_sets, warmup, iters, batches=3) -> float:
-  """Milliseconds per call of fn with `iters` calls queued back to back (median of batches).
-
-  One block at the end of each batch, so the host's dispatch overlaps the device's work:
-  this is the device time of a call, like triton.testing.do_bench's CUDA-event timing.
-  """
-  _warm_up(fn, arg_sets, warmup)
-  per_call = []
-  for _ in range(batches):
-    start = time.perf_counter()
-    jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(iters)])
-    per_call.append((time.perf_counter() - start) / iters)
-  return 1e3 * statistics.median(per_call)
 
 
 def reference_gib_per_step(shape, fast_chunk=None) -> float:
@@ -226,22 +149,12 @@ def reference_steps(shape, max_ref_gib, chunk_size, fast_chunk=None, cap=None) -
   return int(min(shape[1], cap or shape[1], max(chunk_size, fit)))
 
 
-def state_gib(shape, bytes_per=4) -> float:
-  b, t, h, kd, vd = shape
-  return b * t * h * kd * vd * bytes_per / 2**30
-
-
-def temp_mib(fn, *args) -> float:
-  stats = fn.lower(*args).compile().memory_analysis()
-  return float("nan") if stats is None else stats.temp_size_in_bytes / 2**20
-
-
 def bench_shape(name, shape, impls, args, log):
   """Returns rows (shape, impl, mode, ms, error, temp_mib or nan) for one shape."""
   dtype = jnp.dtype(args.dtype)
   fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)
   arg_sets = [make_inputs(s, shape, dtype) for s in range(args.rotate)]
-  cot = jax.random.normal(jax.random.key(99), shape[:3] + (shape[4],), jnp.float32)
+  cot = output_cotangent(shape)
   # The float64 backward stores every state: check gradients on the first ref_t steps if
   # needed (each op's reference its own ref_t). --ref_steps caps the forward's check too.
   cap = getattr(args, "ref_steps", None)
@@ -329,7 +242,7 @@ def bench_shape(name, shape, impls, args, log):
 
 
 def format_table(rows, with_memory) -> str:
-  """The markdown table of bench_shape's (and fla_reference's) rows. "speed-up vs best
+  """The markdown table of bench_shape's (and fla.rows') rows. "speed-up vs best
   other" compares the Palimpsa implementations; with FLA's rows, "x FLA Gated DeltaNet" is
   FLA's time over this row's (>1: this one is faster)."""
   with_fla = any(r[2] == "fla_gated_deltanet" and r[4] is not None for r in rows)
@@ -345,21 +258,21 @@ def format_table(rows, with_memory) -> str:
   lines = [header, sep]
   for name, shape, impl, mode, ms, ms_synced, err, mem in rows:
     steps = float(np.prod(shape))
-    fla = impl in fla_reference.IMPLS
+    is_fla = impl in fla.IMPLS
     if ms is None:
       cells = ["-", "-", "-", "-", "-", err]
     else:
       others = [r[4] for r in rows if r[0] == name and r[3] == mode and r[2] != impl
-                and r[2] not in fla_reference.IMPLS and r[4] is not None]
-      ratio = f"{min(others) / ms:.2f}x" if others and not fla else "-"
+                and r[2] not in fla.IMPLS and r[4] is not None]
+      ratio = f"{min(others) / ms:.2f}x" if others and not is_fla else "-"
       floor_ms = 1e3 * steps / (FWD_FLOOR_RATE if mode == "fwd" else FWD_BWD_FLOOR_RATE)
       synced = "-" if ms_synced is None else f"{ms_synced:.3f}"
       cells = [f"{ms:.3f}", synced, f"{steps / (ms * 1e-3):.2e}", ratio,
-               "-" if fla else f"{floor_ms / ms:.3g}", err]
+               "-" if is_fla else f"{floor_ms / ms:.3g}", err]
     if with_fla:
       gdn = [r[4] for r in rows if r[0] == name and r[3] == mode
              and r[2] == "fla_gated_deltanet" and r[4] is not None]
-      cells.append(f"{gdn[0] / ms:.2f}x" if gdn and ms is not None and not fla else "-")
+      cells.append(f"{gdn[0] / ms:.2f}x" if gdn and ms is not None and not is_fla else "-")
     line = f"| {name} | {shape} | {impl} | {mode} | " + " | ".join(cells) + " |"
     if with_memory:
       line += f" {'-' if mem is None else f'{mem:.1f}'} |"
@@ -367,16 +280,85 @@ def format_table(rows, with_memory) -> str:
   return "\n".join(lines)
 
 
-def main():
+def compare_refs(args: argparse.Namespace, shapes: dict[str, tuple], commits: list[str],
+                 log: Callable[[str], None]) -> list[dict[str, Any]]:
+  """--refs: one row per (shape, mode, ref): round times, median, speed-up over the first ref,
+  difference to its outputs and gradients, and the seconds of the first call (compile and one
+  call). commits: what each ref names (git_refs.describe)."""
+  impl = args.impls[0] if args.impls else auto_implementation()
+  dtype = jnp.dtype(args.dtype)
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    roots = [git_refs.export(ref, pathlib.Path(tmp) / str(i)) for i, ref in enumerate(args.refs)]
+    for name, shape in shapes.items():
+      sets = [make_inputs(s, shape, dtype) for s in range(args.rotate)]
+      cot = output_cotangent(shape)
+      for mode in args.modes:
+        calls = [tuple(s) for s in sets] if mode == "fwd" else [(s, cot) for s in sets]
+        fns, outs, first_call_s = [], [], []
+        for ref, root in zip(args.refs, roots):
+          log(f"[{name} {mode}] {ref}: compiling")
+          with git_refs.packages_from(root):
+            ref_palimpsa = importlib.import_module("palimpsa_jax.ops").palimpsa
+            fn = (fwd_fn(impl, args.chunk_size, False, op=ref_palimpsa) if mode == "fwd"
+                  else fwd_bwd_fn(impl, args.chunk_size, op=ref_palimpsa))
+            start = time.perf_counter()
+            outs.append(jax.tree.map(np.asarray, fn(*calls[0])))
+            first_call_s.append(time.perf_counter() - start)
+          fns.append(fn)
+        times = [[] for _ in fns]
+        for round_ in range(args.rounds):
+          for fn, ref_times in zip(fns, times):
+            ref_times.append(time_queued(fn, calls, args.warmup, args.iters))
+          log(f"[{name} {mode}] round {round_ + 1}/{args.rounds}: "
+              + ", ".join(f"{t[-1]:.3f}" for t in times) + " ms")
+        base = statistics.median(times[0])
+        for ref, commit, ref_times, out, first_s in zip(args.refs, commits, times, outs,
+                                                        first_call_s):
+          median = statistics.median(ref_times)
+          difference = max(rel_error(g, w) for g, w in zip(jax.tree.leaves(out),
+                                                           jax.tree.leaves(outs[0])))
+          rows.append(dict(shape=name, dims=shape, mode=mode, impl=impl, ref=ref,
+                           commit=commit, ms=ref_times, median_ms=median,
+                           speed_up=base / median, max_rel_difference=difference,
+                           first_call_s=first_s))
+  return rows
+
+
+def format_refs_table(rows: list[dict[str, Any]]) -> str:
+  """The markdown table of compare_refs' rows."""
+  lines = ["| shape | (B, T, H, K, V) | mode | ref | commit | ms per round | median ms | "
+           "x first ref | max rel. difference to first ref | first call s (compile) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    rounds = ", ".join(f"{t:.3f}" for t in r["ms"])
+    lines.append(f"| {r['shape']} | {r['dims']} | {r['mode']} | {r['ref']} | {r['commit']} | "
+                 f"{rounds} | {r['median_ms']:.3f} | {r['speed_up']:.4f} | "
+                 f"{r['max_rel_difference']:.1e} | {r['first_call_s']:.1f} |")
+  return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", choices=sorted(SHAPES), default="small")
   parser.add_argument("--only", nargs="*", help="shape names to run (default: all of the set)")
-  parser.add_argument("--impls", nargs="*", help="implementations (default: all for the platform)")
+  parser.add_argument("--impls", nargs="*",
+                      help="implementations (default: all for the platform; with --refs one, "
+                      "default the platform's auto choice)")
   parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-  parser.add_argument("--chunk-size", type=int, default=64)
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--rotate", type=int, default=3, help="distinct input sets cycled through")
+  parser.add_argument("--chunk-size", type=positive_int, default=64)
+  parser.add_argument("--warmup", type=non_negative_int, default=2)
+  parser.add_argument("--iters", type=positive_int, default=10,
+                      help="calls per timing (queued calls per batch)")
+  parser.add_argument("--rotate", type=positive_int, default=3,
+                      help="distinct input sets cycled through")
+  parser.add_argument("--refs", nargs="+",
+                      help="time one implementation as it is at these git refs, in one process "
+                      "(the first is the baseline; '.' is the working tree)")
+  parser.add_argument("--modes", nargs="+", choices=MODES,
+                      help="with --refs: what is timed (default fwd+bwd)")
+  parser.add_argument("--rounds", type=positive_int,
+                      help="with --refs: interleaved timing rounds over the refs (default 3)")
   parser.add_argument("--memory", action="store_true", help="also report compiled temp memory")
   parser.add_argument("--variance", action="store_true",
                       help="forward also returns the variance (checked and timed)")
@@ -384,26 +366,46 @@ def main():
                       help="skip implementations that store every state beyond this")
   parser.add_argument("--max-ref-gib", type=float, default=16.0,
                       help="memory for the float64 reference backward (fewer steps if needed)")
-  parser.add_argument("--ref_steps", type=int, default=None,
+  parser.add_argument("--ref_steps", type=non_negative_int, default=None,
                       help="check outputs and gradients against float64 on the first N steps "
                       "only (0: no float64 check, outputs only checked finite); default: "
                       "outputs on all steps, gradients on as many as fit --max-ref-gib")
   results_lib.add_record_flags(parser)
-  parser.add_argument("--fla", nargs="*", choices=fla_reference.IMPLS,
+  parser.add_argument("--fla", nargs="*", choices=fla.IMPLS,
                       help="also time FLA's chunk Gated DeltaNet and SimpleGLA (torch, CUDA); "
                       "names choose among them (each costs a minute or two of Triton "
                       "autotuning per shape, unless TRITON_CACHE_DIR holds an earlier "
                       "run's tuning)")
   parser.add_argument("--note", default="", help="a line recorded with the results")
-  args = parser.parse_args()
-
-  if args.ref_steps is not None and args.ref_steps < 0:
-    parser.error(f"--ref_steps must be >= 0, got {args.ref_steps}")
-  impls = args.impls or default_implementations()
+  args = parser.parse_args(argv)
   unknown = sorted(set(args.only or ()) - set(SHAPES[args.shapes]))
   if unknown:
     parser.error(f"--only {' '.join(unknown)}: not in --shapes {args.shapes} "
                  f"(its shapes: {', '.join(SHAPES[args.shapes])})")
+  if args.refs is None:
+    given = [flag for flag, value in (("--modes", args.modes), ("--rounds", args.rounds))
+             if value is not None]
+    if given:
+      parser.error(f"{' and '.join(given)}: only with --refs")
+    return args
+  side_by_side = [flag for flag, given in (
+      ("--fla", args.fla is not None), ("--memory", args.memory),
+      ("--variance", args.variance), ("--ref_steps", args.ref_steps is not None)) if given]
+  if side_by_side:
+    parser.error(f"{', '.join(side_by_side)}: not with --refs (they belong to the side by "
+                 "side comparison)")
+  if len(args.refs) < 2:
+    parser.error(f"--refs needs at least two refs to compare, got {args.refs}")
+  if args.impls is not None and (len(args.impls) != 1 or args.impls[0] in FAST_IMPLS):
+    parser.error(f"--impls with --refs: one implementation of the exact op, got {args.impls}")
+  args.modes, args.rounds = args.modes or ["fwd+bwd"], args.rounds or 3
+  return args
+
+
+def main(argv: list[str] | None = None) -> list:
+  """Runs the benchmark of argv (default sys.argv[1:]); returns its rows."""
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse_args(argv)
   shapes = {n: s for n, s in SHAPES[args.shapes].items() if not args.only or n in args.only}
   start = time.perf_counter()  # Each line says when it came: where a long run spends its time.
   log = lambda msg: print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr,
@@ -411,9 +413,31 @@ def main():
   device = jax.devices()[0]
   record_date = results_lib.utc_now()  # One record per run, dated when it began.
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  command = results_lib.command_line("op.bench", argv)
+  if args.refs is not None:
+    try:
+      commits = [git_refs.describe(ref) for ref in args.refs]
+    except ValueError as error:
+      sys.exit(f"op bench: {error}")
+    rows = compare_refs(args, shapes, commits, log)
+    print(format_refs_table(rows))
+    if not args.no_record:
+      record = results_lib.make_record(
+          REFS_RECORD, f"op bench at refs {' '.join(args.refs)}: {args.shapes} shapes, "
+          f"{args.dtype} inputs, {rows[0]['impl']}", command, device=device.device_kind,
+          table=format_refs_table(rows), date=record_date,
+          settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size,
+                    "refs": args.refs},
+          notes=[f"chunk_size {args.chunk_size}; {args.rounds} interleaved rounds, each ref "
+                 f"{args.iters} calls queued per batch after {args.warmup} warm-up calls "
+                 f"(median of 3 batches), {args.rotate} rotating input sets; all refs in one "
+                 "process"] + ([args.note] if args.note else []))
+      log(f"wrote {results_lib.write_record(record, args.records)}")
+    return rows
+
+  impls = args.impls or default_implementations()
   rows, fla_notes, record_path = [], set(), None
-  fla_versions = fla_reference.versions() if args.fla is not None else None
-  command = results_lib.command_line("op_bench", sys.argv[1:])
+  fla_versions = fla.versions() if args.fla is not None else None
   notes = [f"chunk_size {args.chunk_size}, {args.warmup} warm-up calls, {args.rotate} "
            f"rotating input sets, forward {'with' if args.variance else 'without'} variance, "
            + ("float64 checks on all steps (gradients as --max-ref-gib allows)"
@@ -431,7 +455,7 @@ def main():
     partial = ([f"partial: the run had not reached {', '.join(not_reached)} when this was "
                 "written"] if not_reached else [])
     record = results_lib.make_record(
-        "op_bench", f"op_bench {args.shapes} shapes, {args.dtype} inputs", command,
+        RECORD, f"op bench {args.shapes} shapes, {args.dtype} inputs", command,
         device=device.device_kind, table=format_table(rows, args.memory), date=record_date,
         settings={"shapes": args.shapes, "dtype": args.dtype, "chunk_size": args.chunk_size},
         notes=notes + sorted(fla_notes) + ([args.note] if args.note else []) + partial,
@@ -444,8 +468,7 @@ def main():
     later = list(shapes)[i + 1:]
     if args.fla is not None:  # Saved before FLA's rows too: they take minutes per shape.
       save([f"FLA's rows of {name}"] + later)
-      fla_rows, new_notes = fla_reference.rows(name, shape, log,
-                                               args.fla or fla_reference.IMPLS)
+      fla_rows, new_notes = fla.rows(name, shape, log, args.fla or fla.IMPLS)
       rows += fla_rows
       fla_notes.update(new_notes)
     save(later)
@@ -454,7 +477,9 @@ def main():
     log(f"wrote {record_path}")
   failed = [f"{r[0]} {r[2]} {r[3]}" for r in rows if str(r[6]).startswith(("WRONG", "FAILED"))]
   if failed:
-    sys.exit(f"op_bench: wrong or failed rows: {', '.join(failed)}")
+    sys.exit(f"op bench: wrong or failed rows: {', '.join(failed)}")
+  return rows
+
 
 if __name__ == "__main__":
   main()
