@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   table = render(rows, args.batch, args.seq_len)
   print(table)
   if not args.no_record:
-    command = results_lib.command_line("activation_bytes",
+    command = results_lib.command_line("benchmarks.activation_bytes",
                                        sys.argv[1:] if argv is None else argv)
     record = results_lib.make_record(
         "activation_bytes", "Bytes a block keeps for its backward, per token and layer",

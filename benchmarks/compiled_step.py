@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = results_lib.make_record(
         "compiled_step", f"compiled_step {row['model']} {args.size}, {args.batch_size} x "
         f"{args.seq_len} tokens ({own.target}, compiled on a CPU host)",
-        results_lib.command_line("compiled_step", argv_used), table=table,
+        results_lib.command_line("benchmarks.compiled_step", argv_used), table=table,
         figures={k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
         device=row["device"], num_devices=1, backend="cuda (compiled on a CPU host)",
         settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,

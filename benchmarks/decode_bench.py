@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   device_kind = jax.devices()[0].device_kind
   argv_used = sys.argv[1:] if argv is None else argv
-  command = results_lib.command_line("decode_bench", argv_used)
+  command = results_lib.command_line("benchmarks.decode_bench", argv_used)
   result = {"date": results_lib.utc_now(), "device": device_kind,
             "backend": jax.default_backend(), "jax": jax.__version__, "git": results_lib.git_ref(),
             "command": command, "size": args.size, "prefill_chunk": decoding.PREFILL_CHUNK,

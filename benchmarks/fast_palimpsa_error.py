@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Measures every (inputs, chunk size) row; returns {"rows", "table"}."""
   args = parse_args(argv)
   argv_used = sys.argv[1:] if argv is None else argv
-  command = results_lib.command_line("fast_palimpsa_error", argv_used)
+  command = results_lib.command_line("benchmarks.fast_palimpsa_error", argv_used)
   cases = [(kind, synthetic_inputs(kind, args.shape, args.seed))
            for kind in ("random", "beta const V", "beta k^2 const")]
   if args.checkpoint:

@@ -165,7 +165,7 @@ def main(argv=None):
   if not args.no_record:
     record = results_lib.make_record(
         "fast_palimpsa_registers", "Fast Palimpsa kernels' registers and spills (ptxas, sm_90a)",
-        results_lib.command_line("fast_palimpsa_registers", argv), table=table,
+        results_lib.command_line("benchmarks.fast_palimpsa_registers", argv), table=table,
         settings=dict(only=args.only, chunks=args.chunks, variance=args.variance,
                       candidates=args.candidates, target="H100 (compiled on a CPU host)"))
     print(f"record: {results_lib.write_record(record, args.records)}", file=sys.stderr)

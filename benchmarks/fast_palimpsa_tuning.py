@@ -228,7 +228,7 @@ def main(argv=None):
   log = lambda msg: print(f"[{clock():7.1f} s] {msg}", file=sys.stderr, flush=True)
   shapes = SMALL if args.shapes == "small" else SHAPES["perf"]
   names = args.only or TUNED_SHAPES[args.shapes]
-  command = results_lib.command_line("fast_palimpsa_tuning", argv)
+  command = results_lib.command_line("benchmarks.fast_palimpsa_tuning", argv)
   rows, path = [], None
   # Chunk-major: every shape at the default chunk before any other chunk.
   for chunk in args.chunks:

@@ -242,7 +242,7 @@ def main():
     record = results_lib.make_record(
         "gpu_kernel_bench", f"gpu_kernel_bench {' '.join(args_ns.shapes)}"
         + (" (tile sweep)" if args_ns.sweep else ""),
-        results_lib.command_line("gpu_kernel_bench", sys.argv[1:]),
+        results_lib.command_line("benchmarks.gpu_kernel_bench", sys.argv[1:]),
         settings={"shapes": args_ns.shapes, "sweep": args_ns.sweep, "dtype": "bfloat16"},
         table="\n".join([TABLE_HEADER, *rows]),
         notes=["stages each jitted alone with the base tiles; fwd and fwd+bwd: the whole kernel "

@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   table = summary_table(outcomes)
   ops = op_summary(out)
   print(f"\n{table}" + (f"\n\n{ops}" if ops else ""), flush=True)
-  command = results_lib.command_line("gpu_round", sys.argv[1:] if argv is None else argv)
+  command = results_lib.command_line("benchmarks.gpu_round", sys.argv[1:] if argv is None else argv)
   record = results_lib.make_record(
       "gpu_round", "gpu_round: kernels' GPU tests, op, 760M step and profile, MQAR step",
       command, date=date, table=table, settings={"tiny": args.tiny,

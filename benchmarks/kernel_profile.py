@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
   if not args.no_record:
     record = results_lib.make_record(
         "kernel_profile", f"kernel_profile: {title}",
-        results_lib.command_line("kernel_profile", argv or sys.argv[1:]),
+        results_lib.command_line("benchmarks.kernel_profile", argv or sys.argv[1:]),
         settings={"shape": args.shape, "stage": args.stage},
         table=opcodes, backend="gpu", device=args.device or None,
         notes=["ncu --clock-control none, one launch; per entry and step = executed warp "

@@ -206,7 +206,7 @@ def main(argv=None) -> dict:
   work.mkdir(parents=True)
   # No JAX backend in this process: it would take the accelerator's memory from train.py.
   result = {"date": results_lib.utc_now(),
-            "command": results_lib.command_line("lm_workflow", argv or sys.argv[1:]),
+            "command": results_lib.command_line("benchmarks.lm_workflow", argv or sys.argv[1:]),
             "model": args.model, "size": args.size,
             "tokens_per_step": args.batch * args.seq_len}
   report = out / "lm_workflow.json"

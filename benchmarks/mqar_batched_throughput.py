@@ -192,7 +192,7 @@ def main(argv=None) -> None:
           "single_steps_per_sec": done["single"]["total_steps_per_sec"],
           "speedup_over_one_single_process": (done["batched"]["total_steps_per_sec"]
                                               / done["single"]["total_steps_per_sec"])}
-  command = results_lib.command_line("mqar_batched_throughput",
+  command = results_lib.command_line("benchmarks.mqar_batched_throughput",
                                      sys.argv[1:] if argv is None else argv)
   result = {"command": command, "measurements": records, "summary": summary}
   text = json.dumps(result, indent=2)

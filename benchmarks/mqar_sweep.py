@@ -519,7 +519,7 @@ def main(argv=None) -> None:
                   args.two_stage, args.time_budget)
   else:
     report(root, None if args.no_record else args.records or root,
-           results_lib.command_line("mqar_sweep", sys.argv[1:] if argv is None else argv))
+           results_lib.command_line("benchmarks.mqar_sweep", sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

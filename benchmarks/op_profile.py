@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from benchmarks import results as results_lib
 from benchmarks.op import timing as op_bench
 from benchmarks.step import profile as step_profile
-from benchmarks.train_throughput import non_negative_int, positive_int
+from benchmarks.results import non_negative_int, positive_int
 from palimpsa_jax.ops.palimpsa import validation
 
 MODES = ("fwd", "fwd+bwd")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   device = jax.devices()[0]
   result = {"shape": args.shape, "dims": shape, "implementation": args.impl,
             "device": device.device_kind, "jax": jax.__version__,
-            "command": results_lib.command_line("op_profile",
+            "command": results_lib.command_line("benchmarks.op_profile",
                                                  sys.argv[1:] if argv is None else argv),
             "modes": {}}
   for mode in args.modes:

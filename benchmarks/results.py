@@ -33,9 +33,30 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDS = pathlib.Path(__file__).with_name("records")
 
 
-def command_line(benchmark: str, argv: Sequence[str], python: str = "python") -> str:
-  """The shell command that reruns a benchmark module with `argv`, as a record stores it."""
-  return shlex.join([python, "-m", f"benchmarks.{benchmark}", *argv])
+def command_line(module: str, argv: Sequence[str], python: str = "python") -> str:
+  """The shell command that reruns the benchmark module (its dotted path) with `argv`, as a
+  record stores it."""
+  return shlex.join([python, "-m", module, *argv])
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+  if value < low:
+    raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+  return value
+
+
+def positive_int(text: str) -> int:
+  """argparse type for counts >= 1 (argparse's error names the flag)."""
+  return _int_at_least(text, 1, "positive")
+
+
+def non_negative_int(text: str) -> int:
+  """argparse type for counts >= 0."""
+  return _int_at_least(text, 0, ">= 0")
 
 
 def positive_ints(text: str) -> list[int]:

@@ -255,7 +255,7 @@ def write_record(result: dict, args: argparse.Namespace, log) -> None:
   notes.append(f"aliased for the authors' code: {', '.join(result['compat']) or 'nothing'}")
   record = results_lib.make_record(
       "torch_interop", "torch_interop (the authors' PyTorch models against ours)",
-      results_lib.command_line("torch_interop", sys.argv[1:], python="python3"),
+      results_lib.command_line("benchmarks.torch_interop", sys.argv[1:], python="python3"),
       settings={"batch": args.batch, "seq_len": args.seq_len}, table=table,
       versions={"torch": result["torch"], "transformers": result["transformers"],
                 "fla": result["fla"]},

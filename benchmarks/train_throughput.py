@@ -44,6 +44,7 @@ import ml_collections
 import numpy as np
 
 from benchmarks import results as results_lib
+from benchmarks.results import non_negative_int, positive_int
 from palimpsa_jax import models
 from palimpsa_jax.models import registry
 from palimpsa_jax.ops.gated_delta_rule import validation as gated_delta_validation
@@ -67,26 +68,6 @@ MESHES = {"data": dict(data=-1, fsdp=1, tensor=1),
 
 def log(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
-
-
-def _int_at_least(text: str, low: int, what: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-  if value < low:
-    raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-  return value
-
-
-def positive_int(text: str) -> int:
-  """argparse type for counts >= 1 (argparse's error names the flag)."""
-  return _int_at_least(text, 1, "positive")
-
-
-def non_negative_int(text: str) -> int:
-  """argparse type for counts >= 0."""
-  return _int_at_least(text, 0, ">= 0")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -463,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.compilation_cache_dir:
     compile_cache.configure(args.compilation_cache_dir)
   argv_used = sys.argv[1:] if argv is None else argv
-  command = results_lib.command_line("train_throughput", argv_used)
+  command = results_lib.command_line("benchmarks.train_throughput", argv_used)
   now = results_lib.utc_now()
   result = {"date": now, "device": device_kind, "num_devices": len(devices),
             "backend": jax.default_backend(), "jax": jax.__version__,

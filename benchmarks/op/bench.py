@@ -62,7 +62,7 @@ from benchmarks.op import fla, git_refs
 from benchmarks.op.timing import (FWD_BWD_FLOOR_RATE, FWD_FLOOR_RATE, SHAPES, fwd_bwd_fn,
                                   fwd_fn, make_inputs, output_cotangent, poison, rel_error,
                                   state_gib, temp_mib, time_fn, time_queued)
-from benchmarks.train_throughput import non_negative_int, positive_int
+from benchmarks.results import non_negative_int, positive_int
 from palimpsa_jax.ops import fast_palimpsa, palimpsa
 from palimpsa_jax.ops.fast_palimpsa import reference_fast_palimpsa
 from palimpsa_jax.ops.palimpsa import reference_palimpsa
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> list:
   device = jax.devices()[0]
   record_date = results_lib.utc_now()  # One record per run, dated when it began.
   log(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-  command = results_lib.command_line("op.bench", argv)
+  command = results_lib.command_line("benchmarks.op.bench", argv)
   if args.refs is not None:
     try:
       commits = [git_refs.describe(ref) for ref in args.refs]

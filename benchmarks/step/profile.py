@@ -46,7 +46,7 @@ import numpy as np
 from benchmarks import mqar_sweep
 from benchmarks import results as results_lib
 from benchmarks import train_throughput
-from benchmarks.train_throughput import non_negative_int, positive_int
+from benchmarks.results import non_negative_int, positive_int
 from palimpsa_jax import user_errors
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.models import registry
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   print(f"{step.label}, {device.device_kind}, jax {jax.__version__}; compile "
         f"{step.compile_s:.1f} s\n\n{summary}\n\n{files}\n\n"
         f"{format_table(rows, args.top, traced_ms)}", flush=True)
-  command = results_lib.command_line(PROGRAM.removeprefix("benchmarks."),
+  command = results_lib.command_line(PROGRAM,
                                      sys.argv[1:] if argv is None else argv)
   result = {"label": step.label, **step.settings, "device": device.device_kind,
             "jax": jax.__version__, "command": command, "compile_s": step.compile_s, **times,
