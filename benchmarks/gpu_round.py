@@ -111,7 +111,7 @@ def plan(args: argparse.Namespace, out: pathlib.Path, traces: pathlib.Path) -> l
   for precision in ("exact", "rank1"):
     dump = out / f"xla_{precision}"
     parts.append(Part(
-        f"step760 {precision}", ("-m", "benchmarks.train_throughput", "--models", registry.DEFAULT,
+        f"step760 {precision}", ("-m", "benchmarks.step.throughput", "--models", registry.DEFAULT,
                                  *size, "--as_shipped", "--precision", precision, *steps,
                                  *records), 70, 45,
         (("XLA_FLAGS", f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "

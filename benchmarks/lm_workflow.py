@@ -16,7 +16,7 @@ In order, each stage adding to OUT/lm_workflow.json as it completes:
    have run;
 4. train, warm: the same command again: it resumes from the last checkpoint, with the cache warm,
    and finishes; the losses of the steps both runs made are compared;
-5. benchmark: `benchmarks/train_throughput.py` on the same model and batch.
+5. benchmark: `benchmarks/step/throughput.py` on the same model and batch.
 The JSON gives compile_s and the time to the first step of both starts, train.py's tokens/s
 (median of the logged intervals of the warm run, and overall) against the benchmark's, and the
 logs of every command.
@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
   save("warm start")
 
   bench_json = out / "train_throughput.json"
-  run_logged([sys.executable, "-m", "benchmarks.train_throughput", "--models", args.model,
+  run_logged([sys.executable, "-m", "benchmarks.step.throughput", "--models", args.model,
               "--size", args.size, "--seq_len", str(args.seq_len),
               "--batch_size", str(args.batch), "--steps", "10", "--warmup_steps", "3",
               "--output", str(bench_json),

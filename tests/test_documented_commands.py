@@ -166,7 +166,7 @@ def _groups() -> dict[str, list[tuple[str, str, list[str]]]]:
 def test_the_pages_give_commands_of_every_kind():
   groups = _groups()
   assert set(ABSL) - {"palimpsa_jax.conversion.torch_models"} <= set(groups)
-  assert any(program == "benchmarks.mqar_sweep" for _, program, _ in groups["argparse programs"])
+  assert any(program == "benchmarks.mqar.sweep" for _, program, _ in groups["argparse programs"])
   conversion = [argv for page, _, argv in groups["train.py"]
                 if page == "docs/results/conversion.md"]
   assert len(conversion) == 4  # the pretraining and the three fine-tunings, $MQ resolved

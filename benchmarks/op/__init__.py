@@ -1,1 +1,1 @@
-"""The op's benchmarks: how fast it is (bench), their shared shapes and timing (timing)."""
+"""Benchmarks of the op alone: speed side by side or across git refs, profiles, tuning, error."""

@@ -1,1 +1,2 @@
-"""Benchmarks of one training step as a whole: the language model's and the MQAR sweep's."""
+"""Benchmarks of a training step (and a decoding step) as a whole: speed, profile, compiled
+memory and traffic, activation bytes, the model-size tables."""

@@ -6,7 +6,7 @@
     python -m benchmarks.step.profile --mqar model=mamba2,dtype=bfloat16 --runs 12
     python -m benchmarks.step.profile --mqar preset=cpu --steps 5 --trace_steps 2     # CPU
 
-The step is a language model's train step as benchmarks/train_throughput.py builds it (its
+The step is a language model's train step as benchmarks/step/throughput.py builds it (its
 model flags; random tokens), or with --mqar CONFIG the MQAR sweep's batched step
 (palimpsa_jax/training/batched.py) for --runs runs of one configs/mqar.py config (CONFIG: its
 arguments, preset=paper unless given), run i at the paper's i-th learning rate and seed i // 4.
@@ -43,9 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import mqar_sweep
+from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks import results as results_lib
-from benchmarks import train_throughput
+from benchmarks.step import throughput as train_throughput
 from benchmarks.results import non_negative_int, positive_int
 from palimpsa_jax import user_errors
 from palimpsa_jax.data import tasks as tasks_lib
@@ -345,7 +345,7 @@ class Step:
 
 
 def language_model_step(args: argparse.Namespace) -> Step:
-  """The train step of benchmarks/train_throughput.py for args' model, on one device."""
+  """The train step of benchmarks/step/throughput.py for args' model, on one device."""
   throughput_args = train_throughput.parse_args([
       "--size", args.size, "--seq_len", str(args.seq_len), "--batch_size",
       str(args.batch_size), "--num_devices", "1"] + (["--remat"] if args.remat else []))

@@ -36,7 +36,7 @@ from jax._src.ad_checkpoint import saved_residuals
 # (kept_bytes x layers x tokens, plus one block's bytes without remat when rematerialised):
 # what XLA adds to the arrays the backward reads. Palimpsa-D 760M, 8 x 4096 tokens, scanned,
 # the compiled step's memory analysis for an H100 (XLA's GPU compiler on a CPU host,
-# benchmarks/compiled_step.py; 2026-12-06, records compiled_step_*: the same analysis a GPU's
+# benchmarks/step/compiled.py; 2026-12-06, records compiled_step_*: the same analysis a GPU's
 # compile gives): 1.12 exact and 1.21 rank1 without remat, 1.15 exact and 1.27 rank1 with
 # remat_saves="matmuls_readouts_and_states"; the largest, rounded up.
 # tests/models/test_activation_memory.py holds this to the newest such record of each.

@@ -65,8 +65,8 @@ class Mixer:
     metaplasticity: config.metaplasticity (every layer metaplastic) of its models.
     label: its name in tables and plots.
     color: its matplotlib colour in plots.
-    paper_mqar: whether the paper's MQAR comparison trains it (benchmarks/mqar_sweep.py).
-    throughput: whether benchmarks/train_throughput.py times it by default.
+    paper_mqar: whether the paper's MQAR comparison trains it (benchmarks/mqar/sweep.py).
+    throughput: whether benchmarks/step/throughput.py times it by default.
   """
   kind: str
   metaplasticity: bool
@@ -210,13 +210,13 @@ MIXERS = {
 }
 # The project's own mixer: the configs' default model, and the benchmarks' where they time one.
 DEFAULT = "palimpsa_d"
-# Throughput ratios are step times over this mixer's (benchmarks/train_throughput.py).
+# Throughput ratios are step times over this mixer's (benchmarks/step/throughput.py).
 BASELINE = "mamba2"
-# The softmax-attention baseline (benchmarks/decode_bench.py compares decoding with it).
+# The softmax-attention baseline (benchmarks/step/decode.py compares decoding with it).
 ATTENTION = "transformer"
 # The mixers of the paper's MQAR comparison, in MIXERS' order.
 PAPER_MQAR = tuple(name for name, mixer in MIXERS.items() if mixer.paper_mqar)
-# The mixers benchmarks/train_throughput.py times by default, in MIXERS' order.
+# The mixers benchmarks/step/throughput.py times by default, in MIXERS' order.
 THROUGHPUT = tuple(name for name, mixer in MIXERS.items() if mixer.throughput)
 # The kinds with metaplasticity (the Palimpsa op's mixers).
 METAPLASTIC_KINDS = tuple(name for name, family in KINDS.items() if family.metaplastic)

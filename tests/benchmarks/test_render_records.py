@@ -13,7 +13,7 @@ _TABLE = "| model | implementation | scanned | step ms (median) | tokens/s |\n|-
 def _record(date, rows, size="170m", **extra):
   return {"benchmark": "train_throughput", "title": "t", "date": date, "device": "NVIDIA H200",
           "num_devices": 1, "backend": "gpu", "versions": {"jax": "0.11.2"}, "git_ref": None,
-          "command": "python -m benchmarks.train_throughput", "notes": [], "figures": None,
+          "command": "python -m benchmarks.step.throughput", "notes": [], "figures": None,
           "settings": {"size": size, "batch_size": 4, "seq_len": 4096, "remat": False,
                        "context_parallel": False, **extra},
           "table": results_lib.parse_table(_TABLE + "\n".join(rows))}

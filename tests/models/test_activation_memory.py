@@ -49,7 +49,7 @@ def test_shipped_760m_config_fits_one_80_gb_gpu(precision):
 def _measured_760m_steps() -> list[tuple[str, str | None, float]]:
   """(precision, remat_saves or None, peak GiB): the newest measured compiled step of
   Palimpsa-D 760M at 8 x 4096 for each precision and remat, from the GPU's train-step records
-  (benchmarks/train_throughput.py) and the compiled-step records (benchmarks/compiled_step.py:
+  (benchmarks/step/throughput.py) and the compiled-step records (benchmarks/step/compiled.py:
   the same memory analysis from XLA's GPU compiler on a CPU host). The newest is the one that
   measured the code as it is; older ones measured what the model kept before."""
   newest = {}
@@ -84,7 +84,7 @@ def test_estimate_holds_to_the_measured_steps(measured):
   and at most 15% above it: COMPILED_OVER_TRACED is the records' ratio."""
   if measured is None:
     pytest.skip("no record of Palimpsa-D 760M's compiled step at 8 x 4096 yet "
-                "(python -m benchmarks.gpu_round or benchmarks.compiled_step writes one)")
+                "(python -m benchmarks.gpu_round or benchmarks.step.compiled writes one)")
   precision, saves, peak = measured
   config = model_config("palimpsa_d", "760m", dtype="bfloat16", precision=precision)
   estimate = activation_memory.estimated_step_gib(config, 8, 4096, saves)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-# jax.ad_checkpoint.print_saved_residuals' engine (benchmarks/activation_bytes.py says why).
+# jax.ad_checkpoint.print_saved_residuals' engine (benchmarks/step/activation_bytes.py says why).
 from jax._src.ad_checkpoint import saved_residuals
 
 from palimpsa_jax.layers.readout import READOUT, named_readout

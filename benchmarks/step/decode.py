@@ -1,7 +1,7 @@
 """Decoding speed of Palimpsa-D against Transformer++: the path generate.py runs.
 
-    python -m benchmarks.decode_bench        # 170m, batch 1 and 64, prompts of 512 and 8192 tokens
-    python -m benchmarks.decode_bench --size tiny --batches 1,2 --prompt_lengths 16,32 --no_record
+    python -m benchmarks.step.decode        # 170m, batch 1 and 64, prompts of 512 and 8192 tokens
+    python -m benchmarks.step.decode --size tiny --batches 1,2 --prompt_lengths 16,32 --no_record
 
 Each model is built at --size with random initial weights (bf16 compute, f32 parameters, the
 default op implementation: the Pallas kernel on a GPU for Palimpsa-D's prefill). For every
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   device_kind = jax.devices()[0].device_kind
   argv_used = sys.argv[1:] if argv is None else argv
-  command = results_lib.command_line("benchmarks.decode_bench", argv_used)
+  command = results_lib.command_line("benchmarks.step.decode", argv_used)
   result = {"date": results_lib.utc_now(), "device": device_kind,
             "backend": jax.default_backend(), "jax": jax.__version__, "git": results_lib.git_ref(),
             "command": command, "size": args.size, "prefill_chunk": decoding.PREFILL_CHUNK,

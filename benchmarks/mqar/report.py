@@ -1,8 +1,8 @@
 """The MQAR sweep's results: each run's outcome, the best-lr statistics, tables and plots.
 
-`collect` reads every run under a sweep root (benchmarks/mqar_sweep.py: one workdir per run,
+`collect` reads every run under a sweep root (benchmarks/mqar/sweep.py: one workdir per run,
 the files of a train.py run); the rest turns those per-run dicts into the report that
-`mqar_sweep.py collect` prints, saves (results.json) and plots, and into the run table of
+`mqar/sweep.py collect` prints, saves (results.json) and plots, and into the run table of
 its record (benchmarks/results.py; rendered into docs/results/mqar.md).
 """
 

@@ -1,6 +1,6 @@
 """MQAR training steps/s: many runs batched in one process vs one run per process.
 
-    python -m benchmarks.mqar_batched_throughput --output $OUT/mqar_batched_throughput.json
+    python -m benchmarks.mqar.batched_throughput --output $OUT/mqar_batched_throughput.json
 
 Per mixer, in the paper's MQAR setting (configs/mqar.py:preset=paper) at one
 (seq_len, kv): the single-run trainer (trainer.train_and_evaluate, train.py's
@@ -29,11 +29,11 @@ import sys
 import tempfile
 import time
 
-from benchmarks import mqar_sweep
+from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks import results as results_lib
 from palimpsa_jax.models import registry
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 LEARNING_RATES = mqar_sweep.LEARNING_RATES
 # Retries of a failed batched measurement: (extra XLA flag, implementation).
@@ -88,7 +88,7 @@ def child(args: argparse.Namespace) -> None:
 def measure(mode: str, mixer: str, runs: int, impl: str, xla_flag: str,
             args: argparse.Namespace, timeout_s: float) -> dict:
   """Runs one child; its result, or the error (last lines of its output)."""
-  command = [sys.executable, "-m", "benchmarks.mqar_batched_throughput", "--child",
+  command = [sys.executable, "-m", "benchmarks.mqar.batched_throughput", "--child",
              f"--mode={mode}", f"--model={mixer}", f"--runs={runs}", f"--impl={impl}",
              f"--setting={args.setting}", f"--steps={args.steps}",
              f"--single_steps={args.single_steps}"]
@@ -192,7 +192,7 @@ def main(argv=None) -> None:
           "single_steps_per_sec": done["single"]["total_steps_per_sec"],
           "speedup_over_one_single_process": (done["batched"]["total_steps_per_sec"]
                                               / done["single"]["total_steps_per_sec"])}
-  command = results_lib.command_line("benchmarks.mqar_batched_throughput",
+  command = results_lib.command_line("benchmarks.mqar.batched_throughput",
                                      sys.argv[1:] if argv is None else argv)
   result = {"command": command, "measurements": records, "summary": summary}
   text = json.dumps(result, indent=2)

@@ -1,4 +1,4 @@
-"""benchmarks/fast_palimpsa_error.py on CPU: tiny synthetic shapes and a tiny Palimpsa-D."""
+"""benchmarks/op/fast_palimpsa_error.py on CPU: tiny synthetic shapes and a tiny Palimpsa-D."""
 
 import json
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from benchmarks import fast_palimpsa_error
+from benchmarks.op import fast_palimpsa_error
 from palimpsa_jax import models
 from palimpsa_jax.ops import palimpsa
 

@@ -1,9 +1,9 @@
-"""benchmarks/mqar_batched_throughput.py: the record of the measured rates."""
+"""benchmarks/mqar/batched_throughput.py: the record of the measured rates."""
 
 import argparse
 import json
 
-from benchmarks import mqar_batched_throughput
+from benchmarks.mqar import batched_throughput as mqar_batched_throughput
 
 
 def _measured(mode, runs, impl, total):

@@ -1,10 +1,10 @@
-"""benchmarks/decode_bench.py end to end on CPU with a tiny model."""
+"""benchmarks/step/decode.py end to end on CPU with a tiny model."""
 
 import json
 
 import pytest
 
-from benchmarks import decode_bench
+from benchmarks.step import decode as decode_bench
 
 
 def test_main_writes_table_json_plot_and_results(tmp_path):

@@ -1,7 +1,7 @@
 """Bytes one block keeps for its backward, per token, for every mixer and size: traced on CPU.
 
-    python -m benchmarks.activation_bytes                                  # every model, size
-    python -m benchmarks.activation_bytes --models palimpsa_d --sizes 760m --precision rank1
+    python -m benchmarks.step.activation_bytes                                  # every model, size
+    python -m benchmarks.step.activation_bytes --models palimpsa_d --sizes 760m --precision rank1
 
 For each model and size, one Block of the language model at batch x seq_len tokens is traced
 (never compiled or run, so any size takes seconds on a CPU) and the arrays its backward keeps
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   table = render(rows, args.batch, args.seq_len)
   print(table)
   if not args.no_record:
-    command = results_lib.command_line("benchmarks.activation_bytes",
+    command = results_lib.command_line("benchmarks.step.activation_bytes",
                                        sys.argv[1:] if argv is None else argv)
     record = results_lib.make_record(
         "activation_bytes", "Bytes a block keeps for its backward, per token and layer",

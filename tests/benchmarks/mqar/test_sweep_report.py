@@ -1,8 +1,9 @@
-"""benchmarks/mqar_sweep_report.py: collect's record of the runs, and its view in the docs."""
+"""benchmarks/mqar/report.py: collect's record of the runs, and its view in the docs."""
 
 import json
 
-from benchmarks import mqar_sweep, render_records
+from benchmarks import render_records
+from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks import results as results_lib
 
 

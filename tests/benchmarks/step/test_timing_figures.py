@@ -1,4 +1,4 @@
-"""The timing figures of benchmarks/train_throughput.py and decode_bench.py on a fake clock.
+"""The timing figures of benchmarks/step/throughput.py and step/decode.py on a fake clock.
 
 Each test replaces the script's `time` by a clock that moves only while a fake train step runs
 or a fake token is made, so the expected figures follow from the step times chosen here.
@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from benchmarks import decode_bench
-from benchmarks import train_throughput
+from benchmarks.step import decode as decode_bench
+from benchmarks.step import throughput as train_throughput
 
 
 def _fake_built_step(step_seconds, clock):

@@ -1,10 +1,10 @@
-"""benchmarks/activation_bytes.py: the guard on Palimpsa-D 760M's activation bytes, the table."""
+"""benchmarks/step/activation_bytes.py: the guard on Palimpsa-D 760M's activation bytes, the table."""
 
 import json
 
 import pytest
 
-from benchmarks import activation_bytes
+from benchmarks.step import activation_bytes
 
 # Bytes per token and layer that Palimpsa-D 760M's block may keep for its backward without
 # remat at 8 x 4096 tokens (docs/activation_memory.md): at 19 layers and 32,768
@@ -42,5 +42,5 @@ def test_table_and_record(tmp_path, capsys):
   (path,) = tmp_path.glob("activation_bytes_*.json")
   record = json.loads(path.read_text())
   assert record["settings"]["sizes"] == ["170m"]
-  assert record["command"].startswith("python -m benchmarks.activation_bytes --models")
+  assert record["command"].startswith("python -m benchmarks.step.activation_bytes --models")
   assert len(record["table"]["rows"]) == 2

@@ -1,6 +1,6 @@
 """How far Fast Palimpsa is from the exact op: relative error of the output and every gradient.
 
-  python -m benchmarks.fast_palimpsa_error --checkpoint /tmp/fp_mqar
+  python -m benchmarks.op.fast_palimpsa_error --checkpoint /tmp/fp_mqar
 
 For chunk sizes 16, 32, 64 and four kinds of input, runs `fast_palimpsa` and `palimpsa` on the
 same inputs and prints rel = ||approx - exact|| / ||exact|| (L2 over the whole array) for the
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
   """Measures every (inputs, chunk size) row; returns {"rows", "table"}."""
   args = parse_args(argv)
   argv_used = sys.argv[1:] if argv is None else argv
-  command = results_lib.command_line("benchmarks.fast_palimpsa_error", argv_used)
+  command = results_lib.command_line("benchmarks.op.fast_palimpsa_error", argv_used)
   cases = [(kind, synthetic_inputs(kind, args.shape, args.seed))
            for kind in ("random", "beta const V", "beta k^2 const")]
   if args.checkpoint:

@@ -1,18 +1,18 @@
 """A train step compiled for a GPU on a host without one: its memory and its XLA traffic.
 
-    python -m benchmarks.compiled_step --size 760m --batch_size 8 --as_shipped
-    python -m benchmarks.compiled_step --size 760m --batch_size 4 --scan_layers on \\
+    python -m benchmarks.step.compiled --size 760m --batch_size 8 --as_shipped
+    python -m benchmarks.step.compiled --size 760m --batch_size 4 --scan_layers on \\
         --hlo_out /tmp/step.hlo --top 30
-    python -m benchmarks.compiled_step --mqar model=palimpsa_d    # the MQAR paper step
+    python -m benchmarks.step.compiled --mqar model=palimpsa_d    # the MQAR paper step
 
-Takes benchmarks/train_throughput.py's model arguments (one model, --models palimpsa_d by
+Takes benchmarks/step/throughput.py's model arguments (one model, --models palimpsa_d by
 default), builds the train step as it does and compiles it with XLA's GPU compiler for the
---target GPU described in benchmarks/gpu_targets/ (no GPU is used: only abstract shapes), or
+--target GPU described in benchmarks/step/gpu_targets/ (no GPU is used: only abstract shapes), or
 with --mqar the MQAR sweep's step of one run as `benchmarks.step.profile --mqar` builds it
 (--mqar takes the same configs/mqar.py arguments, preset=paper unless given), then
 prints the compiled step's memory analysis (what the GPU would allocate: the figures the GPU
 records' "temp GiB" and "peak GiB" columns hold) and the bytes its non-GEMM fusions and copies
-move, by source line (benchmarks/hlo_traffic.py). Needs jax's CUDA plugin importable, not a
+move, by source line (benchmarks/step/hlo_traffic.py). Needs jax's CUDA plugin importable, not a
 GPU: the `jax-cuda12-pjrt` and `jax-cuda12-plugin` wheels of the installed jax version (checked
 with 0.11.2), e.g. `pip install --target /tmp/cuda_plugin jax-cuda12-pjrt==0.11.2
 jax-cuda12-plugin==0.11.2` and `PYTHONPATH=/tmp/cuda_plugin`, which leaves the environment
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from benchmarks import hlo_traffic
+from benchmarks.step import hlo_traffic
 from benchmarks import results as results_lib
-from benchmarks import train_throughput
+from benchmarks.step import throughput as train_throughput
 from benchmarks.step import profile as step_profile
 from palimpsa_jax import models
 from palimpsa_jax.models import registry
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     record = results_lib.make_record(
         "compiled_step", f"compiled_step {row['model']} {args.size}, {args.batch_size} x "
         f"{args.seq_len} tokens ({own.target}, compiled on a CPU host)",
-        results_lib.command_line("benchmarks.compiled_step", argv_used), table=table,
+        results_lib.command_line("benchmarks.step.compiled", argv_used), table=table,
         figures={k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()},
         device=row["device"], num_devices=1, backend="cuda (compiled on a CPU host)",
         settings={"size": args.size, "batch_size": args.batch_size, "seq_len": args.seq_len,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "as_shipped": args.as_shipped, "target": own.target,
                   **({"mqar_config": own.mqar} if own.mqar else {})},
         notes=[f"GB: operands read plus outputs written by XLA's non-GEMM fusions and copies "
-               f"(benchmarks/hlo_traffic.py); ms at the target's {bandwidth} GB/s, a floor "
+               f"(benchmarks/step/hlo_traffic.py); ms at the target's {bandwidth} GB/s, a floor "
                "on their time, not a timing"])
     print(f"record: {results_lib.write_record(record, args.records)}")
   return row

@@ -1,11 +1,12 @@
-"""benchmarks/hlo_traffic.py on programs compiled here, and compiled_step's refusal without a
+"""benchmarks/step/hlo_traffic.py on programs compiled here, and compiled_step's refusal without a
 CUDA compiler."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import compiled_step, hlo_traffic
+from benchmarks.step import compiled as compiled_step
+from benchmarks.step import hlo_traffic
 
 
 def _rows(fn, *args):

@@ -1,6 +1,6 @@
 """The bytes an optimized XLA program's fusions and copies move, by the source line behind each.
 
-    python -m benchmarks.hlo_traffic DUMP.txt [--top 40] [--by line|fusion]
+    python -m benchmarks.step.hlo_traffic DUMP.txt [--top 40] [--by line|fusion]
 
 Reads the text of a compiled program (`compiled.as_text()`, or an XLA dump's
 `*after_optimizations.txt`) and counts, for every non-GEMM fusion and copy, the bytes of its

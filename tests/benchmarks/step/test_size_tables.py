@@ -1,8 +1,8 @@
-"""benchmarks/size_tables.py on CPU: a tiny stage end to end, the budget, the rendering."""
+"""benchmarks/step/size_tables.py on CPU: a tiny stage end to end, the budget, the rendering."""
 
 import json
 
-from benchmarks import size_tables
+from benchmarks.step import size_tables
 
 
 def test_tiny_stage_rows_and_table(tmp_path):

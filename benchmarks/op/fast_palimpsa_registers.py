@@ -1,7 +1,7 @@
 """Registers and spills of Fast Palimpsa's Mosaic GPU kernels, compiled for an H100 on a CPU host.
 
     PYTHONPATH=/path/to/cuda_plugin JAX_PLATFORMS=cpu \
-        python -m benchmarks.fast_palimpsa_registers [--only D760 K128] [--chunks 64] [--candidates]
+        python -m benchmarks.op.fast_palimpsa_registers [--only D760 K128] [--chunks 64] [--candidates]
 
 Mosaic GPU writes a kernel's PTX when XLA compiles the program (not when it lowers it), and
 runs ptxas on it then. So this compiles the op's forward+backward (`fast_palimpsa_gpu`,
@@ -165,7 +165,7 @@ def main(argv=None):
   if not args.no_record:
     record = results_lib.make_record(
         "fast_palimpsa_registers", "Fast Palimpsa kernels' registers and spills (ptxas, sm_90a)",
-        results_lib.command_line("benchmarks.fast_palimpsa_registers", argv), table=table,
+        results_lib.command_line("benchmarks.op.fast_palimpsa_registers", argv), table=table,
         settings=dict(only=args.only, chunks=args.chunks, variance=args.variance,
                       candidates=args.candidates, target="H100 (compiled on a CPU host)"))
     print(f"record: {results_lib.write_record(record, args.records)}", file=sys.stderr)

@@ -1,9 +1,9 @@
 """The model-size tables of docs/results/training.md, measured in one call within a time budget.
 
-    python -m benchmarks.size_tables --output_dir OUT --budget_s 530
-    python -m benchmarks.size_tables --render OUT/size_tables.json   # the markdown tables
+    python -m benchmarks.step.size_tables --output_dir OUT --budget_s 530
+    python -m benchmarks.step.size_tables --render OUT/size_tables.json   # the markdown tables
 
-Stages, most important first, each a benchmarks/train_throughput.py process (bf16 compute, f32
+Stages, most important first, each a benchmarks/step/throughput.py process (bf16 compute, f32
 parameters, configs/lm.py optimizer, random tokens) whose rows are merged into
 OUT/size_tables.json as soon as it ends:
   760m       the five mixers at 760M, scanned layers + remat (x Mamba2 within the stage);
@@ -27,7 +27,7 @@ import time
 from benchmarks import results as results_lib
 from palimpsa_jax.models import registry
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The paper's five mixers: the baseline first, then the ones train_throughput times by default.
 FIVE = ",".join(dict.fromkeys((registry.BASELINE, *registry.THROUGHPUT, *registry.PAPER_MQAR)))
@@ -54,11 +54,11 @@ def log(message: str) -> None:
 
 def run_stage(name: str, flags: list[str], seconds: float, out: pathlib.Path,
               records: str | None = None) -> dict:
-  """One train_throughput.py process; its rows (as far as it got) and status. A stage that
+  """One step/throughput.py process; its rows (as far as it got) and status. A stage that
   completes writes its record to `records` (None: no record)."""
   output = out / f"size_tables_{name}.json"  # In the run's own folder: runs never share it.
   output.unlink(missing_ok=True)
-  command = [sys.executable, "-m", "benchmarks.train_throughput", *COMMON, *flags,
+  command = [sys.executable, "-m", "benchmarks.step.throughput", *COMMON, *flags,
              "--output", str(output), *(["--records", records] if records else ["--no_record"])]
   log(f"{name}: $ {shlex.join(command)} (at most {seconds:.0f} s)")
   start = time.perf_counter()
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     _, flags, least, most = known[name]
     left = args.budget_s - (time.perf_counter() - start)
     if left < least:
-      result["stages"][name] = {"command": "python -m benchmarks.train_throughput "
+      result["stages"][name] = {"command": "python -m benchmarks.step.throughput "
                                            + shlex.join(COMMON + flags),
                                 "status": f"skipped: {max(left, 0):.0f} s left of the budget"}
       continue

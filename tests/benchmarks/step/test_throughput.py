@@ -1,10 +1,10 @@
-"""benchmarks/train_throughput.py end to end on CPU with tiny models."""
+"""benchmarks/step/throughput.py end to end on CPU with tiny models."""
 
 import json
 
 import pytest
 
-from benchmarks import train_throughput
+from benchmarks.step import throughput as train_throughput
 
 
 def test_run_plan_compares_palimpsa_d_implementations():
@@ -60,7 +60,7 @@ def test_main_writes_table_results_and_json(tmp_path, capsys):
   assert "| mamba2 | auto | yes |" in printed and "| palimpsa_d | chunked | no |" in printed
   (path,) = records.glob("train_throughput_*.json")
   record = json.loads(path.read_text())
-  assert record["command"].startswith("python -m benchmarks.train_throughput ")
+  assert record["command"].startswith("python -m benchmarks.step.throughput ")
   assert "--compare_implementations chunked" in record["command"]
   assert "kernels on the global batch" in record["notes"][0] and not result["kernel_sharding"]
   assert record["settings"]["size"] == "tiny" and "15B tokens" in record["notes"][1]

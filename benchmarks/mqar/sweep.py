@@ -12,29 +12,29 @@ from its checkpoints, so it can be stopped at any time (SIGTERM, e.g. from
 `timeout`, or Ctrl-C checkpoints every running run first) and started again:
 
   # the whole grid on one GPU, in slots: repeat until `status` shows 0 left
-  timeout -k 60 1440 python -m benchmarks.mqar_sweep run --root runs/mqar_sweep
+  timeout -k 60 1440 python -m benchmarks.mqar.sweep run --root runs/mqar_sweep
   # a slot of 10 minutes on a machine that keeps no files: stop after 8 minutes of training
   # (exit code 75: run again), pack the latest checkpoints into parts of at most 15 MiB,
   # carry them to the next slot and unpack them there (docs/mqar.md, "Short GPU slots")
-  python -m benchmarks.mqar_sweep run --root R --time_budget 8 ...; \
-    python -m benchmarks.mqar_sweep pack --root R --carry OUT ...
-  python -m benchmarks.mqar_sweep unpack --root R --carry OUT
+  python -m benchmarks.mqar.sweep run --root R --time_budget 8 ...; \
+    python -m benchmarks.mqar.sweep pack --root R --carry OUT ...
+  python -m benchmarks.mqar.sweep unpack --root R --carry OUT
   # two-stage: each cell's learning rate from seed-0 runs, then seeds 1, 2 at it
-  timeout -k 60 1440 python -m benchmarks.mqar_sweep run --root runs/mqar_sweep --two_stage
+  timeout -k 60 1440 python -m benchmarks.mqar.sweep run --root runs/mqar_sweep --two_stage
   # one worker (shard of the cells) per GPU
-  python -m benchmarks.mqar_sweep run --root runs/mqar_sweep --gpus 0,1
+  python -m benchmarks.mqar.sweep run --root runs/mqar_sweep --gpus 0,1
   # shortened: fewer examples / epochs, one seed, one setting
-  python -m benchmarks.mqar_sweep run --root R --seeds 0 --settings 512:128 --epochs 8
+  python -m benchmarks.mqar.sweep run --root R --seeds 0 --settings 512:128 --epochs 8
   # runs finished / running / left, steps done, GPU time left at the measured rates
-  python -m benchmarks.mqar_sweep status --root runs/mqar_sweep
+  python -m benchmarks.mqar.sweep status --root runs/mqar_sweep
   # results.json, accuracy.png and accuracy_vs_step.png under ROOT, a record of every
   # run (unfinished runs count with their best evaluation so far) beside them, or for the
   # project's sweep into the records rendered into docs/results/mqar.md
-  python -m benchmarks.mqar_sweep collect --root runs/mqar_sweep --records benchmarks/records
+  python -m benchmarks.mqar.sweep collect --root runs/mqar_sweep --records benchmarks/records
 
 `status`, `collect`, `list` and `pack` take the same grid flags as `run`. The plot
 shows, per mixer and setting, mean +- std over seeds of each seed's best
-accuracy over learning rates (`collect`'s report: benchmarks/mqar_sweep_report.py).
+accuracy over learning rates (`collect`'s report: benchmarks/mqar/report.py).
 """
 
 import argparse
@@ -53,10 +53,10 @@ import tarfile
 import time
 
 from benchmarks import results as results_lib
-from benchmarks.mqar_sweep_report import read_run_metrics, report
+from benchmarks.mqar.report import read_run_metrics, report
 from palimpsa_jax.models import registry
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 MIXERS = registry.PAPER_MQAR  # The paper's MQAR comparison (registry.Mixer.paper_mqar).
 SETTINGS = ((512, 128), (1024, 256))
@@ -496,7 +496,7 @@ def main(argv=None) -> None:
       with mps_daemon(args.mps):
         workers = []
         for i, gpu in enumerate(gpus):
-          command = [sys.executable, "-m", "benchmarks.mqar_sweep", "run", f"--root={root}",
+          command = [sys.executable, "-m", "benchmarks.mqar.sweep", "run", f"--root={root}",
                      f"--models={','.join(mixers)}", f"--settings={args.settings}",
                      f"--lrs={args.lrs}", f"--seeds={args.seeds}",
                      f"--shard={i}/{len(gpus)}"]
@@ -519,7 +519,7 @@ def main(argv=None) -> None:
                   args.two_stage, args.time_budget)
   else:
     report(root, None if args.no_record else args.records or root,
-           results_lib.command_line("benchmarks.mqar_sweep", sys.argv[1:] if argv is None else argv))
+           results_lib.command_line("benchmarks.mqar.sweep", sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

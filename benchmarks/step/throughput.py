@@ -1,10 +1,10 @@
 """End-to-end training throughput of the paper's models (targets: docs/gpu_performance.md).
 
-    python -m benchmarks.train_throughput                       # 4 models at 170m, 4 x 4096 tokens
-    python -m benchmarks.train_throughput --compare_implementations pallas_gpu,chunked
-    python -m benchmarks.train_throughput --mesh fsdp --num_devices 2
-    python -m benchmarks.train_throughput --models palimpsa_d --context_parallel  # A/B
-    python -m benchmarks.train_throughput --models palimpsa_d --size 760m --batch_size 8 --as_shipped
+    python -m benchmarks.step.throughput                       # 4 models at 170m, 4 x 4096 tokens
+    python -m benchmarks.step.throughput --compare_implementations pallas_gpu,chunked
+    python -m benchmarks.step.throughput --mesh fsdp --num_devices 2
+    python -m benchmarks.step.throughput --models palimpsa_d --context_parallel  # A/B
+    python -m benchmarks.step.throughput --models palimpsa_d --size 760m --batch_size 8 --as_shipped
 
 Each model is built from `models.model_config` (bf16 compute, f32 parameters)
 and trained with the real LM recipe (configs/lm.py: AdamW, schedule, clipping,
@@ -58,7 +58,7 @@ from palimpsa_jax.training import state as state_lib
 from palimpsa_jax.training import steps as steps_lib
 from palimpsa_jax.training import trainer
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LM_CONFIG = ROOT / "configs" / "lm.py"
 PAPER_TOKENS = 15e9  # The paper's 170M pretraining run (docs/models.md, sizes and recipe).
 MESHES = {"data": dict(data=-1, fsdp=1, tensor=1),
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   if args.compilation_cache_dir:
     compile_cache.configure(args.compilation_cache_dir)
   argv_used = sys.argv[1:] if argv is None else argv
-  command = results_lib.command_line("benchmarks.train_throughput", argv_used)
+  command = results_lib.command_line("benchmarks.step.throughput", argv_used)
   now = results_lib.utc_now()
   result = {"date": now, "device": device_kind, "num_devices": len(devices),
             "backend": jax.default_backend(), "jax": jax.__version__,

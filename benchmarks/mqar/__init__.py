@@ -1,0 +1,1 @@
+"""MQAR sweep: runs, their report and the batched trainer's throughput."""
