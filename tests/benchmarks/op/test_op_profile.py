@@ -1,10 +1,42 @@
-"""benchmarks/kernel_profile.py: parsing ncu's exported pages, the summary, arguments."""
+"""benchmarks/op/profile.py: a CPU run of the trace's two modes; parsing ncu's exported pages
+and their summary; argument checks."""
 
 import json
 
 import pytest
 
-from benchmarks import kernel_profile
+from benchmarks import step_profile
+from benchmarks.op import profile
+
+
+def test_cpu_run_profiles_both_modes(tmp_path):
+  out = tmp_path / "profile.json"
+  result = profile.main([
+      "--shapes", "small", "--shape", "tiny", "--impl", "chunked", "--calls", "2",
+      "--warmup", "1", "--top", "5", "--trace_dir", str(tmp_path / "trace"),
+      "--output", str(out), "--records", str(tmp_path / "records")])
+  saved = json.loads(out.read_text())
+  assert saved == json.loads(json.dumps(result))
+  assert saved["dims"] == [1, 256, 2, 16, 16] and set(saved["modes"]) == {"fwd", "fwd+bwd"}
+  for mode in saved["modes"].values():
+    kernels = mode["kernels"]
+    assert mode["wall_ms"] > 0 and kernels
+    assert all(k["ms_per_step"] >= 0 for k in kernels)
+    assert {k["category"] for k in kernels} <= set(step_profile.CATEGORIES)
+    assert any(k["source"].startswith("palimpsa_jax/ops/") for k in kernels)
+  # The backward adds kernels of its own.
+  assert len(saved["modes"]["fwd+bwd"]["kernels"]) > len(saved["modes"]["fwd"]["kernels"])
+  records = [json.loads(p.read_text()) for p in sorted((tmp_path / "records").glob("*.json"))]
+  assert all(r["benchmark"] == "op_profile" and r["command"].startswith(
+      "python -m benchmarks.op.profile --shapes small") for r in records)
+  assert sorted(r["settings"]["mode"] for r in records) == ["fwd", "fwd+bwd"]
+  for record in records:
+    mode = saved["modes"][record["settings"]["mode"]]
+    assert record["figures"]["wall_ms_per_call"] == mode["wall_ms"]
+    assert len(record["table"]["rows"]) == min(5, len(mode["kernels"]))
+    assert record["table"]["rows"][0][0] == mode["kernels"][0]["name"][:60]
+
+
 
 # A piece of an ncu details page, as `ncu --import R --page details` prints it.
 DETAILS = """\
@@ -48,7 +80,7 @@ ROWS = [("FFMA R1, R2, R3, R4", 2 * MQAR_ENTRY_STEPS, 0, 3, 5),
 
 
 def test_details_page_values_units_and_first_of_repeats():
-  metrics = kernel_profile.parse_details(DETAILS)
+  metrics = profile.parse_details(DETAILS)
   assert metrics["Duration"] == (9.92, "ms")
   assert metrics["Elapsed Cycles"] == (4775576.0, "cycle")
   assert metrics["Executed Instructions"] == (7143364753.0, "inst")
@@ -57,7 +89,7 @@ def test_details_page_values_units_and_first_of_repeats():
 
 
 def test_source_page_counts_opcodes_stalls_and_the_hottest_block():
-  counts = kernel_profile.parse_source(source_page(ROWS))
+  counts = profile.parse_source(source_page(ROWS))
   assert counts.opcodes == {"FFMA": 2 * MQAR_ENTRY_STEPS, "FMUL": 2 * MQAR_ENTRY_STEPS,
                             "MUFU": 2 * MQAR_ENTRY_STEPS, "SYNCS": 1000}
   assert counts.stalls == {"long_sb": 6, "wait": 4, "selected": 10}  # Not the "Not Issued"
@@ -66,19 +98,20 @@ def test_source_page_counts_opcodes_stalls_and_the_hottest_block():
 
 def test_source_page_without_a_header_is_refused():
   with pytest.raises(ValueError, match="not an ncu source page"):
-    kernel_profile.parse_source("Kernel Name,x\n1,2\n")
+    profile.parse_source("Kernel Name,x\n1,2\n")
 
 
 def test_summary_of_exported_pages_per_entry_and_step(tmp_path):
   (tmp_path / "details.txt").write_text(DETAILS)
   (tmp_path / "source.csv").write_text(source_page(ROWS))
-  kernel_profile.main(["--shape", "MQAR", "--stage", "walk_bwd", "--from_report",
+  profile.main(["--shape", "MQAR", "--ncu", "walk_bwd", "--from_report",
                        str(tmp_path / "details.txt"), str(tmp_path / "source.csv"),
                        "--device", "NVIDIA H200", "--note", "from a test",
                        "--records", str(tmp_path / "records")])
   [path] = (tmp_path / "records").glob("kernel_profile_*.json")
   record = json.loads(path.read_text())
   assert record["device"] == "NVIDIA H200" and record["settings"]["shape"] == "MQAR"
+  assert record["command"].startswith("python -m benchmarks.op.profile --shape MQAR --ncu")
   rows = {row[0]: row[1:] for row in record["table"]["rows"]}
   assert rows["FFMA"] == ["2.00", "33.3%"] and rows["MUFU"] == ["2.00", "33.3%"]
   assert rows["all"][0] == "6.00"
@@ -87,13 +120,16 @@ def test_summary_of_exported_pages_per_entry_and_step(tmp_path):
 
 
 def test_without_ncu_it_says_what_is_needed(monkeypatch, tmp_path):
-  monkeypatch.setattr(kernel_profile.shutil, "which", lambda name: None)
+  monkeypatch.setattr(profile.shutil, "which", lambda name: None)
   with pytest.raises(SystemExit, match="needs Nsight Compute"):
-    kernel_profile.main(["--shape", "D170", "--stage", "walk_fwd", "--keep", str(tmp_path)])
+    profile.main(["--shape", "D170", "--ncu", "walk_fwd", "--keep", str(tmp_path)])
 
 
-@pytest.mark.parametrize("argv", [["--shape", "D999"], ["--stage", "carries"],
-                                  ["--from_report", "a", "b"]])
+@pytest.mark.parametrize("argv", [
+    ["--shape", "D999"], ["--shapes", "small", "--shape", "D170"], ["--impl", "fast"],
+    ["--calls", "0"], ["--warmup", "-1"], ["--modes", "bwd"], ["--ncu", "carries"],
+    ["--ncu", "walk_bwd", "--from_report", "a", "b"], ["--keep", "/tmp/prof"],
+    ["--from_report", "a", "b", "--device", "NVIDIA H200"]])
 def test_bad_arguments_exit(argv):
   with pytest.raises(SystemExit):
-    kernel_profile.main(argv)
+    profile.parse_args(argv)
