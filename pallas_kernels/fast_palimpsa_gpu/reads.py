@@ -148,7 +148,7 @@ fused_reads.defvjp(_fused_reads_fwd, _fused_reads_bwd)
 # benchmarks/records/fast_palimpsa_tuning_2026-12-06T0550.json, or (forward sub, num_sub,
 # backward sub, slots) from the records of the two-kernel backward,
 # benchmarks/records/fast_palimpsa_tuning_2026-12-06T0742.json (D760) and
-# fast_palimpsa_tuning_2026-12-06T0819.json (K128, MQAR) (benchmarks/fast_palimpsa_tuning.py,
+# fast_palimpsa_tuning_2026-12-06T0819.json (K128, MQAR) (benchmarks/op/tuning.py,
 # one H100, without the variance). Either part is kept only where it fits with the call's variance;
 # what has no tuned fitting entry takes the provisional rule of `default_tiles`.
 TUNED: dict[tuple[int, int, int], tuple[int, ...]] = {

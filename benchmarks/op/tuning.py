@@ -1,7 +1,7 @@
 """Tiles of Fast Palimpsa's fused chunk-read kernels: each candidate timed, in one process.
 
-    python -m benchmarks.fast_palimpsa_tuning                   # one H100: about 7 minutes
-    python -m benchmarks.fast_palimpsa_tuning --shapes small    # CPU, interpreted: a smoke run
+    python -m benchmarks.op.tuning                   # one H100: about 7 minutes
+    python -m benchmarks.op.tuning --shapes small    # CPU, interpreted: a smoke run
 
 For every shape (op_bench's D760, D170, K128, MQAR; bfloat16 inputs) and chunk (64 first,
 then 32 and 128), the op `fast_palimpsa(..., implementation="pallas_gpu")` runs with each
@@ -227,7 +227,7 @@ def main(argv=None):
   log = lambda msg: print(f"[{clock():7.1f} s] {msg}", file=sys.stderr, flush=True)
   shapes = SMALL if args.shapes == "small" else SHAPES["perf"]
   names = args.only or TUNED_SHAPES[args.shapes]
-  command = results_lib.command_line("fast_palimpsa_tuning", argv)
+  command = results_lib.command_line("op.tuning", argv)
   rows, path = [], None
   # Chunk-major: every shape at the default chunk before any other chunk.
   for chunk in args.chunks:

@@ -1,11 +1,11 @@
-"""benchmarks/fast_palimpsa_tuning.py on CPU: the small run (interpreted kernels) end to end,
+"""benchmarks/op/tuning.py (Fast Palimpsa) on CPU: the small run (interpreted kernels) end to end,
 its record, and the candidate lists of the GPU run."""
 
 import json
 
 import pytest
 
-from benchmarks import fast_palimpsa_tuning as tuning
+from benchmarks.op import tuning
 from pallas_kernels.fast_palimpsa_gpu import reads
 
 
@@ -17,7 +17,7 @@ def test_small_run_checks_times_and_records(tmp_path, capsys):
   assert "    (64, 16, 16): (16, 1, 64, 2)," in out
   [path] = tmp_path.glob("fast_palimpsa_tuning_*.json")
   record = json.loads(path.read_text())
-  assert record["command"].startswith("python -m benchmarks.fast_palimpsa_tuning --shapes small")
+  assert record["command"].startswith("python -m benchmarks.op.tuning --shapes small")
   modes = [row[3] for row in record["table"]["rows"]]
   assert modes == ["fwd", "fwd+bwd", "best"]
 
