@@ -130,7 +130,7 @@ def tilings(shape, chunk, with_var, candidates):
   default_bwd = reads.default_tiles(chunk, kp, vp, with_var)[1]
   default_fwd = reads.default_tiles(chunk, kp, vp, with_var)[0]
   pairs = ([(f, default_bwd) for f in forward_candidates(chunk, vp, False)]
-           + [(default_fwd, b) for b in backward_candidates(chunk, kp, vp, False)])
+           + [(default_fwd, b) for b in backward_candidates(chunk, vp, False)])
   return [(describe(tiles, "both"), tiles) for tiles in dict.fromkeys(pairs)
           if reads.fits(tiles, kp, vp, with_var)]
 
