@@ -30,6 +30,7 @@ once that many seconds have passed (compiles included) and records what was meas
 record (benchmarks/results.py; benchmark fast_palimpsa_tuning or palimpsa_gpu_tuning) is
 rewritten after every shape.
 """
+
 import argparse
 import dataclasses
 import itertools
@@ -321,10 +322,13 @@ def tune_palimpsa_shape(name, shape, chunk, args, clock, log):
     candidates += [(label, cfg) for s, label, cfg in variants if s == stage]
     timed = []
     for label, cfg in candidates:
-      timing = lambda cfg=cfg: (stages.stage_fn(stage, cfg),
-                                [stages.stage_args(cfg, a)[index] for a in arg_sets])
-      ms = measure(rows, (name, shape, chunk, stage), label,
-                   lambda cfg=cfg: check(cfg, stage == "walk_bwd"), timing, args, clock, log)
+      # The whole op checks the candidate (the backward for the backward walk's tiles); its
+      # stage alone is timed.
+      check_op = lambda cfg=cfg, grads=stage == "walk_bwd": check(cfg, grads)
+      timing = lambda cfg=cfg, stage=stage, index=index: (
+          stages.stage_fn(stage, cfg), [stages.stage_args(cfg, a)[index] for a in arg_sets])
+      ms = measure(rows, (name, shape, chunk, stage), label, check_op, timing, args, clock,
+                   log)
       if ms is not None:
         timed.append((ms, cfg))
     if timed:
