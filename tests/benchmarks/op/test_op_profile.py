@@ -2,6 +2,8 @@
 and their summary; argument checks."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -117,6 +119,37 @@ def test_summary_of_exported_pages_per_entry_and_step(tmp_path):
   assert rows["all"][0] == "6.00"
   assert any("registers per thread | 185 register/thread" in n for n in record["notes"])
   assert any("long_sb | 30.0%" in n for n in record["notes"]) and "from a test" in record["notes"]
+
+
+def test_ncu_profiles_this_command_s_stage_child_and_summarizes_its_pages(monkeypatch, tmp_path):
+  """With ncu on PATH (here a stand-in): ncu runs this command's --run_stage child for the
+  stage's Mosaic kernel, the report's pages are exported into --keep and summarized."""
+  calls = []
+
+  def ncu(command, **kwargs):
+    calls.append(command)
+    page = command[command.index("--page") + 1] if "--page" in command else None
+    stdout = {"details": DETAILS, "source": source_page(ROWS)}.get(page, "")
+    return subprocess.CompletedProcess(command, 0, stdout=stdout)
+
+  monkeypatch.setattr(profile.shutil, "which", lambda name: "/opt/ncu")
+  monkeypatch.setattr(profile.subprocess, "run", ncu)
+  profile.main(["--shape", "MQAR", "--ncu", "walk_bwd", "--keep", str(tmp_path / "prof"),
+                "--no_record"])
+  run, *exports = calls
+  assert run[run.index("--kernel-name") + 1] == "regex:^palimpsa_walk_backward_mosaic"
+  child = run[run.index(sys.executable):]
+  assert child[1:3] == ["-m", "benchmarks.op.profile"]
+  args = profile.parse_args(child[3:])
+  assert (args.shape, args.ncu, args.run_stage) == ("MQAR", "walk_bwd", True)
+  assert [e[e.index("--page") + 1] for e in exports] == ["details", "source"]
+  assert (tmp_path / "prof" / "details.txt").read_text() == DETAILS
+
+
+def test_the_ncu_child_refuses_a_stage_without_its_mosaic_kernel():
+  """On a CPU (as on a GPU before sm_90) the stage would run its Triton kernel."""
+  with pytest.raises(SystemExit, match="runs it with triton, not Mosaic GPU"):
+    profile.main(["--shapes", "small", "--shape", "tiny", "--ncu", "walk_fwd", "--run_stage"])
 
 
 def test_without_ncu_it_says_what_is_needed(monkeypatch, tmp_path):
