@@ -154,11 +154,12 @@ def tune_shape(name, shape, chunk, args, clock, log):
   arg_sets = [make_inputs(s, shape, jnp.bfloat16) for s in range(args.rotate)]
   cot = jax.random.normal(jax.random.key(99), (b, t, h, vd), jnp.float32)
   fits = lambda tiles: _reason(arg_sets[0], chunk, tiles) is None
-  forwards = [f for f in forward_candidates(chunk, vp, small)
-              if fits((f, BackwardTiles(chunk, 64, 1)))]
-  if not forwards:
+  first_backward = BackwardTiles(chunk, 64, 1)
+  all_forwards = forward_candidates(chunk, vp, small)
+  forwards = [f for f in all_forwards if fits((f, first_backward))]
+  if not forwards:  # Every tiling declined: say why the first one was.
     return [(name, shape, chunk, "fwd", "-", None,
-             "declined: " + _reason(arg_sets[0], chunk, None))]
+             "declined: " + _reason(arg_sets[0], chunk, (all_forwards[0], first_backward)))]
   log(f"[{name} C={chunk}] chunked reference")
   want_out = _runner(chunk, None, interpret, False)(*arg_sets[0])
   want_grads = _runner(chunk, None, interpret, True)(arg_sets[0], cot)[1]

@@ -46,6 +46,15 @@ def test_a_candidate_that_fails_is_reported_and_the_run_goes_on(monkeypatch):
       tuning.format_table(rows))
 
 
+def test_a_chunk_whose_every_tiling_is_declined_says_why(monkeypatch):
+  # The kernels' own default tiles may be taken where no candidate is (a chunk of 128).
+  monkeypatch.setattr(tuning, "_reason",
+                      lambda q_args, chunk, tiles: None if tiles is None else "too wide")
+  args = tuning.parse_args(["--shapes", "small", "--no_record"])
+  rows = tuning.tune_shape("tiny", tuning.SMALL["tiny"], 64, args, lambda: 0.0, print)
+  assert [(r[3], r[6]) for r in rows] == [("fwd", "declined: too wide")]
+
+
 def test_budget_stops_before_the_next_candidate(capsys):
   tuning.main(["--shapes", "small", "--budget_s", "1e-9", "--no_record"])
   assert "not reached: --budget_s" in capsys.readouterr().out
