@@ -87,6 +87,19 @@ def backward_candidates(chunk: int, vp: int, small: bool) -> list[BackwardTiles]
   return [BackwardTiles(chunk, sub, slots) for sub in subs for slots in (1, 2)]
 
 
+def _jitted(op, with_grads):
+  """op jitted (its out), or with_grads: (args, cot) -> (loss, grads of the first six args)
+  of sum(out * cot), jitted."""
+  if not with_grads:
+    return jax.jit(op)
+
+  @jax.jit
+  def loss_and_grads(args, cot):
+    loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32) * cot)
+    return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
+  return loss_and_grads
+
+
 def _runner(chunk, tiles, interpret, with_grads):
   """jitted (out) or (loss, grads of q, k, v, beta, log_alpha, prior) of the op's pallas_gpu
   with these read tiles; tiles None: the chunked implementation."""
@@ -102,14 +115,7 @@ def _runner(chunk, tiles, interpret, with_grads):
                              None, return_variance=False, chunk_size=chunk,
                              interpret=interpret, read_tiles=tiles)[0]
 
-  if not with_grads:
-    return jax.jit(op)
-
-  @jax.jit
-  def loss_and_grads(args, cot):
-    loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32) * cot)
-    return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
-  return loss_and_grads
+  return _jitted(op, with_grads)
 
 
 def _error(got, want) -> float:
@@ -277,14 +283,7 @@ def _palimpsa_runner(chunk, cfg, interpret, with_grads):
     return palimpsa_gpu(q, k, v, beta, log_alpha, ip, mu0, p0, None, return_variance=False,
                         chunk_size=chunk, interpret=interpret, config=cfg)[0]
 
-  if not with_grads:
-    return jax.jit(op)
-
-  @jax.jit
-  def loss_and_grads(args, cot):
-    loss = lambda *a: jnp.sum(op(*a).astype(jnp.float32) * cot)
-    return jax.value_and_grad(loss, argnums=tuple(range(6)))(*args)
-  return loss_and_grads
+  return _jitted(op, with_grads)
 
 
 def describe_stages(cfg, base) -> str:
