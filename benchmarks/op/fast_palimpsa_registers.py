@@ -14,7 +14,7 @@ Needs, outside the project: the CUDA plugin of the pinned jax version importable
 `pip install --no-deps --target DIR jax-cuda12-pjrt==0.11.2 jax-cuda12-plugin==0.11.2`, then
 DIR on PYTHONPATH) and ptxas (CUDA 12.8 or later) on PATH. One compile takes about a minute
 on two CPU cores. --candidates compiles every tiling the tuning benchmark would time
-(benchmarks/fast_palimpsa_tuning.py) instead of the default tiles only.
+(benchmarks/op/tuning.py) instead of the default tiles only.
 """
 
 import argparse
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import results as results_lib
-from benchmarks.fast_palimpsa_tuning import (SMALL, TUNED_SHAPES, backward_candidates,
-                                             describe, forward_candidates)
 from benchmarks.op.timing import SHAPES
+from benchmarks.op.tuning import (SMALL, TUNED_SHAPES, backward_candidates, describe,
+                                  forward_candidates)
 from palimpsa_jax.ops.fast_palimpsa.gpu import fast_palimpsa_gpu
 from pallas_kernels.common import round_up
 from pallas_kernels.fast_palimpsa_gpu import reads, support
@@ -130,7 +130,7 @@ def tilings(shape, chunk, with_var, candidates):
   default_bwd = reads.default_tiles(chunk, kp, vp, with_var)[1]
   default_fwd = reads.default_tiles(chunk, kp, vp, with_var)[0]
   pairs = ([(f, default_bwd) for f in forward_candidates(chunk, vp, False)]
-           + [(default_fwd, b) for b in backward_candidates(chunk, kp, vp, False)])
+           + [(default_fwd, b) for b in backward_candidates(chunk, vp, False)])
   return [(describe(tiles, "both"), tiles) for tiles in dict.fromkeys(pairs)
           if reads.fits(tiles, kp, vp, with_var)]
 

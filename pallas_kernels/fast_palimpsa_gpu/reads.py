@@ -145,8 +145,8 @@ fused_reads.defvjp(_fused_reads_fwd, _fused_reads_bwd)
 
 
 # Tuned tiles by (chunk, Kp, Vp): (forward sub, num_sub, backward sub, slots), the best rows of
-# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0959.json (benchmarks/fast_palimpsa_tuning.py,
-# one H100, every perf shape at chunks 64 and 32, without the variance). Either part is kept only
+# benchmarks/records/fast_palimpsa_tuning_2026-12-06T0959.json (benchmarks/op/tuning.py, one
+# H100, every perf shape at chunks 64 and 32, without the variance). Either part is kept only
 # where it fits with the call's variance; what has no tuned fitting entry takes the provisional
 # rule of `default_tiles`.
 TUNED: dict[tuple[int, int, int], tuple[int, ...]] = {

@@ -46,9 +46,9 @@ class BoundaryTritonTiles:
 
 
 def tiles(call: StageCall) -> BoundaryTritonTiles:
-  """The tiles benchmarks/gpu_kernel_bench.py's sweeps chose: one program per K-part of the
-  largest power of two dividing K up to 32 columns (no padding) and V-tile of up to 2048
-  entries, a warp per 512 entries."""
+  """The tiles the sweeps of benchmarks/op/tuning.py --op palimpsa chose: one program per
+  K-part of the largest power of two dividing K up to 32 columns (no padding) and V-tile of
+  up to 2048 entries, a warp per 512 entries."""
   k_part = min(largest_power_of_two_dividing(call.kp), 32)
   block_v = largest_block_v(call.vp, k_part, 2048, minimum=16)
   return BoundaryTritonTiles(k_part=k_part, block_v=block_v, num_warps=max(1, block_v * k_part // 512))

@@ -63,10 +63,10 @@ class WalkBackwardTritonTiles:
 
 
 def tiles(call: StageCall) -> WalkBackwardTritonTiles:
-  """The tiles benchmarks/gpu_kernel_bench.py's sweeps chose: single-warp programs over one
-  [16, 16] state tile each (K cut into 16-column slices, no padding), sub-chunks of 4 steps,
-  the next sub-chunk's rows loaded a body ahead; at K=16, one program over K in 8-column parts
-  and V-tiles of up to 512 entries."""
+  """The tiles the sweeps of benchmarks/op/tuning.py --op palimpsa chose: single-warp
+  programs over one [16, 16] state tile each (K cut into 16-column slices, no padding),
+  sub-chunks of 4 steps, the next sub-chunk's rows loaded a body ahead; at K=16, one program
+  over K in 8-column parts and V-tiles of up to 512 entries."""
   if call.kp == 16:
     parts = dict(k_part=8, k_split=1, block_v=largest_block_v(call.vp, 16, 512), groups=1)
   else:

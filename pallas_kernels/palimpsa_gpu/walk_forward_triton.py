@@ -47,9 +47,9 @@ class WalkForwardTritonTiles:
 
 
 def tiles(call: StageCall) -> WalkForwardTritonTiles:
-  """The tiles benchmarks/gpu_kernel_bench.py's sweeps chose: K-parts of 8-32 columns, about
-  256 state entries per part and warp, two warps for 32-column parts or where V lets the tile
-  double, two steps per loop body."""
+  """The tiles the sweeps of benchmarks/op/tuning.py --op palimpsa chose: K-parts of 8-32
+  columns, about 256 state entries per part and warp, two warps for 32-column parts or where
+  V lets the tile double, two steps per loop body."""
   k_part = 8 if call.kp == 16 else min(largest_power_of_two_dividing(call.kp), 32)
   num_warps = 2 if (k_part == 32 or block_v_for(call.vp, k_part, 2)
                     > block_v_for(call.vp, k_part, 1)) else 1
