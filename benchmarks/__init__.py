@@ -1,2 +1,2 @@
-"""Benchmark scripts; each runs from the repository root as `python -m benchmarks.NAME` and
-imports as `benchmarks.NAME`."""
+"""Benchmark scripts, grouped by what they measure (op/, step/, mqar/); each runs from the
+repository root as `python -m benchmarks.GROUP.NAME` (docs/benchmarks.md)."""
