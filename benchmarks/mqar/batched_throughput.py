@@ -29,8 +29,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks import results as results_lib
+from benchmarks.mqar import sweep as mqar_sweep
 from palimpsa_jax.models import registry
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

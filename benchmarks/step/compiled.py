@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-from benchmarks.step import hlo_traffic
 from benchmarks import results as results_lib
-from benchmarks.step import throughput as train_throughput
+from benchmarks.step import hlo_traffic
 from benchmarks.step import profile as step_profile
+from benchmarks.step import throughput as train_throughput
 from palimpsa_jax import models
 from palimpsa_jax.models import registry
 from palimpsa_jax.training import batched

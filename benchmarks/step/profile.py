@@ -43,10 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks import results as results_lib
-from benchmarks.step import throughput as train_throughput
+from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks.results import non_negative_int, positive_int
+from benchmarks.step import throughput as train_throughput
 from palimpsa_jax import user_errors
 from palimpsa_jax.data import tasks as tasks_lib
 from palimpsa_jax.models import registry

@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from benchmarks.mqar import sweep
 from benchmarks.mqar import report as mqar_sweep_report
+from benchmarks.mqar import sweep
 from palimpsa_jax.training import bookkeeping
 from tests.training import tiny_lm
 

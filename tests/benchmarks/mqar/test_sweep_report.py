@@ -3,8 +3,8 @@
 import json
 
 from benchmarks import render_records
-from benchmarks.mqar import sweep as mqar_sweep
 from benchmarks import results as results_lib
+from benchmarks.mqar import sweep as mqar_sweep
 
 
 def _fake_run(root, name, mixer, lr, seed, accuracy, final_step, epochs=60, finished=False):
