@@ -75,7 +75,14 @@ def test_scanned_diagnostics_are_per_layer_and_remat_keeps_the_gradients():
   chex.assert_trees_all_close(nnx.to_pure_dict(grad(scanned)), plain, rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("saves", sorted(REMAT_SAVES))
+# CI runs the default policy and the one the 760M config ships with; the others are the same
+# check (about 20 s each on two cores) and run with -m slow.
+_CI_SAVES = ("nothing", "matmuls_readouts_and_states")
+
+
+@pytest.mark.parametrize("saves", [
+    pytest.param(saves, marks=() if saves in _CI_SAVES else pytest.mark.slow)
+    for saves in sorted(REMAT_SAVES)])
 def test_every_remat_policy_keeps_the_gradients(saves):
   scanned, _, config = scanned_and_unrolled("palimpsa_d")
   tokens = tokens_for(config)
