@@ -60,7 +60,7 @@ class Part:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--out", default="",
                       help="folder of the round's records and logs (default "
                       "benchmarks/records/gpu_round_DATE)")

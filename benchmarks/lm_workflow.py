@@ -51,7 +51,7 @@ def log(message: str) -> None:
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--output_dir", required=True, help="lm_workflow.json and logs go here")
   parser.add_argument("--work_dir", default="/tmp/lm_workflow",
                       help="corpus, shards, train workdir and compilation cache (emptied first)")

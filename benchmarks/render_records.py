@@ -297,7 +297,7 @@ def documents(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--check", action="store_true",
                       help="change nothing; exit 1 if a document differs from its records")
   parser.add_argument("--records", default=str(results_lib.RECORDS), help="records folder")

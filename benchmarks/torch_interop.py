@@ -264,7 +264,7 @@ def write_record(result: dict, args: argparse.Namespace, log) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--out", required=True, help="JSON file to write")
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--seq_len", type=int, default=256)

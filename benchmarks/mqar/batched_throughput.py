@@ -143,7 +143,7 @@ def write_record(records: list[dict], summary: dict, args: argparse.Namespace,
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--output", type=pathlib.Path, default=None)
   parser.add_argument("--models", dest="mixers", default=f"{registry.BASELINE},{registry.DEFAULT}",
                       help="comma-separated mixers")

@@ -427,7 +427,7 @@ def mps_daemon(enabled: bool):
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("command", choices=("run", "status", "collect", "list", "pack", "unpack"))
   parser.add_argument("--root", required=True, type=pathlib.Path)
   parser.add_argument("--shard", default="0/1",

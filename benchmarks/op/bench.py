@@ -339,7 +339,7 @@ def format_refs_table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", choices=sorted(SHAPES), default="small")
   parser.add_argument("--only", nargs="*", help="shape names to run (default: all of the set)")
   parser.add_argument("--impls", nargs="*",

@@ -36,7 +36,7 @@ COLUMNS = ("out",) + tuple(f"d{n}" for n in INPUT_NAMES)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n\n")[0])
   parser.add_argument("--chunks", type=results_lib.positive_ints, default=[16, 32, 64],
                       help="chunk sizes (default 16,32,64)")
   parser.add_argument("--shape", type=results_lib.positive_ints, default=[2, 256, 4, 16, 16],

@@ -137,7 +137,7 @@ def tilings(shape, chunk, with_var, candidates):
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.splitlines()[0])
   parser.add_argument("--only", nargs="+", choices=TUNED_SHAPES["perf"] + TUNED_SHAPES["small"],
                       help="shapes (default: D760, D170, K128, MQAR)")
   parser.add_argument("--chunks", type=results_lib.positive_ints, default=[64],

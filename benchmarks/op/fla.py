@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
   """Runs FLA's kernels once per shape and mode, which autotunes them: FLA keeps Triton's
   choices in TRITON_CACHE_DIR, so a later process (bench.py --fla) compiles only those."""
   import argparse  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=main.__doc__.split("\n")[0])
   parser.add_argument("shapes", nargs="+", help="B,T,H,K,V")
   parser.add_argument("--impls", default=",".join(IMPLS),
                       help=f"comma-separated, of {', '.join(IMPLS)} (default: both)")

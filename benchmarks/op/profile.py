@@ -80,7 +80,7 @@ _DETAIL_LINE = re.compile(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", choices=sorted(timing.SHAPES), default="perf",
                       help="the shape set (benchmarks/op/timing.py) --shape is taken from")
   parser.add_argument("--shape", default="D170", help="a shape name of that set")

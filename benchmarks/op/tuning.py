@@ -362,7 +362,7 @@ def format_table(rows) -> str:
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.splitlines()[0])
   parser.add_argument("--op", choices=OPS, default="fast_palimpsa",
                       help="fast_palimpsa: its read kernels' tilings; palimpsa: the exact "
                            "kernel's (palimpsa_gpu) tiles per stage")

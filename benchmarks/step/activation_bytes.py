@@ -76,7 +76,7 @@ def render(rows: list[dict], batch: int, seq_len: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--models", default=",".join(MODELS),
                       help="comma-separated model names (configs/lm.py's)")
   parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated sizes")

@@ -51,7 +51,7 @@ def target_devices(target: str) -> list:
         target, "cuda", target_config=(TARGET_DIR / f"{target}.txtpb").read_text(),
         topology="1x1x1")
   except Exception as error:  # jax raises several kinds when the plugin is missing.
-    raise SystemExit(f"compiled_step: no CUDA compiler on this host ({error}); put jax's "
+    raise SystemExit(f"benchmarks.step.compiled: no CUDA compiler on this host ({error}); put jax's "
                      "CUDA plugin on the path (see this module's docstring)") from None
   return list(description.devices)
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     rest = ["--models", registry.DEFAULT, *rest]
   args = train_throughput.parse_args(rest)
   if "," in args.models:
-    raise SystemExit("compiled_step: --models takes one model")
+    raise SystemExit("benchmarks.step.compiled: --models takes one model")
   if own.mqar:
     compiled, row, config = compile_mqar_step(own.mqar, own.target)
     args.size, args.batch_size, args.seq_len = "mqar", config.batch_size, config.seq_len

@@ -39,7 +39,7 @@ def log(message: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n\n")[0])
   parser.add_argument("--models", default=",".join(MODELS),
                       help=f"comma-separated, from {models.config.MODELS}")
   parser.add_argument("--size", default="170m", choices=models.config.SIZES)

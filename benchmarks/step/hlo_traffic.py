@@ -261,7 +261,7 @@ def totals(rows: list[Traffic]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("hlo", help="an optimized program's text (compiled.as_text() or a dump)")
   parser.add_argument("--top", type=int, default=40)
   parser.add_argument("--by", choices=("line", "fusion"), default="line")

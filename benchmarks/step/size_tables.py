@@ -114,7 +114,7 @@ def render(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog=__spec__.name, description=__doc__.split("\n")[0])
   parser.add_argument("--output_dir", help="size_tables.json, .md and .log go here")
   parser.add_argument("--budget_s", type=float, default=530, help="seconds for all stages")
   parser.add_argument("--stages", default=",".join(s[0] for s in STAGES),
