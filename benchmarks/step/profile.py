@@ -212,6 +212,17 @@ def read_trace(trace_dir: str) -> list[dict]:
   return events["traceEvents"] if isinstance(events, dict) else events
 
 
+def queued_ms(fn: Callable[[], Any], calls: int) -> tuple[float, Any]:
+  """Wall milliseconds per call of `fn`, `calls` calls queued back to back, and the last
+  call's output."""
+  start = time.perf_counter()
+  out = None
+  for _ in range(calls):
+    out = fn()
+  jax.block_until_ready(out)
+  return 1e3 * (time.perf_counter() - start) / calls, out
+
+
 def trace_calls(run: Callable[[], Any], compiled: Any, calls: int,
                 trace_dir: str) -> tuple[list[KernelTime], float, Any]:
   """Traces `calls` runs of `run` (each one call of `compiled`, queued back to back).
@@ -220,12 +231,7 @@ def trace_calls(run: Callable[[], Any], compiled: Any, calls: int,
   and the last call's output.
   """
   jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-  start = time.perf_counter()
-  out = None
-  for _ in range(calls):
-    out = run()
-  jax.block_until_ready(out)
-  wall_ms = 1e3 * (time.perf_counter() - start) / calls
+  wall_ms, out = queued_ms(run, calls)
   jax.profiler.stop_trace()
   hlo = compiled.as_text()
   module = re.match(r"HloModule (\S+?),", hlo).group(1)
@@ -412,16 +418,6 @@ def mqar_step(config_arg: str, runs: int) -> Step:
               {"config": config_arg, "runs": len(configs)}, compile_s)
 
 
-def per_step_ms(fn: Callable[[], Any], steps: int) -> float:
-  """Wall milliseconds per call of `fn`, `steps` calls queued back to back."""
-  start = time.perf_counter()
-  out = None
-  for _ in range(steps):
-    out = fn()
-  jax.block_until_ready(out)
-  return 1e3 * (time.perf_counter() - start) / steps
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   step = (mqar_step(args.mqar, args.runs) if args.mqar is not None
@@ -432,10 +428,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        f"{args.trace_steps} traced steps ...")
   for _ in range(args.warmup_steps):
     step.device_step()
-  times = {"device_step_ms": per_step_ms(step.device_step, args.steps)}
+  times = {"device_step_ms": queued_ms(step.device_step, args.steps)[0]}
   if step.loop_step is not None:
-    times["host_batch_ms"] = per_step_ms(step.next_host_batch, args.steps)
-    times["loop_step_ms"] = per_step_ms(step.loop_step, args.steps)
+    times["host_batch_ms"] = queued_ms(step.next_host_batch, args.steps)[0]
+    times["loop_step_ms"] = queued_ms(step.loop_step, args.steps)[0]
   rows, traced_ms, metrics = trace_calls(step.device_step, step.compiled, args.trace_steps,
                                          args.trace_dir)
   if not np.all(jax.device_get(metrics["train/finite"])):
